@@ -1,0 +1,79 @@
+"""``shardzoo.launch``: run a function on N local ranks, or on the ranks torchrun started.
+
+Two ways to run the same script::
+
+    def main(steps):
+        mesh = shardzoo.ParallelMesh(tp=4, tp_mode="2d")
+        ...
+        return loss
+
+    if __name__ == "__main__":
+        losses = shardzoo.launch(main, 4, 10)   # python script.py  -> spawns 4 local ranks
+                                               # torchrun --nproc-per-node 4 script.py -> uses them
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from shardzoo.comm.workers import WorkerPool, auto_backend
+
+
+def under_torchrun() -> bool:
+    """True when this process was started by torchrun (or another launcher setting RANK etc.)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def init_from_env(backend: str = "auto", timeout: float = 600.0) -> None:
+    """Initialise the default process group from torchrun's environment (idempotent)."""
+    if dist.is_initialized():
+        return
+    world = int(os.environ["WORLD_SIZE"])
+    backend = auto_backend(world) if backend == "auto" else backend
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+
+
+def launch(
+    fn: Callable[..., Any], nprocs: int, *args: Any, backend: str = "auto", timeout: float = 600.0
+) -> list[Any]:
+    """Run ``fn(*args)`` on ``nprocs`` ranks and return the per-rank results (rank order).
+
+    Started plainly, it spawns ``nprocs`` local processes (gloo on CPU; NCCL when there are at
+    least ``nprocs`` CUDA devices, one per rank), each with ``cores // nprocs`` threads, and a
+    rendezvous port chosen by the OS. Under ``torchrun`` it runs ``fn`` in this process on the
+    world torchrun made (which must have ``nprocs`` ranks) and gathers every rank's result.
+
+    Args:
+        fn: a module-level (picklable) function; its return values must pickle too.
+        nprocs: number of ranks.
+        backend: "auto", "gloo" or "nccl".
+        timeout: seconds before ranks that have not finished are reported by rank (with their
+            stacks) and killed; also the collective timeout.
+
+    Raises:
+        The first rank's exception, with the rank and remote traceback attached;
+        ``RankTimeoutError`` naming the ranks that hung; ``WorkerDiedError`` for a crashed rank.
+    """
+    if nprocs < 1:
+        raise ValueError(f"nprocs={nprocs} must be >= 1")
+    if under_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        if world != nprocs:
+            raise ValueError(
+                f"launch(nprocs={nprocs}) but torchrun started WORLD_SIZE={world} ranks; "
+                f"run `torchrun --nproc-per-node {nprocs}` or pass nprocs={world}"
+            )
+        init_from_env(backend, timeout)
+        result = fn(*args)
+        results: list[Any] = [None] * world
+        dist.all_gather_object(results, result)
+        return results
+    with WorkerPool(nprocs, backend=backend, timeout=timeout) as pool:
+        return pool.run(fn, *args)

@@ -1,0 +1,308 @@
+"""ParallelMesh: one explicit object holding every process group a layer needs.
+
+The world is a grid ``dp x pp x sp x tp`` (tp fastest-varying), and the tp axis is itself a
+sub-grid that depends on ``tp_mode``:
+
+======= ======== ============================ ==========================
+tp_mode tp size  tp sub-axes (slow -> fast)   classic name
+======= ======== ============================ ==========================
+1d      p        tp                           Megatron column / row
+2d      q*q      tp_row, tp_col               Optimus (SUMMA)
+2.5d    d*q*q    tp_dep, tp_row, tp_col       Tesseract
+3d      q*q*q    tp_x, tp_y, tp_z             3D (Bian et al.)
+======= ======== ============================ ==========================
+
+Groups come from torch's DeviceMesh (``mesh.device_mesh``), so they are ordinary process groups
+usable with DDP, FSDP2 and DTensor. Two meshes can live in one process; nothing is global.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+from functools import reduce as _reduce
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+TP_MODES = ("1d", "2d", "2.5d", "3d")
+_TP_SUB_AXES = {
+    "1d": ("tp",),
+    "2d": ("tp_row", "tp_col"),
+    "2.5d": ("tp_dep", "tp_row", "tp_col"),
+    "3d": ("tp_x", "tp_y", "tp_z"),
+}
+
+
+def _int_root(n: int, k: int) -> int | None:
+    """The integer r with r**k == n, or None."""
+    r = round(n ** (1.0 / k))
+    for c in (r - 1, r, r + 1):
+        if c > 0 and c**k == n:
+            return c
+    return None
+
+
+def tp_sub_shape(tp: int, tp_mode: str, tp_depth: int = 1) -> tuple[int, ...]:
+    """Sizes of the tp sub-axes for ``tp_mode`` (see the table above), with clear errors."""
+    if tp_mode not in TP_MODES:
+        raise ValueError(f"unknown tp_mode={tp_mode!r}; use one of {', '.join(TP_MODES)}")
+    if tp_mode != "2.5d" and tp_depth != 1:
+        raise ValueError(f"tp_depth={tp_depth} only applies to tp_mode='2.5d'; leave it at 1 for {tp_mode!r}")
+    if tp_mode == "1d":
+        return (tp,)
+    if tp_mode == "2d":
+        q = _int_root(tp, 2)
+        if q is None:
+            raise ValueError(
+                f"tp_mode='2d' needs tp to be a perfect square q*q; got tp={tp}. "
+                f"Use tp=4, 9, 16, ... or tp_mode='1d'"
+            )
+        return (q, q)
+    if tp_mode == "2.5d":
+        if tp_depth < 1 or tp % tp_depth != 0 or _int_root(tp // tp_depth, 2) is None:
+            raise ValueError(
+                f"tp_mode='2.5d' needs tp = tp_depth*q*q; got tp={tp}, tp_depth={tp_depth}. "
+                f"For example tp=8 with tp_depth=2 (q=2), or tp=4 with tp_depth=1"
+            )
+        q = _int_root(tp // tp_depth, 2)
+        return (tp_depth, q, q)
+    q = _int_root(tp, 3)
+    if q is None:
+        raise ValueError(
+            f"tp_mode='3d' needs tp to be a perfect cube q*q*q; got tp={tp}. Use tp=8, 27, ... "
+            f"or another tp_mode"
+        )
+    return (q, q, q)
+
+
+def _infer_sizes(sizes: dict[str, int | None], world: int) -> dict[str, int]:
+    missing = [k for k, v in sizes.items() if v is None]
+    if len(missing) > 1:
+        raise ValueError(f"only one of dp, pp, sp, tp may be None (inferred); got None for {', '.join(missing)}")
+    for k, v in sizes.items():
+        if v is not None and (not isinstance(v, int) or v < 1):
+            raise ValueError(f"{k}={v!r} must be a positive integer (or None to infer it)")
+    known = _reduce(lambda a, b: a * b, [v for v in sizes.values() if v is not None], 1)
+    if missing:
+        if world % known != 0:
+            raise ValueError(
+                f"cannot infer {missing[0]}: world size {world} is not divisible by the product "
+                f"of the other axes ({known}); change the other sizes or the number of processes"
+            )
+        sizes = {**sizes, missing[0]: world // known}
+    product = math.prod(sizes.values())
+    if product != world:
+        layout = " * ".join(f"{k}={v}" for k, v in sizes.items())
+        raise ValueError(
+            f"world size {world} != {layout} = {product}; launch {product} processes or change the "
+            f"axis sizes so their product is {world} (one of them may be None to infer it)"
+        )
+    return sizes  # type: ignore[return-value]
+
+
+def _backend_override(timeout: datetime.timedelta | None):
+    """Per-group options carrying the collective timeout, so a dead rank raises instead of
+    hanging forever."""
+    if timeout is None:
+        return None
+    backend = dist.get_backend()
+    if backend == "gloo":
+        opts = dist.ProcessGroupGloo._Options()
+    elif backend == "nccl" and hasattr(dist, "ProcessGroupNCCL"):
+        opts = dist.ProcessGroupNCCL.Options()
+    else:
+        return None
+    opts._timeout = timeout
+    return backend, opts
+
+
+class ParallelMesh:
+    """Process groups for data, pipeline, sequence and tensor parallelism.
+
+    Args:
+        dp, pp, sp, tp: axis sizes; their product must equal the world size. One may be None
+            and is inferred.
+        tp_mode: "1d", "2d", "2.5d" or "3d" (the sub-grid of the tp axis).
+        tp_depth: depth d of the 2.5d grid (tp = d*q*q).
+        timeout: collective timeout of the groups (default: 10 minutes), so a dead rank makes
+            the others raise instead of waiting forever.
+
+    Axis names: "dp", "pp", "sp", "tp" and the tp sub-axes of the mode (module docstring).
+    ``mesh.group("tp_row", "tp_col")`` returns the group spanning several axes.
+    """
+
+    def __init__(
+        self,
+        dp: int | None = 1,
+        pp: int | None = 1,
+        sp: int | None = 1,
+        tp: int | None = 1,
+        tp_mode: str = "1d",
+        tp_depth: int = 1,
+        *,
+        timeout: datetime.timedelta | float | None = 600.0,
+    ):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "ParallelMesh needs an initialised torch.distributed default process group; run "
+                "your script with `torchrun --nproc-per-node N script.py` or call it through "
+                "shardzoo.launch(fn, nprocs=N), which both initialise it"
+            )
+        if tp_mode not in TP_MODES:
+            raise ValueError(f"unknown tp_mode={tp_mode!r}; use one of {', '.join(TP_MODES)}")
+        world = dist.get_world_size()
+        sizes = _infer_sizes({"dp": dp, "pp": pp, "sp": sp, "tp": tp}, world)
+        self.tp_mode = tp_mode
+        self.tp_sub_axes = _TP_SUB_AXES[tp_mode]
+        tp_shape = tp_sub_shape(sizes["tp"], tp_mode, tp_depth)
+        self.axis_names: tuple[str, ...] = ("dp", "pp", "sp") + self.tp_sub_axes
+        self._sizes = {**sizes, **dict(zip(self.tp_sub_axes, tp_shape))}
+        shape = tuple(self._sizes[a] for a in self.axis_names)
+        if isinstance(timeout, (int, float)):
+            timeout = datetime.timedelta(seconds=timeout)
+        self.timeout = timeout
+        override = _backend_override(timeout)
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        kwargs = {"backend_override": {n: override for n in self.axis_names}} if override else {}
+        self.device_mesh: DeviceMesh = init_device_mesh(device_type, shape, mesh_dim_names=self.axis_names, **kwargs)
+        self._override = override
+        self._combined: dict[tuple[str, ...], DeviceMesh] = {}
+        coord = self.device_mesh.get_coordinate()
+        self._coord = dict(zip(self.axis_names, coord))
+
+    # -- sizes and coordinates ------------------------------------------------------------
+    def _axes(self, axes: tuple[str, ...]) -> tuple[str, ...]:
+        """Expand "tp" into the mode's sub-axes and check names; result in mesh order."""
+        expanded: list[str] = []
+        for a in axes:
+            if a == "tp" and self.tp_mode != "1d":
+                expanded.extend(self.tp_sub_axes)
+            elif a in self.axis_names:
+                expanded.append(a)
+            else:
+                names = ", ".join(("tp",) + self.axis_names if self.tp_mode != "1d" else self.axis_names)
+                raise ValueError(f"unknown mesh axis {a!r} for tp_mode={self.tp_mode!r}; axes are {names}")
+        if len(set(expanded)) != len(expanded):
+            raise ValueError(f"mesh axes {axes} name an axis twice")
+        return tuple(sorted(expanded, key=self.axis_names.index))
+
+    def size(self, *axes: str) -> int:
+        """Number of ranks spanned by ``axes`` (all axes: the world size)."""
+        axes = self._axes(axes) if axes else self.axis_names
+        return math.prod(self._sizes[a] for a in axes)
+
+    def rank(self, *axes: str) -> int:
+        """This rank's index in the group spanned by ``axes`` (row-major over mesh order)."""
+        axes = self._axes(axes) if axes else self.axis_names
+        idx = 0
+        for a in axes:
+            idx = idx * self._sizes[a] + self._coord[a]
+        return idx
+
+    @property
+    def coordinate(self) -> dict[str, int]:
+        """This rank's coordinate on every axis, e.g. {"dp": 0, "pp": 0, "sp": 1, "tp": 0}."""
+        return dict(self._coord)
+
+    def group(self, *axes: str):
+        """The process group spanning ``axes`` (e.g. ``group("tp")``, ``group("dp", "sp")``).
+
+        Multi-axis groups are created on first use; every rank must ask for them in the same
+        order, as for any torch.distributed group creation."""
+        axes = self._axes(axes)
+        if len(axes) == 1:
+            return self.device_mesh.get_group(axes[0])
+        return self.sub_mesh(*axes).get_group()
+
+    def sub_mesh(self, *axes: str) -> DeviceMesh:
+        """A 1-D DeviceMesh over ``axes`` (flattened when several), for DTensor / FSDP2 interop."""
+        axes = self._axes(axes)
+        if len(axes) == 1:
+            return self.device_mesh[axes[0]]
+        if axes not in self._combined:
+            name = "_".join(axes)
+            self._combined[axes] = self.device_mesh[axes]._flatten(name, backend_override=self._override)
+        return self._combined[axes]
+
+    def ranks(self, *axes: str) -> list[int]:
+        """Global ranks of this rank's group over ``axes``, in group-rank order."""
+        axes = self._axes(axes)
+        mesh = self.device_mesh.mesh
+        index = tuple(slice(None) if a in axes else self._coord[a] for a in self.axis_names)
+        return [int(r) for r in mesh[index].flatten().tolist()]
+
+    # -- shorthands used by every layer -----------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.size()
+
+    @property
+    def tp_size(self) -> int:
+        return self._sizes["tp"]
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank("tp")
+
+    @property
+    def tp_group(self):
+        return self.group("tp")
+
+    @property
+    def tp_depth(self) -> int:
+        return self._sizes["tp_dep"] if self.tp_mode == "2.5d" else 1
+
+    @property
+    def q(self) -> int:
+        """Side of the tp grid: tp for 1d, q for 2d / 2.5d / 3d."""
+        return self._sizes[self.tp_sub_axes[-1]]
+
+    @property
+    def dp_size(self) -> int:
+        return self.size("dp")
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank("dp")
+
+    @property
+    def dp_group(self):
+        return self.group("dp")
+
+    @property
+    def pp_size(self) -> int:
+        return self.size("pp")
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank("pp")
+
+    @property
+    def pp_group(self):
+        return self.group("pp")
+
+    @property
+    def sp_size(self) -> int:
+        return self.size("sp")
+
+    @property
+    def sp_rank(self) -> int:
+        return self.rank("sp")
+
+    @property
+    def sp_group(self):
+        return self.group("sp")
+
+    def __repr__(self) -> str:
+        sizes = ", ".join(f"{a}={self._sizes[a]}" for a in ("dp", "pp", "sp", "tp"))
+        sub = "x".join(str(self._sizes[a]) for a in self.tp_sub_axes)
+        return f"ParallelMesh({sizes}, tp_mode={self.tp_mode!r} [{sub}], rank={dist.get_rank()})"
+
+
+def default_device(mesh: ParallelMesh | None = None) -> torch.device:
+    """The device this rank computes on: its CUDA device under NCCL, else CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,16 @@
+"""Helpers to test parallel code against its serial twin: worker pools and asserts.
+
+    from shardzoo.testing import run_on_ranks
+
+    def check(seed):            # module-level, runs on every rank
+        mesh = shardzoo.ParallelMesh(tp=4)
+        ...
+        return max_error
+
+    errors = run_on_ranks(check, 4, 0)
+"""
+
+from shardzoo.testing.asserts import TOLERANCES, assert_close, tolerance
+from shardzoo.testing.pools import cached_mesh, close_pools, get_pool, run_on_ranks
+
+__all__ = ["TOLERANCES", "assert_close", "tolerance", "cached_mesh", "close_pools", "get_pool", "run_on_ranks"]
