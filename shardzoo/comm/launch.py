@@ -14,6 +14,7 @@ Two ways to run the same script::
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 from typing import Any, Callable
@@ -38,6 +39,15 @@ def init_from_env(backend: str = "auto", timeout: float = 600.0) -> None:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    # Tear the group down before the interpreter does: a rank exiting with live gloo
+    # connections can abort a peer that is still shutting down.
+    atexit.register(_destroy_at_exit)
+
+
+def _destroy_at_exit() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def launch(

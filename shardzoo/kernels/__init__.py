@@ -1,0 +1,33 @@
+"""Fused kernels: Triton for CUDA tensors, a pure-torch reference with the same signature
+for CPU tensors (``backend="auto"``), each wrapped in a thin autograd.Function.
+Importing this package never requires Triton (see ``HAS_TRITON``)."""
+from ._triton import HAS_TRITON
+from .bias_gelu import BiasGeluFunction, bias_gelu, bias_gelu_backward, bias_gelu_forward
+from .cross_entropy import CrossEntropyFunction, cross_entropy, cross_entropy_grad, cross_entropy_partials
+from .flash_attention import (
+    FlashAttentionFunction,
+    attention_block_backward,
+    attention_block_forward,
+    flash_attention,
+)
+from .layer_norm import LayerNormFunction, fused_layer_norm, layer_norm_backward, layer_norm_forward
+
+__all__ = [
+    "HAS_TRITON",
+    "attention_block_forward",
+    "attention_block_backward",
+    "FlashAttentionFunction",
+    "flash_attention",
+    "layer_norm_forward",
+    "layer_norm_backward",
+    "LayerNormFunction",
+    "fused_layer_norm",
+    "bias_gelu_forward",
+    "bias_gelu_backward",
+    "BiasGeluFunction",
+    "bias_gelu",
+    "cross_entropy_partials",
+    "cross_entropy_grad",
+    "CrossEntropyFunction",
+    "cross_entropy",
+]

@@ -1,0 +1,152 @@
+"""1D tensor-parallel embeddings: vocabulary split (Megatron) and hidden split.
+
+``VocabParallelEmbedding1D``: rank r holds rows ``[r*V_local, (r+1)*V_local)`` of the table,
+``V_local = ceil(V / p)``; the last ranks' rows past V are zero padding that the ShardSpec marks
+invisible (GPT-2's 50257 works with any tp, and ``full_state_dict`` gives ``[V, H]``). Each rank
+looks up the ids it owns, writes zeros for the others, and one all-reduce (``reduce_from``)
+sums the pieces; with ``sequence_parallel`` a reduce-scatter leaves ``[b, s/p, H]`` instead.
+
+``Embedding1D``: rank r holds columns ``[r*H/p, (r+1)*H/p)`` of every row; a lookup gives
+``[.., H/p]`` and ``gather_from`` concatenates the hidden dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardzoo.comm import collectives as comm
+from shardzoo.layers.common_1d import (
+    SEQ_DIM,
+    leave_sequence_parallel,
+    local_param,
+    require_divisible,
+    require_sequence_layout,
+    split_spec,
+)
+
+
+def _serial_embedding(num_embeddings, embedding_dim, padding_idx, dtype, serial):
+    if serial is not None:
+        return serial
+    return nn.Embedding(num_embeddings, embedding_dim, padding_idx=padding_idx, dtype=dtype)
+
+
+class VocabParallelEmbedding1D(nn.Module):
+    """Embedding table split along the vocabulary, padded to a multiple of tp.
+
+    Args:
+        num_embeddings, embedding_dim, padding_idx: as ``nn.Embedding``.
+        mesh: the ParallelMesh (tp axis).
+        sequence_parallel: return this rank's sequence chunk ``[b, s/p, H]`` (reduce-scatter)
+            instead of the replicated ``[b, s, H]`` (all-reduce); ids must then be ``[b, s]``.
+        dtype, device: of the weight; initialised as the serial ``nn.Embedding`` (full table
+            drawn on CPU from the current torch RNG, this rank's rows kept).
+
+    Shapes: ids ``[...]`` (global ids, replicated) -> ``[..., H]`` (``[b, s/p, H]`` with SP).
+    Attributes: ``vocab_start`` (first global id held here), ``num_embeddings_per_rank``.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: int | None = None,
+        *,
+        mesh,
+        sequence_parallel: bool = False,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        _serial: nn.Embedding | None = None,
+    ):
+        super().__init__()
+        serial = _serial_embedding(num_embeddings, embedding_dim, padding_idx, dtype, _serial)
+        self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, serial.padding_idx
+        self.mesh, self.sequence_parallel = mesh, sequence_parallel
+        spec = split_spec((num_embeddings, embedding_dim), 0, mesh)
+        self.weight = local_param(serial.weight, spec, device)
+        self.vocab_start = spec.offsets[0]
+        self.num_embeddings_per_rank = spec.local_shape[0]
+
+    @classmethod
+    def from_serial(cls, embedding: nn.Embedding, mesh, **kwargs) -> "VocabParallelEmbedding1D":
+        """This rank's rows of an existing ``nn.Embedding`` (copied)."""
+        return cls(embedding.num_embeddings, embedding.embedding_dim, embedding.padding_idx, mesh=mesh,
+                   dtype=embedding.weight.dtype, device=kwargs.pop("device", embedding.weight.device),
+                   _serial=embedding, **kwargs)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.vocab_start
+        elsewhere = (local < 0) | (local >= self.num_embeddings_per_rank)
+        local = torch.where(elsewhere, torch.zeros_like(local), local)
+        pad = None
+        if self.padding_idx is not None and 0 <= self.padding_idx - self.vocab_start < self.num_embeddings_per_rank:
+            pad = self.padding_idx - self.vocab_start
+        out = F.embedding(local, self.weight, padding_idx=pad)
+        out = out.masked_fill(elsewhere.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            require_sequence_layout("VocabParallelEmbedding1D", out)
+            return comm.reduce_scatter(out, self.mesh.tp_group, SEQ_DIM)
+        return comm.reduce_from(out, self.mesh.tp_group)
+
+    def shard_input(self, ids_full: torch.Tensor) -> torch.Tensor:
+        """Identity: every rank takes the full ids."""
+        return ids_full
+
+    def gather_output(self, y_local: torch.Tensor) -> torch.Tensor:
+        """``[b, s/p, H]`` -> ``[b, s, H]`` under sequence parallelism; identity otherwise."""
+        return leave_sequence_parallel(y_local, self.mesh) if self.sequence_parallel else y_local
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, padding_idx={self.padding_idx}, "
+                f"tp={self.mesh.tp_size}, rows_per_rank={self.num_embeddings_per_rank}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+class Embedding1D(nn.Module):
+    """Embedding table split along the hidden dim; output gathered to ``[..., H]``.
+
+    Args: as ``nn.Embedding`` plus ``mesh``; ``embedding_dim`` must divide by tp.
+    Shapes: ids ``[...]`` -> ``[..., H]`` replicated.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: int | None = None,
+        *,
+        mesh,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        _serial: nn.Embedding | None = None,
+    ):
+        super().__init__()
+        require_divisible("Embedding1D", "embedding_dim", embedding_dim, mesh.tp_size)
+        serial = _serial_embedding(num_embeddings, embedding_dim, padding_idx, dtype, _serial)
+        self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, serial.padding_idx
+        self.mesh = mesh
+        self.weight = local_param(serial.weight, split_spec((num_embeddings, embedding_dim), 1, mesh), device)
+
+    @classmethod
+    def from_serial(cls, embedding: nn.Embedding, mesh, **kwargs) -> "Embedding1D":
+        """This rank's columns of an existing ``nn.Embedding`` (copied)."""
+        return cls(embedding.num_embeddings, embedding.embedding_dim, embedding.padding_idx, mesh=mesh,
+                   dtype=embedding.weight.dtype, device=kwargs.pop("device", embedding.weight.device),
+                   _serial=embedding, **kwargs)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = F.embedding(ids, self.weight, padding_idx=self.padding_idx)
+        return comm.gather_from(out, self.mesh.tp_group, -1)
+
+    def shard_input(self, ids_full: torch.Tensor) -> torch.Tensor:
+        """Identity: every rank takes the full ids."""
+        return ids_full
+
+    def gather_output(self, y_local: torch.Tensor) -> torch.Tensor:
+        """Identity: the output is already full."""
+        return y_local
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, padding_idx={self.padding_idx}, tp={self.mesh.tp_size}"

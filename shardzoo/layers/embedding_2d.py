@@ -1,0 +1,148 @@
+"""Embeddings on the 2D layout, and the layout-generic bases the 2.5D / 3D ones subclass.
+
+Both take token ids split like the activations' batch (``shard_input``: [B, S] ->
+[B/parts, S]) and return [B/parts, S, H/q] in the layer's layout.
+
+* ``GridEmbedding`` (nn.Embedding, table split along the hidden dim): the table [V, H] is cut
+  into q * size(param_axes) hidden chunks, one per rank (replicated over tp_dep in 2.5D); the
+  forward all-gathers the chunks over ``param_axes`` into this rank's hidden block [V, H/q].
+* ``GridVocabParallelEmbedding`` (table split along the vocabulary too, for large V): the
+  vocabulary is split over the minor batch axis ``vocab_axis`` (2D / 2.5D: tp_row; 3D: J) and,
+  in 3D, further over the other batch axis (gathered in forward); the hidden over
+  ``hidden_axis``. Forward: all-gather the ids over ``vocab_axis``, masked lookup in the local
+  vocabulary block, reduce-scatter the partial embeddings back over ``vocab_axis`` (which sums
+  the vocabulary blocks). The vocabulary is padded to a multiple of the vocabulary parts with
+  zero rows that no id reaches and no checkpoint shows. The 2D / 2.5D placement (vocab block i,
+  hidden block j on rank (i, j)) is what the LM head's SUMMA uses, so the two can be tied.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardzoo import comm
+from shardzoo.comm import ops
+from shardzoo.comm.mesh import default_device
+from shardzoo.layers import layouts
+from shardzoo.layers.layouts import ActivationLayout
+from shardzoo.layers.shard_spec import ShardSpec, set_shard_spec
+
+
+def vocab_axes(layout: ActivationLayout) -> tuple[str, tuple[str, ...]]:
+    """(vocab_axis, vocab_sub_axes) of a vocabulary-split table in ``layout``."""
+    vocab_axis = layout.batch_axes[-1]
+    return vocab_axis, tuple(a for a in layout.param_axes if a != vocab_axis)
+
+
+def vocab_parallel_param(weight: torch.Tensor, mesh, layout: ActivationLayout, device) -> nn.Parameter:
+    """This rank's block of a [V, H] table: vocabulary chunk ``vocab_rank * sub + sub_rank`` of
+    ``size(vocab_axis) * sub`` (padded), hidden block ``hidden_rank`` of q."""
+    vocab_axis, sub_axes = vocab_axes(layout)
+    sub = mesh.size(*sub_axes) if sub_axes else 1
+    index = mesh.rank(vocab_axis) * sub + (mesh.rank(*sub_axes) if sub_axes else 0)
+    q = mesh.size(layout.hidden_axis)
+    spec = ShardSpec.split(tuple(weight.shape), {0: (index, mesh.size(vocab_axis) * sub), 1: (mesh.rank(layout.hidden_axis), q)},
+                           (layout.hidden_axis, vocab_axis) + sub_axes, layout.replica_axes)
+    device = device if device is not None else default_device(mesh)
+    return set_shard_spec(nn.Parameter(spec.take(weight.detach()).to(device)), spec)
+
+
+class _GridEmbeddingBase(layouts.GridModule):
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, *, mesh,
+                 dtype=None, device=None, layout: ActivationLayout | None = None):
+        super().__init__()
+        serial = nn.Embedding(num_embeddings, embedding_dim, padding_idx, dtype=dtype, device="cpu")
+        self._setup(serial, mesh, device, layout)
+
+    @classmethod
+    def from_serial(cls, module: nn.Embedding, mesh, device=None, layout: ActivationLayout | None = None):
+        """This rank's piece of an existing ``nn.Embedding`` (same on every rank)."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self._setup(module, mesh, device, layout)
+        return self
+
+    def _setup(self, serial: nn.Embedding, mesh, device, layout) -> None:
+        self._bind(mesh, layout)
+        self.num_embeddings, self.embedding_dim = serial.num_embeddings, serial.embedding_dim
+        self.padding_idx = serial.padding_idx
+        self._place(serial.weight, device)
+
+    def shard_input(self, ids_full: torch.Tensor) -> torch.Tensor:
+        """Token ids [B, ...] (replicated) -> this rank's batch block [B/parts, ...]."""
+        return layouts.shard_batch(ids_full, self.mesh, self.layout, type(self).__name__)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, padding_idx={self.padding_idx}, layout=({self.layout})"
+
+
+class GridEmbedding(_GridEmbeddingBase):
+    """nn.Embedding with the table split along the hidden dim (module docstring).
+    ids [B/parts, ...] -> [B/parts, ..., H/q]."""
+
+    def _place(self, weight: torch.Tensor, device) -> None:
+        parts = layouts.hidden_parts(self.mesh, self.layout)
+        layouts.check_divisible(type(self).__name__, "embedding_dim", self.embedding_dim, parts,
+                                f"{self._parts_rule()}={parts}")
+        self.weight = layouts.hidden_param(weight, 1, self.mesh, self.layout, device)
+
+    def _parts_rule(self) -> str:
+        return {"2d": "q*q", "2.5d": "q*q", "3d": "q*q*q"}[self.mode]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        weight = layouts.gather_hidden_param(self.weight, -1, self.mesh, self.layout)  # [V, H/q]
+        return F.embedding(ids, weight, self.padding_idx)
+
+
+class GridVocabParallelEmbedding(_GridEmbeddingBase):
+    """nn.Embedding with the table split along the vocabulary and the hidden dim (module
+    docstring). ids [B/parts, ...] -> [B/parts, ..., H/q]. Attributes: ``vocab_axis``,
+    ``vocab_sub_axes`` (further vocabulary split, gathered in forward), ``vocab_start`` and
+    ``vocab_block`` (global id range of this rank's gathered block)."""
+
+    def _place(self, weight: torch.Tensor, device) -> None:
+        q = self.mesh.size(self.layout.hidden_axis)
+        layouts.check_divisible(type(self).__name__, "embedding_dim", self.embedding_dim, q, f"q={q}")
+        self.weight = vocab_parallel_param(weight, self.mesh, self.layout, device)
+        self.vocab_axis, self.vocab_sub_axes = vocab_axes(self.layout)
+        sub = self.mesh.size(*self.vocab_sub_axes) if self.vocab_sub_axes else 1
+        self.vocab_block = self.weight.shard_spec.local_shape[0] * sub
+        self.vocab_start = self.mesh.rank(self.vocab_axis) * self.vocab_block
+
+    def gathered_weight(self) -> torch.Tensor:
+        """This rank's vocabulary block [V_pad/vocab_parts*sub, H/q] (differentiable)."""
+        weight = self.weight
+        if self.layout.replica_axes:
+            weight = comm.copy_to(weight, self.mesh.group(*self.layout.replica_axes))
+        if self.vocab_sub_axes:
+            weight = comm.all_gather(weight, self.mesh.group(*self.vocab_sub_axes), 0)
+        return weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        group = self.mesh.group(self.vocab_axis)
+        all_ids = ops.all_gather(ids.contiguous(), group, 0)  # ids of every vocab block's rank
+        local = all_ids - self.vocab_start
+        elsewhere = (local < 0) | (local >= self.vocab_block)
+        local = torch.where(elsewhere, torch.zeros_like(local), local)
+        pad = None
+        if self.padding_idx is not None and 0 <= self.padding_idx - self.vocab_start < self.vocab_block:
+            pad = self.padding_idx - self.vocab_start
+        out = F.embedding(local, self.gathered_weight(), pad).masked_fill(elsewhere.unsqueeze(-1), 0.0)
+        return comm.reduce_scatter(out, group, 0)
+
+
+class Embedding2D(GridEmbedding):
+    """``nn.Embedding`` on a tp_mode="2d" mesh, table split along the hidden dim (embedding_dim
+    divisible by q*q). ids [B/q, ...] -> [B/q, ..., H/q]."""
+
+    mode = "2d"
+
+
+class VocabParallelEmbedding2D(GridVocabParallelEmbedding):
+    """``nn.Embedding`` on a tp_mode="2d" mesh, rank (i, j) holding vocabulary block i (padded
+    to a multiple of q) and hidden block j (embedding_dim divisible by q).
+    ids [B/q, ...] -> [B/q, ..., H/q]."""
+
+    mode = "2d"

@@ -1,0 +1,123 @@
+"""LM head / classifier for 1D tensor parallelism: vocab-split logits for the parallel loss.
+
+The weight ``[V, H]`` (``nn.Linear(H, V)``'s layout) is split along the vocabulary exactly as
+``VocabParallelEmbedding1D`` splits its table (``ceil(V/p)`` rows per rank, zero padding rows
+past V), so ``tie_to=embedding`` can share the embedding's Parameter. The logits stay
+vocab-parallel ``[b, s, ceil(V/p)]`` for :func:`vocab_parallel_cross_entropy` (``self.loss``);
+padding columns are ignored there, and ``gather_output`` drops them.
+
+Communication: like a column layer -- ``copy_to`` on entry (all-reduce of dX in backward), or
+with ``sequence_parallel`` an all-gather of ``[b, s/p, H]`` (reduce-scatter in backward).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardzoo.comm import collectives as comm
+from shardzoo.layers.common_1d import SEQ_DIM, enter_sequence_parallel, local_param, require_sequence_layout, split_spec
+from shardzoo.layers.cross_entropy import vocab_parallel_cross_entropy
+from shardzoo.layers.embedding_1d import VocabParallelEmbedding1D
+
+
+class ParallelLMHead1D(nn.Module):
+    """``logits = x W^T (+ b)`` with W ``[V, H]`` split along V over tp.
+
+    Args:
+        in_features: hidden size H.
+        vocab_size: number of classes / tokens V (any value; padded to a multiple of tp).
+        bias: add a (vocab-split) bias; not allowed with ``tie_to``.
+        mesh: the ParallelMesh.
+        tie_to: a ``VocabParallelEmbedding1D`` whose weight this head uses (weight tying).
+        gather_output: return full ``[b, s, V]`` logits (padding removed) instead of the
+            vocab-parallel ``[b, s, ceil(V/p)]``.
+        sequence_parallel: the input is ``[b, s/p, H]``.
+        dtype, device: as ``nn.Linear``; initialised as ``nn.Linear(H, V, bias)``.
+
+    Shapes: ``[b, s_in, H] -> [b, s, ceil(V/p)]`` (``[b, s, V]`` with gather_output).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        vocab_size: int,
+        bias: bool = False,
+        *,
+        mesh,
+        tie_to: VocabParallelEmbedding1D | None = None,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        _serial: nn.Linear | None = None,
+    ):
+        super().__init__()
+        self.in_features, self.vocab_size, self.mesh = in_features, vocab_size, mesh
+        self.output_gathered, self.sequence_parallel = gather_output, sequence_parallel
+        spec = split_spec((vocab_size, in_features), 0, mesh)
+        self.vocab_start, self.vocab_per_rank = spec.offsets[0], spec.local_shape[0]
+        if tie_to is not None:
+            if bias:
+                raise ValueError("ParallelLMHead1D(tie_to=...) shares the embedding's weight and has no bias; "
+                                 "pass bias=False")
+            if (tie_to.num_embeddings, tie_to.embedding_dim) != (vocab_size, in_features):
+                raise ValueError(
+                    f"ParallelLMHead1D(in_features={in_features}, vocab_size={vocab_size}) cannot tie to an embedding "
+                    f"of num_embeddings={tie_to.num_embeddings}, embedding_dim={tie_to.embedding_dim}; build the head "
+                    f"with in_features=embedding_dim and vocab_size=num_embeddings"
+                )
+            if tie_to.mesh is not mesh:
+                raise ValueError("ParallelLMHead1D(tie_to=...) must use the embedding's mesh; pass mesh=embedding.mesh")
+            self.weight = tie_to.weight
+            self.register_parameter("bias", None)
+            return
+        serial = _serial if _serial is not None else nn.Linear(in_features, vocab_size, bias, dtype=dtype)
+        self.weight = local_param(serial.weight, spec, device)
+        if serial.bias is None:
+            self.register_parameter("bias", None)
+        else:
+            self.bias = local_param(serial.bias, split_spec((vocab_size,), 0, mesh), device)
+
+    @classmethod
+    def from_serial(cls, linear: nn.Linear, mesh, **kwargs) -> "ParallelLMHead1D":
+        """This rank's vocabulary rows of an existing ``nn.Linear(H, V)`` (copied)."""
+        return cls(linear.in_features, linear.out_features, linear.bias is not None, mesh=mesh,
+                   dtype=linear.weight.dtype, device=kwargs.pop("device", linear.weight.device), _serial=linear,
+                   **kwargs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        group = self.mesh.tp_group
+        if self.sequence_parallel:
+            require_sequence_layout("ParallelLMHead1D", x)
+            x = comm.all_gather(x, group, SEQ_DIM)
+        else:
+            x = comm.copy_to(x, group)
+        logits = F.linear(x, self.weight, self.bias)
+        return self._gather(logits) if self.output_gathered else logits
+
+    def loss(self, logits: torch.Tensor, target: torch.Tensor, **kwargs) -> torch.Tensor:
+        """``vocab_parallel_cross_entropy`` of this head's vocab-parallel logits ``[b, s, V/p]``
+        against global ids ``[b, s]``; kwargs: ignore_index, label_smoothing, reduction."""
+        if self.output_gathered:
+            loss = F.cross_entropy(logits.flatten(0, -2), target.flatten(), **kwargs)
+            return loss.reshape(target.shape) if loss.dim() else loss
+        return vocab_parallel_cross_entropy(logits, target, group=self.mesh.tp_group, vocab_start=self.vocab_start,
+                                            vocab_size=self.vocab_size, **kwargs)
+
+    def shard_input(self, x_full: torch.Tensor) -> torch.Tensor:
+        """``[b, s, H]`` -> ``[b, s/p, H]`` under sequence parallelism; identity otherwise."""
+        return enter_sequence_parallel(x_full, self.mesh) if self.sequence_parallel else x_full
+
+    def gather_output(self, y_local: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel ``[.., ceil(V/p)]`` -> full ``[.., V]`` logits, padding dropped."""
+        return y_local if self.output_gathered else self._gather(y_local)
+
+    def _gather(self, y_local: torch.Tensor) -> torch.Tensor:
+        return comm.gather_from(y_local, self.mesh.tp_group, -1)[..., : self.vocab_size]
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, vocab_size={self.vocab_size}, bias={self.bias is not None}, "
+                f"tp={self.mesh.tp_size}, vocab_per_rank={self.vocab_per_rank}, gather_output={self.output_gathered}, "
+                f"sequence_parallel={self.sequence_parallel}")

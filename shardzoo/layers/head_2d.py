@@ -1,0 +1,184 @@
+"""Classifier and LM heads on the 2D layout (and the bases of the 2.5D / 3D ones).
+
+* ``GridClassifier`` (few classes, e.g. ViT): logits = x W^T + b with W [C, H] split along the
+  hidden dim like an embedding table (gathered over ``param_axes``), partial products summed
+  over the hidden group (``reduce_from``: every rank of that group goes on with the same
+  logits). Output [B/parts, ..., C], batch split as the input, replicated over hidden_axis.
+* ``LMHead2D`` (vocabulary-parallel logits for the parallel loss): the weight E [V, H] sits as
+  in ``VocabParallelEmbedding2D`` (vocab block i, hidden block j on rank (i, j)), so
+  ``tie_to=embedding`` shares its Parameter; logits = SUMMA x E^T (summa_2d.SummaLinearT):
+  [B/q, ..., V_pad/q], vocabulary block j on rank (i, j). ``loss`` is the vocab-parallel cross
+  entropy (layers/cross_entropy.py) over tp_col, averaged over the batch axes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shardzoo import comm
+from shardzoo.comm import ops
+from shardzoo.layers import layouts
+from shardzoo.layers.cross_entropy import vocab_parallel_cross_entropy
+from shardzoo.layers.embedding_2d import vocab_parallel_param
+from shardzoo.layers.layouts import ActivationLayout
+from shardzoo.layers.shard_spec import ShardSpec, set_shard_spec
+from shardzoo.layers.summa_2d import Grid2D, summa_linear_t
+
+
+def grid_cross_entropy(logits, target, *, mesh, layout: ActivationLayout, vocab_start: int, vocab_size: int,
+                       ignore_index: int = -100, label_smoothing: float = 0.0, reduction: str = "mean"):
+    """Cross entropy of logits [B/parts, ..., V_local] whose batch is split over
+    ``layout.batch_axes`` and vocabulary over ``layout.hidden_axis``; target [B/parts, ...]
+    (global ids, this rank's batch block). "mean" / "sum" return the loss of the whole batch
+    on every rank (a mean over all non-ignored targets, as F.cross_entropy); "none" returns
+    this rank's block of per-token losses."""
+    per_token = vocab_parallel_cross_entropy(
+        logits, target, group=mesh.group(layout.hidden_axis), vocab_start=vocab_start, vocab_size=vocab_size,
+        ignore_index=ignore_index, label_smoothing=label_smoothing, reduction="none")
+    if reduction == "none":
+        return per_token
+    batch_group = mesh.group(*layout.batch_axes)
+    total = per_token.sum()
+    if reduction == "mean":
+        count = ops.all_reduce((target != ignore_index).sum().to(total.dtype), batch_group)
+        total = total / count
+    # every rank continues with the same scalar: sum forward, identity backward
+    return comm.reduce_from(total, batch_group)
+
+
+class GridClassifier(layouts.GridModule):
+    """``nn.Linear(H, C)`` producing full logits: x [B/parts, ..., H/q] -> [B/parts, ..., C].
+    H must be divisible by q * size(param_axes) (q*q in 2D / 2.5D, q^3 in 3D)."""
+
+    def __init__(self, in_features: int, num_classes: int, bias: bool = True, *, mesh, dtype=None, device=None,
+                 layout: ActivationLayout | None = None):
+        super().__init__()
+        serial = nn.Linear(in_features, num_classes, bias, dtype=dtype, device="cpu")
+        self._setup(serial, mesh, device, layout)
+
+    @classmethod
+    def from_serial(cls, module: nn.Linear, mesh, device=None, layout: ActivationLayout | None = None):
+        """This rank's piece of an existing ``nn.Linear(H, C)``."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self._setup(module, mesh, device, layout)
+        return self
+
+    def _setup(self, serial: nn.Linear, mesh, device, layout) -> None:
+        self._bind(mesh, layout)
+        self.in_features, self.num_classes = serial.in_features, serial.out_features
+        parts = layouts.hidden_parts(mesh, self.layout)
+        rule = {"2d": "q*q", "2.5d": "q*q", "3d": "q*q*q"}[self.mode]
+        layouts.check_divisible(type(self).__name__, "in_features", self.in_features, parts, f"{rule}={parts}")
+        self.weight = layouts.hidden_param(serial.weight, 1, mesh, self.layout, device)
+        if serial.bias is None:
+            self.register_parameter("bias", None)
+        else:
+            spec = ShardSpec((self.num_classes,), (0,), (self.num_classes,), (), ("tp",))
+            self.bias = set_shard_spec(nn.Parameter(serial.bias.detach().to(self.weight.device).clone()), spec)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B/parts, ..., H/q] -> logits [B/parts, ..., C] (same on the hidden group)."""
+        weight = layouts.gather_hidden_param(self.weight, -1, self.mesh, self.layout)  # [C, H/q]
+        logits = comm.reduce_from(torch.matmul(x, weight.t()), self.mesh.group(self.layout.hidden_axis))
+        if self.bias is not None:
+            logits = logits + comm.copy_to(self.bias, self.mesh.group(*self.layout.batch_axes))
+        return logits
+
+    def gather_output(self, y_local: torch.Tensor) -> torch.Tensor:
+        """[B/parts, ..., C] -> [B, ..., C] on every rank."""
+        return layouts.gather_batch(y_local, self.mesh, self.layout)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, num_classes={self.num_classes}, layout=({self.layout})"
+
+
+class SummaLMHead(layouts.GridModule):
+    """Base of LMHead2D / LMHead2p5D: vocabulary-parallel logits by SUMMA x E^T.
+    x [B/parts, ..., H/q] -> logits [B/parts, ..., V_pad/q]."""
+
+    def __init__(self, in_features: int, vocab_size: int, bias: bool = False, *, mesh, tie_to=None, dtype=None,
+                 device=None):
+        super().__init__()
+        name = type(self).__name__
+        if tie_to is None:
+            serial = nn.Linear(in_features, vocab_size, bias, dtype=dtype, device="cpu")
+            self._setup(serial, mesh, device)
+            return
+        if bias:
+            raise ValueError(f"{name}(tie_to=...) shares the embedding's weight and has no bias; pass bias=False")
+        if (tie_to.num_embeddings, tie_to.embedding_dim) != (vocab_size, in_features) or tie_to.mesh is not mesh:
+            raise ValueError(f"{name}(in_features={in_features}, vocab_size={vocab_size}) cannot tie to {tie_to}; "
+                             f"use in_features=embedding_dim, vocab_size=num_embeddings and the embedding's mesh")
+        self._bind(mesh, None)
+        self.in_features, self.vocab_size = in_features, vocab_size
+        self.weight = tie_to.weight
+        self.register_parameter("bias", None)
+        self._finish()
+
+    @classmethod
+    def from_serial(cls, module: nn.Linear, mesh, device=None):
+        """This rank's piece of an existing ``nn.Linear(H, V)``."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self._setup(module, mesh, device)
+        return self
+
+    def _setup(self, serial: nn.Linear, mesh, device) -> None:
+        self._bind(mesh, None)
+        self.in_features, self.vocab_size = serial.in_features, serial.out_features
+        q = mesh.q
+        layouts.check_divisible(type(self).__name__, "in_features", self.in_features, q, f"q={q}")
+        # the placement of the vocab-parallel embedding, so that tie_to can share it
+        self.weight = vocab_parallel_param(serial.weight, mesh, self.layout, device)
+        if serial.bias is None:
+            self.register_parameter("bias", None)
+        else:
+            self.bias = layouts.block_param(serial.bias, 0, mesh, self.layout, device)
+        self._finish()
+
+    def _finish(self) -> None:
+        self.grid = Grid2D(self.mesh)
+        self.vocab_per_rank = self.weight.shard_spec.local_shape[0]
+        self.vocab_start = self.grid.j * self.vocab_per_rank  # logits hold vocabulary block j
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B/parts, ..., H/q] -> vocab-parallel logits [B/parts, ..., V_pad/q]."""
+        weight = self.weight
+        if self.layout.replica_axes:
+            weight = comm.copy_to(weight, self.mesh.group(*self.layout.replica_axes))
+        logits = summa_linear_t(x, weight, self.grid)
+        if self.bias is not None:
+            logits = logits + layouts.use_block_param(self.bias, self.mesh, self.layout)
+        return logits
+
+    def loss(self, logits: torch.Tensor, target: torch.Tensor, **kwargs) -> torch.Tensor:
+        """Cross entropy of this head's logits against target ids [B/parts, ...] (this rank's
+        batch block, ``shard_target``); kwargs: ignore_index, label_smoothing, reduction."""
+        return grid_cross_entropy(logits, target, mesh=self.mesh, layout=self.layout, vocab_start=self.vocab_start,
+                                  vocab_size=self.vocab_size, **kwargs)
+
+    def shard_target(self, target_full: torch.Tensor) -> torch.Tensor:
+        """Target ids [B, ...] -> this rank's batch block [B/parts, ...]."""
+        return layouts.shard_batch(target_full, self.mesh, self.layout, type(self).__name__)
+
+    def gather_output(self, y_local: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel [B/parts, ..., V_pad/q] -> [B, ..., V] (padding dropped)."""
+        return super().gather_output(y_local)[..., : self.vocab_size]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, vocab_size={self.vocab_size}, q={self.mesh.q}"
+
+
+class Classifier2D(GridClassifier):
+    """Classifier on the 2D layout: x [B/q, ..., H/q] -> logits [B/q, ..., C]."""
+
+    mode = "2d"
+
+
+class LMHead2D(SummaLMHead):
+    """LM head on the 2D layout, optionally tied to a ``VocabParallelEmbedding2D``:
+    x [B/q, ..., H/q] -> vocab-parallel logits [B/q, ..., V_pad/q] (vocab over tp_col)."""
+
+    mode = "2d"

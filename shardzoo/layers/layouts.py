@@ -1,0 +1,227 @@
+"""Activation layouts of the 2D, 2.5D and 3D tensor-parallel modes, and how to enter / leave them.
+
+An activation ``x`` of global shape [B, ..., H] is held as one block per tp rank: dim 0 (batch)
+is split over ``batch_axes`` (the first axis slowest), the last dim (hidden) over
+``hidden_axis``; middle dims (sequence, ...) are whole, so sequence parallelism over "sp"
+composes unchanged. Canonical layouts per mode (DESIGN.md "Activation layouts"):
+
+====== ============================== ============ ====================== ===================
+mode   batch split over               hidden over  local block            replicated params
+====== ============================== ============ ====================== ===================
+2d     tp_row                         tp_col       [B/q, ..., H/q]        -
+2.5d   tp_dep, tp_row                 tp_col       [B/(d*q), ..., H/q]    over tp_dep
+3d     tp_x, tp_y                     tp_z         [B/q^2, ..., H/q]      -
+====== ============================== ============ ====================== ===================
+
+In 3D a linear layer consuming layout (I, J | L) produces (I, L | J): the input and output roles
+of the last two axes swap, so the second layer of an MLP takes ``fc1.output_layout``.
+
+Parameters of the layers follow the layout: a tensor indexed by the hidden size is split over
+``hidden_axis`` and, where the layer says so, further over ``param_axes`` (the batch axes except
+tp_dep; gathered in forward, so no rank stores a replica), and is replicated over
+``replica_axes`` (tp_dep in 2.5D; its gradient is summed there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from shardzoo import comm
+from shardzoo.comm.mesh import default_device
+from shardzoo.layers.shard_spec import ShardSpec, set_shard_spec
+
+_MODE_NAMES = {"2d": "2D", "2.5d": "2p5D", "3d": "3D"}
+
+
+@dataclass(frozen=True)
+class ActivationLayout:
+    """Where the batch (dim 0) and hidden (dim -1) of an activation are split.
+
+    Attributes:
+        mode: the mesh's tp_mode ("2d", "2.5d" or "3d").
+        batch_axes: mesh axes splitting dim 0, slowest first (batch index = row-major).
+        hidden_axis: mesh axis splitting the last dim.
+    """
+
+    mode: str
+    batch_axes: tuple[str, ...]
+    hidden_axis: str
+
+    @property
+    def replica_axes(self) -> tuple[str, ...]:
+        """Axes over which parameters are replicated (their gradients summed): tp_dep in 2.5D."""
+        return ("tp_dep",) if self.mode == "2.5d" else ()
+
+    @property
+    def param_axes(self) -> tuple[str, ...]:
+        """Batch axes that further split hidden-indexed parameters (gathered in forward)."""
+        return tuple(a for a in self.batch_axes if a not in self.replica_axes)
+
+    def batch_parts(self, mesh) -> int:
+        return mesh.size(*self.batch_axes)
+
+    def batch_index(self, mesh) -> int:
+        """This rank's block index along the batch (row-major over ``batch_axes`` in order)."""
+        idx = 0
+        for a in self.batch_axes:
+            idx = idx * mesh.size(a) + mesh.rank(a)
+        return idx
+
+    def __str__(self) -> str:
+        return f"batch over {'*'.join(self.batch_axes)}, hidden over {self.hidden_axis}"
+
+
+def canonical_layout(mesh) -> ActivationLayout:
+    """The layout a mode's first layer consumes (table in the module docstring)."""
+    if mesh.tp_mode == "2d":
+        return ActivationLayout("2d", ("tp_row",), "tp_col")
+    if mesh.tp_mode == "2.5d":
+        return ActivationLayout("2.5d", ("tp_dep", "tp_row"), "tp_col")
+    if mesh.tp_mode == "3d":
+        return ActivationLayout("3d", ("tp_x", "tp_y"), "tp_z")
+    raise ValueError(f"activation layouts exist for tp_mode '2d', '2.5d' and '3d'; this mesh has {mesh.tp_mode!r}")
+
+
+def swapped_3d(layout: ActivationLayout) -> ActivationLayout:
+    """Output layout of a 3D linear layer that consumes ``layout``: (I, J | L) -> (I, L | J)."""
+    (i_axis, j_axis), l_axis = layout.batch_axes, layout.hidden_axis
+    return ActivationLayout("3d", (i_axis, l_axis), j_axis)
+
+
+def check_mesh(mesh, mode: str, who: str) -> None:
+    """Raise unless ``mesh`` is a ParallelMesh of ``mode``."""
+    if getattr(mesh, "tp_mode", None) != mode:
+        got = getattr(mesh, "tp_mode", type(mesh).__name__)
+        raise ValueError(f"{who} needs a ParallelMesh with tp_mode={mode!r}; got {got!r}")
+
+
+def check_divisible(who: str, what: str, value: int, parts: int, rule: str) -> None:
+    """Raise ``"<who> needs <what> divisible by <rule>; got <value>"`` unless ``parts | value``."""
+    if value % parts != 0:
+        raise ValueError(
+            f"{who} needs {what} divisible by {rule}; got {value}. Choose {what} as a multiple of {parts}"
+        )
+
+
+def _scatter_batch(x: torch.Tensor, mesh, layout: ActivationLayout, who: str) -> torch.Tensor:
+    parts = layout.batch_parts(mesh)
+    rule = "*".join(f"{a}={mesh.size(a)}" for a in layout.batch_axes)
+    check_divisible(who, "the batch size (dim 0)", x.shape[0], parts, f"{rule} ({parts})" if len(layout.batch_axes) > 1 else rule)
+    for a in layout.batch_axes:  # slowest axis first, so the block index is row-major
+        x = comm.scatter_to(x, mesh.group(a), 0)
+    return x
+
+
+def _gather_batch(y: torch.Tensor, mesh, layout: ActivationLayout) -> torch.Tensor:
+    for a in reversed(layout.batch_axes):
+        y = comm.gather_from(y, mesh.group(a), 0)
+    return y
+
+
+def shard_activation(x_full: torch.Tensor, mesh, layout: ActivationLayout | None = None, who: str = "shard_activation") -> torch.Tensor:
+    """This rank's block of a replicated activation: [B, ..., H] -> [B/batch_parts, ..., H/q].
+
+    Differentiable: the gradient of ``x_full`` is the full gradient on every rank."""
+    layout = layout or canonical_layout(mesh)
+    check_divisible(who, "the hidden size (last dim)", x_full.shape[-1], mesh.size(layout.hidden_axis), f"q={mesh.size(layout.hidden_axis)}")
+    x = _scatter_batch(x_full, mesh, layout, who)
+    return comm.scatter_to(x, mesh.group(layout.hidden_axis), -1)
+
+
+def gather_activation(y_local: torch.Tensor, mesh, layout: ActivationLayout | None = None) -> torch.Tensor:
+    """The full activation from every rank's block: [B/batch_parts, ..., H/q] -> [B, ..., H]
+    on every rank. Differentiable (each rank keeps its block of the gradient)."""
+    layout = layout or canonical_layout(mesh)
+    y = comm.gather_from(y_local, mesh.group(layout.hidden_axis), -1)
+    return _gather_batch(y, mesh, layout)
+
+
+def shard_batch(x_full: torch.Tensor, mesh, layout: ActivationLayout | None = None, who: str = "shard_batch") -> torch.Tensor:
+    """Split only dim 0 over the layout's batch axes (token ids, images, targets):
+    [B, ...] -> [B/batch_parts, ...]. Differentiable for float inputs."""
+    return _scatter_batch(x_full, mesh, layout or canonical_layout(mesh), who)
+
+
+def gather_batch(y_local: torch.Tensor, mesh, layout: ActivationLayout | None = None) -> torch.Tensor:
+    """Inverse of :func:`shard_batch`: [B/batch_parts, ...] -> [B, ...] on every rank."""
+    return _gather_batch(y_local, mesh, layout or canonical_layout(mesh))
+
+
+def mode_name(mode: str) -> str:
+    """Class-name suffix of a mode: "2d" -> "2D", "2.5d" -> "2p5D", "3d" -> "3D"."""
+    return _MODE_NAMES[mode]
+
+
+# -- parameters placed along the layout --------------------------------------------------------
+def hidden_parts(mesh, layout: ActivationLayout) -> int:
+    """Pieces a hidden-indexed parameter is cut into: q * size(param_axes)."""
+    return mesh.size(layout.hidden_axis) * mesh.size(*layout.param_axes) if layout.param_axes else mesh.size(layout.hidden_axis)
+
+
+def hidden_param(full: torch.Tensor, dim: int, mesh, layout: ActivationLayout, device) -> nn.Parameter:
+    """This rank's piece of ``full`` cut along ``dim`` into q * size(param_axes) chunks: chunk
+    ``hidden_rank * size(param_axes) + param_rank``, so gathering over ``param_axes`` yields the
+    hidden block of this rank. Replicated over ``replica_axes``; ShardSpec attached."""
+    parts = hidden_parts(mesh, layout)
+    sub = mesh.size(*layout.param_axes) if layout.param_axes else 1
+    sub_rank = mesh.rank(*layout.param_axes) if layout.param_axes else 0
+    index = mesh.rank(layout.hidden_axis) * sub + sub_rank
+    dim = dim % full.dim()
+    spec = ShardSpec.split(tuple(full.shape), {dim: (index, parts)}, (layout.hidden_axis,) + layout.param_axes,
+                           layout.replica_axes)
+    device = device if device is not None else default_device(mesh)
+    return set_shard_spec(nn.Parameter(spec.take(full.detach()).to(device)), spec)
+
+
+def gather_hidden_param(param: torch.Tensor, dim: int, mesh, layout: ActivationLayout) -> torch.Tensor:
+    """The hidden block of a :func:`hidden_param` for this rank: all-gather over ``param_axes``
+    along ``dim`` (gradient reduce-scattered back), gradient summed over ``replica_axes``."""
+    if layout.replica_axes:
+        param = comm.copy_to(param, mesh.group(*layout.replica_axes))
+    if layout.param_axes:
+        param = comm.all_gather(param, mesh.group(*layout.param_axes), dim)
+    return param
+
+
+def block_param(full: torch.Tensor, dim: int, mesh, layout: ActivationLayout, device) -> nn.Parameter:
+    """This rank's hidden block of a small vector-like ``full`` (LayerNorm weight, bias): split
+    along ``dim`` over ``hidden_axis`` only, replicated over the batch axes (gradient summed
+    there by :func:`use_block_param`)."""
+    spec = ShardSpec.split(tuple(full.shape), {dim % full.dim(): (mesh.rank(layout.hidden_axis), mesh.size(layout.hidden_axis))},
+                           (layout.hidden_axis,), layout.batch_axes)
+    device = device if device is not None else default_device(mesh)
+    return set_shard_spec(nn.Parameter(spec.take(full.detach()).to(device)), spec)
+
+
+def use_block_param(param: torch.Tensor, mesh, layout: ActivationLayout) -> torch.Tensor:
+    """A :func:`block_param` as used in forward: identity, gradient summed over the batch axes."""
+    return comm.copy_to(param, mesh.group(*layout.batch_axes))
+
+
+class GridModule(nn.Module):
+    """Base of the 2D / 2.5D / 3D modules: ``mesh``, ``layout`` (the input activation layout),
+    ``output_layout``, and ``shard_input`` / ``gather_output`` for them."""
+
+    mode = "2d"
+
+    def _bind(self, mesh, layout: ActivationLayout | None) -> None:
+        check_mesh(mesh, self.mode, type(self).__name__)
+        layout = layout or canonical_layout(mesh)
+        if layout.mode != mesh.tp_mode:
+            raise ValueError(f"{type(self).__name__}: layout for tp_mode={layout.mode!r} on a {mesh.tp_mode!r} mesh")
+        self.mesh, self.layout = mesh, layout
+
+    @property
+    def output_layout(self) -> ActivationLayout:
+        return self.layout
+
+    def shard_input(self, x_full: torch.Tensor) -> torch.Tensor:
+        """[B, ..., H] (replicated) -> this rank's block in ``self.layout``."""
+        return shard_activation(x_full, self.mesh, self.layout, type(self).__name__)
+
+    def gather_output(self, y_local: torch.Tensor) -> torch.Tensor:
+        """This rank's block in ``self.output_layout`` -> [B, ..., H] on every rank."""
+        return gather_activation(y_local, self.mesh, self.output_layout)

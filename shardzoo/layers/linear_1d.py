@@ -1,0 +1,142 @@
+"""Megatron 1D tensor-parallel linear layer: column and row styles, optional sequence parallelism.
+
+Weights use ``nn.Linear``'s ``[out_features, in_features]`` layout, so every ShardSpec's
+global shape is the serial shape and ``full_state_dict`` returns ``nn.Linear`` names / shapes.
+
+=========== ================================ ======================================= =========================
+style       weight / bias on a rank          forward communication                   backward communication
+=========== ================================ ======================================= =========================
+column      W[out/p, in], b[out/p]           copy_to (none); SP: all_gather seq dim  all_reduce dX; SP: reduce_scatter
+            (gather_output: gather_from on the last dim)
+row         W[out, in/p], b[out] replicated  reduce_from (all_reduce); SP:            none; SP: all_gather
+                                             reduce_scatter seq dim
+            (input_is_parallel=False: scatter_to of the full input on the last dim)
+=========== ================================ ======================================= =========================
+
+A column layer followed by a row layer (an MLP, attention) costs one all-reduce forward and one
+backward; with sequence parallelism the all-reduce becomes an all-gather + a reduce-scatter of
+the same total volume, and everything between two such pairs holds ``seq/p`` tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardzoo.comm import collectives as comm
+from shardzoo.layers.common_1d import (
+    SEQ_DIM,
+    leave_sequence_parallel,
+    enter_sequence_parallel,
+    local_param,
+    replicated_spec,
+    require_divisible,
+    require_sequence_layout,
+    split_spec,
+    tp_sum_grad,
+)
+
+STYLES = ("column", "row")
+
+
+class ParallelLinear1D(nn.Module):
+    """``y = x W^T + b`` with W split over the tp group.
+
+    Args:
+        in_features, out_features, bias: as ``nn.Linear``.
+        mesh: the ParallelMesh; the tp axis is used.
+        style: "column" splits out_features, "row" splits in_features.
+        gather_output: column only; return the full ``[..., out]`` instead of ``[..., out/p]``.
+        input_is_parallel: row only; False accepts a full ``[..., in]`` input and keeps this
+            rank's ``[..., in/p]`` slice (default True: the input is a column layer's output).
+        sequence_parallel: activations outside the pair are ``[batch, seq/p, hidden]``.
+            Column: input ``[b, s/p, in]``; row: output ``[b, s/p, out]``.
+        dtype, device: of the parameters. Initialisation draws the full ``nn.Linear`` on CPU
+            from the current torch RNG (same calls and order as serial) and keeps this slice.
+
+    Shapes (p = tp size, s_in = s/p under sequence parallelism, else s):
+        column: ``[b, s_in, in] -> [b, s, out/p]`` (``[b, s, out]`` with gather_output)
+        row:    ``[b, s, in/p] -> [b, s_out, out]`` (input ``[b, s, in]`` if not input_is_parallel)
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        mesh,
+        style: str = "column",
+        gather_output: bool = False,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        _serial: nn.Linear | None = None,
+    ):
+        super().__init__()
+        name = f"ParallelLinear1D(style={style!r})"
+        if style not in STYLES:
+            raise ValueError(f"ParallelLinear1D style={style!r} is not one of {STYLES}; use 'column' or 'row'")
+        if style == "row" and gather_output:
+            raise ValueError(f"{name} has no gather_output (its output is already full); use it with style='column'")
+        if style == "column" and not input_is_parallel:
+            raise ValueError(f"{name} always takes the full input; input_is_parallel=False is for style='row'")
+        tp = mesh.tp_size
+        split_dim = 0 if style == "column" else 1
+        require_divisible(name, "out_features" if style == "column" else "in_features",
+                          out_features if style == "column" else in_features, tp)
+        self.in_features, self.out_features = in_features, out_features
+        self.mesh, self.style = mesh, style
+        self.output_gathered, self.input_is_parallel = gather_output, input_is_parallel
+        self.sequence_parallel = sequence_parallel
+        serial = _serial if _serial is not None else nn.Linear(in_features, out_features, bias, dtype=dtype)
+        device = device if device is not None else serial.weight.device
+        self.weight = local_param(serial.weight, split_spec((out_features, in_features), split_dim, mesh), device)
+        if serial.bias is None:
+            self.register_parameter("bias", None)
+        elif style == "column":
+            self.bias = local_param(serial.bias, split_spec((out_features,), 0, mesh), device)
+        else:
+            self.bias = local_param(serial.bias, replicated_spec((out_features,)), device)
+
+    @classmethod
+    def from_serial(cls, linear: nn.Linear, mesh, *, style: str = "column", **kwargs) -> "ParallelLinear1D":
+        """This rank's slice of an existing ``nn.Linear`` (weights copied, not shared)."""
+        return cls(linear.in_features, linear.out_features, linear.bias is not None, mesh=mesh, style=style,
+                   dtype=linear.weight.dtype, device=kwargs.pop("device", linear.weight.device), _serial=linear,
+                   **kwargs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        group = self.mesh.tp_group
+        if self.sequence_parallel:
+            require_sequence_layout("ParallelLinear1D", x)
+        if self.style == "column":
+            x = comm.all_gather(x, group, SEQ_DIM) if self.sequence_parallel else comm.copy_to(x, group)
+            y = F.linear(x, self.weight, self.bias)
+            return comm.gather_from(y, group, -1) if self.output_gathered else y
+        if not self.input_is_parallel:
+            x = comm.scatter_to(x, group, -1)
+        y = F.linear(x, self.weight)
+        y = comm.reduce_scatter(y, group, SEQ_DIM) if self.sequence_parallel else comm.reduce_from(y, group)
+        if self.bias is not None:  # added once, after the sum
+            y = y + tp_sum_grad(self.bias, self.mesh, self.sequence_parallel)
+        return y
+
+    def shard_input(self, x_full: torch.Tensor) -> torch.Tensor:
+        """Full replicated input ``[b, s, in]`` -> what ``forward`` takes on this rank."""
+        if self.style == "column":
+            return enter_sequence_parallel(x_full, self.mesh) if self.sequence_parallel else x_full
+        return comm.scatter_to(x_full, self.mesh.tp_group, -1) if self.input_is_parallel else x_full
+
+    def gather_output(self, y_local: torch.Tensor) -> torch.Tensor:
+        """This rank's ``forward`` output -> the full replicated ``[b, s, out]``."""
+        if self.style == "column":
+            return y_local if self.output_gathered else comm.gather_from(y_local, self.mesh.tp_group, -1)
+        return leave_sequence_parallel(y_local, self.mesh) if self.sequence_parallel else y_local
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"style={self.style!r}, tp={self.mesh.tp_size}, gather_output={self.output_gathered}, "
+                f"input_is_parallel={self.input_is_parallel}, sequence_parallel={self.sequence_parallel}")

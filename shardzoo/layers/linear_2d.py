@@ -1,0 +1,108 @@
+"""ParallelLinear2D (Optimus / SUMMA): y = x W^T + b on a q x q grid, tp = q*q.
+
+Rank (i, j) holds the activation block x[batch block i, in block j] and the weight block
+W[out block j, in block i] (nn.Linear's [out, in] layout; block (i, j) of A = W^T). The forward
+is one SUMMA product (q broadcasts of x blocks along rows and of weight blocks along columns);
+the backward two more (see summa_2d.py). The bias block b[out block j] is replicated over the
+rows (and depth in 2.5D); its gradient is summed there.
+
+The 2.5D layer (linear_2p5d.py) is this class on a depth-d mesh: each depth slice runs the
+same SUMMA on its own batch blocks and the weight gradient is summed over depth.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shardzoo import comm
+from shardzoo.comm.mesh import default_device
+from shardzoo.layers import layouts
+from shardzoo.layers.shard_spec import ShardSpec, set_shard_spec
+from shardzoo.layers.summa_2d import Grid2D, summa_linear
+
+
+class SummaLinearBase(nn.Module):
+    """Shared by ParallelLinear2D and ParallelLinear2p5D; ``mode`` picks the mesh layout.
+
+    x: [B/(d*q), ..., in/q] (the mode's canonical layout) -> y: [B/(d*q), ..., out/q] (same
+    layout); d = 1 in 2D."""
+
+    mode = "2d"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, mesh, dtype=None, device=None):
+        super().__init__()
+        self._check(in_features, out_features, mesh)
+        serial = nn.Linear(in_features, out_features, bias=bias, dtype=dtype, device="cpu")
+        self._setup(serial, mesh, device)
+
+    @classmethod
+    def from_serial(cls, module: nn.Linear, mesh, device=None):
+        """This rank's blocks of an existing ``nn.Linear`` (same on every rank)."""
+        cls._check(module.in_features, module.out_features, mesh)
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self._setup(module, mesh, device)
+        return self
+
+    @classmethod
+    def _check(cls, in_features: int, out_features: int, mesh) -> None:
+        layouts.check_mesh(mesh, cls.mode, cls.__name__)
+        q = mesh.q
+        layouts.check_divisible(cls.__name__, "in_features", in_features, q, f"q={q}")
+        layouts.check_divisible(cls.__name__, "out_features", out_features, q, f"q={q}")
+
+    def _setup(self, serial: nn.Linear, mesh, device) -> None:
+        self.mesh = mesh
+        self.layout = layouts.canonical_layout(mesh)
+        self.in_features, self.out_features = serial.in_features, serial.out_features
+        self.grid = Grid2D(mesh)
+        q, i, j = mesh.q, self.grid.i, self.grid.j
+        device = device if device is not None else default_device(mesh)
+        replicas = self.layout.replica_axes
+        w_spec = ShardSpec.split(
+            tuple(serial.weight.shape), {0: (j, q), 1: (i, q)}, ("tp_row", "tp_col"), replicas
+        )
+        self.weight = nn.Parameter(w_spec.take(serial.weight.detach()).to(device))
+        set_shard_spec(self.weight, w_spec)
+        if serial.bias is not None:
+            b_spec = ShardSpec.split((self.out_features,), {0: (j, q)}, ("tp_col",), replicas + ("tp_row",))
+            self.bias = nn.Parameter(b_spec.take(serial.bias.detach()).to(device))
+            set_shard_spec(self.bias, b_spec)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B/(d*q), ..., in/q] -> [B/(d*q), ..., out/q]."""
+        q = self.mesh.q
+        if x.shape[-1] * q != self.in_features:
+            raise ValueError(
+                f"{type(self).__name__} expects the local input block [..., in_features/q={self.in_features // q}]; "
+                f"got shape {tuple(x.shape)}. Enter the parallel region with layer.shard_input(x_full)"
+            )
+        weight = comm.copy_to(self.weight, self.mesh.group(*self.layout.replica_axes)) if self.layout.replica_axes else self.weight
+        y = summa_linear(x, weight.t(), self.grid)
+        if self.bias is not None:
+            y = y + comm.copy_to(self.bias, self.mesh.group(*self.layout.batch_axes))
+        return y
+
+    def shard_input(self, x_full: torch.Tensor) -> torch.Tensor:
+        """[B, ..., in] (replicated) -> this rank's block [B/(d*q), ..., in/q]."""
+        return layouts.shard_activation(x_full, self.mesh, self.layout, type(self).__name__)
+
+    def gather_output(self, y_local: torch.Tensor) -> torch.Tensor:
+        """[B/(d*q), ..., out/q] -> [B, ..., out] on every rank."""
+        return layouts.gather_activation(y_local, self.mesh, self.layout)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, q={self.mesh.q}"
+
+
+class ParallelLinear2D(SummaLinearBase):
+    """2D (Optimus / SUMMA) linear layer; drop-in for ``nn.Linear`` on a tp_mode="2d" mesh.
+
+    Args: as nn.Linear, plus ``mesh`` (tp = q*q). in_features and out_features must be
+    divisible by q. Input / output: the 2D layout [B/q, ..., features/q] (batch over tp_row,
+    features over tp_col)."""
+
+    mode = "2d"

@@ -1,0 +1,128 @@
+"""ParallelLinear3D (Bian et al.): y = x W^T + b on a q x q x q cube, tp = q^3.
+
+For an input layout (I, J | L) (batch split over I then J, features over L; canonical:
+I=tp_x, J=tp_y, L=tp_z), rank (i, j, l) holds
+
+* x block [batch block i*q + j of q^2, in block l of q]        [B/q^2, ..., in/q]
+* W block [out block j*q + i of q^2, in block l of q]          [out/q^2, in/q]
+* b block [out block j of q] (replicated over I and L)         [out/q]
+
+Forward (the paper's 3D matmul): all-gather x over J (batch) -> [B/q, in/q]; all-gather W over
+I (out) -> W[out block j, in block l]; multiply; reduce-scatter over L (batch) ->
+y [batch block i*q + l, out block j] = [B/q^2, ..., out/q]. The output layout is (I, L | J):
+J and L swap roles. Backward is the adjoint of each step (autograd on comm.all_gather /
+comm.reduce_scatter): all-gather dy over L, reduce-scatter dx over J and dW over I.
+
+Chaining (e.g. an MLP): the second layer takes the first layer's output layout::
+
+    fc1 = ParallelLinear3D(h, 4 * h, mesh=mesh)                                # (x, y | z) -> (x, z | y)
+    fc2 = ParallelLinear3D(4 * h, h, mesh=mesh, input_layout=fc1.output_layout)  # (x, z | y) -> (x, y | z)
+
+so the block ends in the layout it started with and residual adds line up.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shardzoo import comm
+from shardzoo.comm.mesh import default_device
+from shardzoo.layers import layouts
+from shardzoo.layers.layouts import ActivationLayout
+from shardzoo.layers.shard_spec import ShardSpec, set_shard_spec
+
+
+def linear_3d(x: torch.Tensor, weight: torch.Tensor, mesh, layout: ActivationLayout) -> torch.Tensor:
+    """The 3D product for input layout (I, J | L). x: [B/q^2, ..., in/q], weight:
+    [out/q^2, in/q] (block j*q+i, l) -> [B/q^2, ..., out/q] in layout (I, L | J)."""
+    (i_axis, j_axis), l_axis = layout.batch_axes, layout.hidden_axis
+    x_il = comm.all_gather(x, mesh.group(j_axis), 0)  # [B/q, ..., in/q]
+    w_jl = comm.all_gather(weight, mesh.group(i_axis), 0)  # [out/q, in/q]
+    partial = torch.matmul(x_il, w_jl.t())  # [B/q, ..., out/q], summed over L next
+    return comm.reduce_scatter(partial, mesh.group(l_axis), 0)
+
+
+def weight_spec_3d(global_shape: tuple[int, int], mesh, layout: ActivationLayout) -> ShardSpec:
+    """Spec of the [out, in] weight block (out block j*q + i of q^2, in block l of q)."""
+    (i_axis, j_axis), l_axis = layout.batch_axes, layout.hidden_axis
+    q = mesh.q
+    out_index = mesh.rank(j_axis) * q + mesh.rank(i_axis)
+    return ShardSpec.split(global_shape, {0: (out_index, q * q), 1: (mesh.rank(l_axis), q)}, ("tp",))
+
+
+class ParallelLinear3D(nn.Module):
+    """3D linear layer; drop-in for ``nn.Linear`` on a tp_mode="3d" mesh.
+
+    Args: as nn.Linear, plus ``mesh`` (tp = q^3) and ``input_layout`` (default the canonical
+    (tp_x, tp_y | tp_z); pass ``previous_layer.output_layout`` to chain). in_features must be
+    divisible by q, out_features by q*q.
+    Input: [B/q^2, ..., in/q] in ``input_layout``; output: [B/q^2, ..., out/q] in
+    ``output_layout``."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, mesh, dtype=None, device=None,
+                 input_layout: ActivationLayout | None = None):
+        super().__init__()
+        self._check(in_features, out_features, mesh)
+        serial = nn.Linear(in_features, out_features, bias=bias, dtype=dtype, device="cpu")
+        self._setup(serial, mesh, device, input_layout)
+
+    @classmethod
+    def from_serial(cls, module: nn.Linear, mesh, device=None, input_layout: ActivationLayout | None = None):
+        """This rank's blocks of an existing ``nn.Linear`` (same on every rank)."""
+        cls._check(module.in_features, module.out_features, mesh)
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self._setup(module, mesh, device, input_layout)
+        return self
+
+    @classmethod
+    def _check(cls, in_features: int, out_features: int, mesh) -> None:
+        layouts.check_mesh(mesh, "3d", cls.__name__)
+        q = mesh.q
+        layouts.check_divisible(cls.__name__, "in_features", in_features, q, f"q={q}")
+        layouts.check_divisible(cls.__name__, "out_features", out_features, q * q, f"q*q={q * q}")
+
+    def _setup(self, serial: nn.Linear, mesh, device, input_layout) -> None:
+        self.mesh = mesh
+        self.input_layout = input_layout or layouts.canonical_layout(mesh)
+        self.output_layout = layouts.swapped_3d(self.input_layout)
+        self.in_features, self.out_features = serial.in_features, serial.out_features
+        device = device if device is not None else default_device(mesh)
+        w_spec = weight_spec_3d(tuple(serial.weight.shape), mesh, self.input_layout)
+        self.weight = nn.Parameter(w_spec.take(serial.weight.detach()).to(device))
+        set_shard_spec(self.weight, w_spec)
+        if serial.bias is not None:
+            out_axis = self.output_layout.hidden_axis
+            b_spec = ShardSpec.split(
+                (self.out_features,), {0: (mesh.rank(out_axis), mesh.q)}, (out_axis,), self.output_layout.batch_axes
+            )
+            self.bias = nn.Parameter(b_spec.take(serial.bias.detach()).to(device))
+            set_shard_spec(self.bias, b_spec)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B/q^2, ..., in/q] (input_layout) -> [B/q^2, ..., out/q] (output_layout)."""
+        q = self.mesh.q
+        if x.shape[-1] * q != self.in_features:
+            raise ValueError(
+                f"ParallelLinear3D expects the local input block [..., in_features/q={self.in_features // q}]; got "
+                f"shape {tuple(x.shape)}. Enter the parallel region with layer.shard_input(x_full)"
+            )
+        y = linear_3d(x, self.weight, self.mesh, self.input_layout)
+        if self.bias is not None:
+            y = y + comm.copy_to(self.bias, self.mesh.group(*self.output_layout.batch_axes))
+        return y
+
+    def shard_input(self, x_full: torch.Tensor) -> torch.Tensor:
+        """[B, ..., in] (replicated) -> this rank's block in ``input_layout``."""
+        return layouts.shard_activation(x_full, self.mesh, self.input_layout, "ParallelLinear3D")
+
+    def gather_output(self, y_local: torch.Tensor) -> torch.Tensor:
+        """[B/q^2, ..., out/q] in ``output_layout`` -> [B, ..., out] on every rank."""
+        return layouts.gather_activation(y_local, self.mesh, self.output_layout)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"q={self.mesh.q}, input_layout=({self.input_layout})")

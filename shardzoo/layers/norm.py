@@ -1,0 +1,146 @@
+"""LayerNorm / RMSNorm for 1D tensor parallelism, with an optional sequence-parallel layout.
+
+Parameters are replicated on every tp rank (ShardSpec ``replicated_over=("tp",)``). Without
+sequence parallelism every rank normalises the same full activation and computes the full
+parameter gradient itself. With ``sequence_parallel=True`` the input is this rank's sequence
+chunk ``[b, s/p, h]``, so each rank's parameter gradient covers only its tokens: forward uses
+the parameters through ``comm.copy_to`` (identity), whose backward all-reduces the gradient
+over tp, so after ``backward()`` every rank holds the full, identical gradient (what
+Megatron's separate "all-reduce sequence-parallel grads" step does, kept inside autograd).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardzoo.layers.common_1d import (
+    enter_sequence_parallel,
+    leave_sequence_parallel,
+    local_param,
+    replicated_spec,
+    require_sequence_layout,
+    tp_sum_grad,
+)
+
+
+def _shape(normalized_shape) -> tuple[int, ...]:
+    return (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+
+
+class _Norm1D(nn.Module):
+    """Shared plumbing: replicated params, sequence-parallel gradient sum, layout helpers."""
+
+    def _set_params(self, serial: nn.Module, device) -> None:
+        for name in ("weight", "bias"):
+            p = getattr(serial, name, None)
+            if p is None:
+                self.register_parameter(name, None)
+            else:
+                setattr(self, name, local_param(p, replicated_spec(p.shape), device))
+
+    def _params(self):
+        sp = self.sequence_parallel
+        w = None if self.weight is None else tp_sum_grad(self.weight, self.mesh, sp)
+        b = None if getattr(self, "bias", None) is None else tp_sum_grad(self.bias, self.mesh, sp)
+        return w, b
+
+    def _check(self, x: torch.Tensor) -> None:
+        if self.sequence_parallel:
+            require_sequence_layout(type(self).__name__, x)
+
+    def shard_input(self, x_full: torch.Tensor) -> torch.Tensor:
+        """``[b, s, h]`` -> ``[b, s/p, h]`` under sequence parallelism; identity otherwise."""
+        return enter_sequence_parallel(x_full, self.mesh) if self.sequence_parallel else x_full
+
+    def gather_output(self, y_local: torch.Tensor) -> torch.Tensor:
+        """``[b, s/p, h]`` -> ``[b, s, h]`` under sequence parallelism; identity otherwise."""
+        return leave_sequence_parallel(y_local, self.mesh) if self.sequence_parallel else y_local
+
+
+class LayerNorm1D(_Norm1D):
+    """``nn.LayerNorm`` with replicated parameters.
+
+    Args: as ``nn.LayerNorm`` plus ``mesh`` and ``sequence_parallel`` (input ``[b, s/p, h]``).
+    Shapes: ``[..., *normalized_shape]`` -> same.
+    """
+
+    def __init__(
+        self,
+        normalized_shape,
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        *,
+        mesh,
+        sequence_parallel: bool = False,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        _serial: nn.LayerNorm | None = None,
+    ):
+        super().__init__()
+        if _serial is None:
+            _serial = nn.LayerNorm(_shape(normalized_shape), eps, elementwise_affine, bias, dtype=dtype)
+        serial = _serial
+        self.normalized_shape, self.eps = tuple(serial.normalized_shape), serial.eps
+        self.mesh, self.sequence_parallel = mesh, sequence_parallel
+        self._set_params(serial, device)
+
+    @classmethod
+    def from_serial(cls, norm: nn.LayerNorm, mesh, **kwargs) -> "LayerNorm1D":
+        """Copy of an existing ``nn.LayerNorm``'s parameters on every rank."""
+        w = norm.weight
+        return cls(norm.normalized_shape, norm.eps, w is not None, norm.bias is not None, mesh=mesh,
+                   device=kwargs.pop("device", None if w is None else w.device), _serial=norm, **kwargs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check(x)
+        w, b = self._params()
+        return F.layer_norm(x, self.normalized_shape, w, b, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, sequence_parallel={self.sequence_parallel}"
+
+
+class RMSNorm1D(_Norm1D):
+    """``nn.RMSNorm`` with replicated parameters.
+
+    Args: as ``nn.RMSNorm`` plus ``mesh`` and ``sequence_parallel`` (input ``[b, s/p, h]``).
+    Shapes: ``[..., *normalized_shape]`` -> same.
+    """
+
+    def __init__(
+        self,
+        normalized_shape,
+        eps: float | None = None,
+        elementwise_affine: bool = True,
+        *,
+        mesh,
+        sequence_parallel: bool = False,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        _serial: nn.RMSNorm | None = None,
+    ):
+        super().__init__()
+        if _serial is None:
+            _serial = nn.RMSNorm(_shape(normalized_shape), eps, elementwise_affine, dtype=dtype)
+        serial = _serial
+        self.normalized_shape, self.eps = tuple(serial.normalized_shape), serial.eps
+        self.mesh, self.sequence_parallel = mesh, sequence_parallel
+        self._set_params(serial, device)
+
+    @classmethod
+    def from_serial(cls, norm: nn.RMSNorm, mesh, **kwargs) -> "RMSNorm1D":
+        """Copy of an existing ``nn.RMSNorm``'s parameters on every rank."""
+        w = norm.weight
+        return cls(norm.normalized_shape, norm.eps, w is not None, mesh=mesh,
+                   device=kwargs.pop("device", None if w is None else w.device), _serial=norm, **kwargs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check(x)
+        w, _ = self._params()
+        return F.rms_norm(x, self.normalized_shape, w, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, sequence_parallel={self.sequence_parallel}"

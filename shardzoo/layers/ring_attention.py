@@ -1,0 +1,239 @@
+"""Ring attention: exact attention over a sequence sharded across a sequence-parallel group.
+
+Three pieces (DESIGN principle 6):
+
+* a block kernel, :func:`shardzoo.kernels.attention_block_forward` / ``_backward``, returning
+  ``(out, lse)`` for one query block against one key block, without a score matrix;
+* a ring iterator, :func:`ring_blocks`, that hands each rank every K/V block of the group in
+  turn while the next block is already on its way (async p2p overlapping the compute);
+* a merge, :func:`merge_block`, folding each block's ``(out, lse)`` into the running result in
+  fp32 by log-sum-exp.
+
+Backward recomputes each block from the saved global output and lse; dK / dV travel round the
+ring with their K / V block and arrive home after P steps, dQ accumulates locally.
+
+Causal attention expects zigzag-sharded inputs (``shard_sequence(..., zigzag=True)``): rank r
+holds sequence chunks r and 2P-1-r, and :func:`block_schedule` picks per step which part of the
+block is needed, so every rank does the same work. Non-causal attention takes any sharding
+whose K, V and mask agree (contiguous by convention). See docs/sequence_parallel.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from shardzoo.comm import RingExchange
+from shardzoo.comm.ops import group_rank, group_size
+from shardzoo.kernels import attention_block_backward, attention_block_forward
+
+_ALL = slice(None)
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp64 stays fp64; every other dtype merges and accumulates in fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    """Fold one block's softmax result into the running one, in place.
+
+    out [B, H, S, D] and lse [B, H, S] are the running result (fp32 / fp64, may be views);
+    block_out / block_lse come from the block kernel for the same rows. With
+    w = sigmoid(block_lse - lse), the share of the block in the merged softmax::
+
+        out <- out - w * (out - block_out)
+        lse <- lse - logsigmoid(lse - block_lse)
+
+    which is log-sum-exp merging without exponentiating large numbers. Rows where a side saw
+    no key (lse = -inf) take the other side unchanged.
+    """
+    block_out = block_out.to(out.dtype)
+    block_lse = block_lse.to(lse.dtype)
+    nothing_yet = torch.isneginf(lse)
+    block_empty = torch.isneginf(block_lse)
+    special = nothing_yet | block_empty
+    # -inf - (-inf) would be nan: give special rows a harmless difference, fix them below
+    diff = torch.where(special, torch.zeros_like(lse), block_lse - lse)
+    weight = torch.sigmoid(diff)
+    weight = torch.where(block_empty, torch.zeros_like(weight), weight)
+    weight = torch.where(nothing_yet, torch.ones_like(weight), weight)
+    merged_lse = torch.where(special, torch.maximum(lse, block_lse), lse - F.logsigmoid(-diff))
+    out.sub_(weight[..., None] * (out - block_out))
+    lse.copy_(merged_lse)
+
+
+def ring_blocks(group, tensors: list[torch.Tensor]) -> Iterator[tuple[int, int, list[torch.Tensor]]]:
+    """Yield ``(step, source_rank, tensors)`` for the P steps of a ring over ``group``.
+
+    At step s this rank holds the ``tensors`` that group rank ``(rank - s) % P`` started with.
+    The exchange for step s+1 is started before step s is yielded, so the caller's compute
+    overlaps the transfer; P-1 exchanges in all (nothing is sent after the last step)."""
+    ring = RingExchange(group)
+    me = group_rank(group)
+    for step in range(ring.size):
+        pending = ring.start(tensors) if step < ring.size - 1 else None
+        yield step, (me - step) % ring.size, tensors
+        if pending is not None:
+            tensors = pending.wait()
+
+
+def block_schedule(step: int, rank: int, source: int, local_len: int, causal: bool) -> tuple[slice, slice, bool]:
+    """(query rows, key rows, causal) this rank computes against the block of ``source``.
+
+    Non-causal: everything. Causal with zigzag shards (this rank holds chunks r, 2P-1-r; the
+    source holds chunks s, 2P-1-s):
+
+    * step 0 (own block): all queries vs all keys, causal (local order is global order);
+    * source < rank: every query comes after chunk s and before chunk 2P-1-s, so all queries
+      vs the source's first chunk, fully visible;
+    * source > rank: only the second query chunk (2P-1-r) comes after both source chunks, so
+      the second half of the queries vs all source keys, fully visible.
+
+    Each causal step after the first costs half a block, the same on every rank."""
+    if not causal:
+        return _ALL, _ALL, False
+    if step == 0:
+        return _ALL, _ALL, True
+    half = local_len // 2
+    if source < rank:
+        return _ALL, slice(0, half), False
+    return slice(half, None), _ALL, False
+
+
+@dataclass(frozen=True)
+class RingSettings:
+    """Everything about a ring attention call that is not a tensor."""
+
+    group: object
+    causal: bool
+    softmax_scale: float | None
+    backend: str = "auto"
+
+
+def _travelling(k, v, key_padding_mask) -> list[torch.Tensor]:
+    return [k, v] if key_padding_mask is None else [k, v, key_padding_mask]
+
+
+def ring_forward(q, k, v, key_padding_mask, settings: RingSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward pass without autograd: q [B, H, S, D], k / v [B, H, Sk, D] local shards.
+
+    Returns (out [B, H, S, D] in q's dtype, lse [B, H, S] fp32 (fp64 for fp64))."""
+    acc = accumulation_dtype(q.dtype)
+    batch, heads, seq, dim = q.shape
+    out = torch.zeros(batch, heads, seq, dim, dtype=acc, device=q.device)
+    lse = torch.full((batch, heads, seq), float("-inf"), dtype=acc, device=q.device)
+    me = group_rank(settings.group)
+    for step, source, block in ring_blocks(settings.group, _travelling(k, v, key_padding_mask)):
+        k_block, v_block, *mask = block
+        rows, cols, causal = block_schedule(step, me, source, k.shape[2], settings.causal)
+        block_out, block_lse = attention_block_forward(
+            q[:, :, rows], k_block[:, :, cols], v_block[:, :, cols], causal=causal,
+            key_padding_mask=mask[0][:, cols] if mask else None,
+            softmax_scale=settings.softmax_scale, backend=settings.backend,
+        )  # fmt: skip
+        merge_block(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+    return out.to(q.dtype), lse
+
+
+def ring_backward(dout, q, k, v, out, lse, key_padding_mask, settings: RingSettings):
+    """Backward pass without autograd, from the saved global ``out`` and ``lse``.
+
+    Returns (dq, dk, dv) in the accumulation dtype (fp32, fp64 for fp64), shapes of q, k, v."""
+    acc = accumulation_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    grad_ring = RingExchange(settings.group)
+    me = group_rank(settings.group)
+    pending_grads = None
+    for step, source, block in ring_blocks(settings.group, _travelling(k, v, key_padding_mask)):
+        k_block, v_block, *mask = block
+        rows, cols, causal = block_schedule(step, me, source, k.shape[2], settings.causal)
+        dq_block, dk_block, dv_block = attention_block_backward(
+            dout[:, :, rows], q[:, :, rows], k_block[:, :, cols], v_block[:, :, cols], out[:, :, rows],
+            lse[:, :, rows], causal=causal, key_padding_mask=mask[0][:, cols] if mask else None,
+            softmax_scale=settings.softmax_scale, backend=settings.backend,
+        )  # fmt: skip
+        dq[:, :, rows] += dq_block
+        if pending_grads is None:  # step 0: the block is our own and starts its trip here
+            dk_travelling, dv_travelling = dk_block.to(acc), dv_block.to(acc)
+        else:  # the block's gradient so far arrives with it, one step behind the K / V
+            dk_travelling, dv_travelling = pending_grads.wait()
+            dk_travelling[:, :, cols] += dk_block
+            dv_travelling[:, :, cols] += dv_block
+        pending_grads = grad_ring.start([dk_travelling, dv_travelling])
+    dk, dv = pending_grads.wait()  # the P-th hop brings our own block's gradient home
+    return dq, dk, dv
+
+
+class RingAttentionFunction(torch.autograd.Function):
+    """Differentiable ring attention in q, k, v (the mask and settings get no gradient)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, key_padding_mask, settings):
+        out, lse = ring_forward(q, k, v, key_padding_mask, settings)
+        ctx.save_for_backward(q, k, v, out, lse, key_padding_mask)
+        ctx.settings = settings
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, key_padding_mask = ctx.saved_tensors
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, key_padding_mask, ctx.settings)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def _check_ring_inputs(q, k, v, key_padding_mask, group, causal) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"ring_attention: {name} must be a [batch, heads, seq/P, head_dim] tensor, got {shape}")
+    if k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
+        raise ValueError(
+            f"ring_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must agree on batch, "
+            "heads and head_dim, and k, v must have one shape; repeat k / v heads for grouped-query attention"
+        )
+    world = group_size(group)
+    if causal and q.shape[2] != k.shape[2]:
+        raise ValueError(
+            f"ring_attention: causal attention needs equal local query and key lengths, got {q.shape[2]} and "
+            f"{k.shape[2]}; shard q, k and v with the same shard_sequence(..., zigzag=True) call pattern"
+        )
+    if causal and world > 1 and q.shape[2] % 2 != 0:
+        raise ValueError(
+            f"ring_attention: causal attention uses zigzag shards of two equal chunks, but the local sequence "
+            f"length {q.shape[2]} is odd; pad the full sequence to a multiple of 2*P = {2 * world} and shard it "
+            "with shard_sequence(x, group, dim=2, zigzag=True)"
+        )
+    if key_padding_mask is not None and (
+        key_padding_mask.dtype != torch.bool or tuple(key_padding_mask.shape) != (k.shape[0], k.shape[2])
+    ):
+        raise ValueError(
+            f"ring_attention: key_padding_mask must be this rank's bool [batch, seq/P] = {(k.shape[0], k.shape[2])} "
+            f"slice (True = attend), got {key_padding_mask.dtype} {tuple(key_padding_mask.shape)}; shard it with "
+            "shard_padding_mask(mask, group, zigzag=causal)"
+        )
+
+
+def ring_attention(q, k, v, *, group, causal=False, key_padding_mask=None, softmax_scale=None):
+    """Exact attention over a sequence sharded across ``group`` (ring attention).
+
+    Args:
+        q: [batch, heads, seq/P, head_dim] this rank's query shard; k, v: [batch, heads,
+            seq/P, head_dim] this rank's key / value shards (same sharding as their mask).
+        group: the sequence-parallel process group (e.g. ``mesh.sp_group``), P ranks.
+        causal: causal attention over the *global* positions; inputs must then be zigzag
+            shards (``shard_sequence(x, group, dim=2, zigzag=True)``).
+        key_padding_mask: this rank's bool [batch, seq/P] slice, True = attend.
+        softmax_scale: defaults to 1 / sqrt(head_dim).
+
+    Returns:
+        [batch, heads, seq/P, head_dim] in q's dtype: this rank's rows of the attention output.
+        Rows that see no key are 0. Activation memory per rank is O(seq/P); K, V (and the
+        mask) take P-1 hops in forward, dK / dV P hops in backward.
+    """
+    _check_ring_inputs(q, k, v, key_padding_mask, group, causal)
+    settings = RingSettings(group, bool(causal), softmax_scale)
+    return RingAttentionFunction.apply(q, k, v, key_padding_mask, settings)

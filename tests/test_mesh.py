@@ -1,0 +1,120 @@
+"""ParallelMesh: sizes, coordinates and groups for every tp_mode, and every bad-input error."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardzoo import ParallelMesh
+from shardzoo.comm.mesh import tp_sub_shape
+from shardzoo.testing import run_on_ranks
+
+LAYOUTS = [
+    dict(tp=8, tp_mode="1d"),
+    dict(dp=2, tp=4, tp_mode="1d"),
+    dict(dp=2, pp=2, sp=2, tp=1),
+    dict(dp=2, tp=4, tp_mode="2d"),
+    dict(sp=2, tp=4, tp_mode="2d"),
+    dict(tp=8, tp_mode="2.5d", tp_depth=2),
+    dict(dp=2, tp=4, tp_mode="2.5d", tp_depth=1),
+    dict(tp=8, tp_mode="3d"),
+    dict(dp=None, tp=4, tp_mode="2d"),
+]
+
+
+def describe_mesh(layout):
+    mesh = ParallelMesh(**layout)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    info = {"coord": mesh.coordinate, "tp_rank": mesh.tp_rank, "sizes": {}, "groups": {}}
+    for axes in [(a,) for a in mesh.axis_names] + [("tp",), ("dp", "sp"), mesh.tp_sub_axes[::-1]]:
+        group = mesh.group(*axes)
+        # The group really spans the ranks mesh.ranks() names, in that order.
+        members = [None] * dist.get_world_size(group)
+        dist.all_gather_object(members, rank, group=group)
+        info["groups"][axes] = members
+        assert members == mesh.ranks(*axes), (axes, members, mesh.ranks(*axes))
+        assert dist.get_rank(group) == mesh.rank(*axes)
+        info["sizes"][axes] = mesh.size(*axes)
+    assert mesh.world_size == world
+    return info
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: "-".join(f"{k}{v}" for k, v in l.items()))
+def test_mesh_groups_and_coordinates(layout):
+    infos = run_on_ranks(describe_mesh, 8, layout)
+    mode = layout.get("tp_mode", "1d")
+    tp = layout["tp"]
+    for rank, info in enumerate(infos):
+        # tp is the fastest-varying axis: a rank's tp coordinate is rank % tp.
+        assert info["tp_rank"] == rank % tp
+        assert info["groups"][("tp",)] == [rank - rank % tp + i for i in range(tp)]
+        # Sub-axes are row-major inside tp: the last sub-axis varies fastest.
+        sub = tp_sub_shape(tp, mode, layout.get("tp_depth", 1))
+        coords = [info["coord"][a] for a in info["coord"] if a.startswith("tp")]
+        flat = 0
+        for c, s in zip(coords, sub):
+            flat = flat * s + c
+        assert flat == rank % tp
+    # Every rank has a distinct coordinate.
+    assert len({tuple(i["coord"].values()) for i in infos}) == 8
+
+
+def test_mesh_inferred_axis():
+    infos = run_on_ranks(describe_mesh, 4, dict(dp=None, tp=2))
+    assert infos[0]["sizes"][("dp",)] == 2
+
+
+@pytest.mark.parametrize(
+    "layout, message",
+    [
+        (dict(dp=3, tp=2), "world size 4 != dp=3 * pp=1 * sp=1 * tp=2 = 6"),
+        (dict(tp=4, tp_mode="2d", dp=None, pp=None), "only one of dp, pp, sp, tp may be None"),
+        (dict(tp=2, tp_mode="2d", dp=2), "tp_mode='2d' needs tp to be a perfect square q*q; got tp=2"),
+        (dict(tp=4, tp_mode="2.5d", tp_depth=2), "tp_mode='2.5d' needs tp = tp_depth*q*q; got tp=4, tp_depth=2"),
+        (dict(tp=4, tp_mode="3d"), "tp_mode='3d' needs tp to be a perfect cube q*q*q; got tp=4"),
+        (dict(tp=4, tp_mode="4d"), "unknown tp_mode='4d'; use one of 1d, 2d, 2.5d, 3d"),
+        (dict(tp=4, tp_depth=2), "tp_depth=2 only applies to tp_mode='2.5d'"),
+        (dict(dp=None, tp=3), "cannot infer dp: world size 4 is not divisible"),
+        (dict(tp=0, dp=None), "tp=0 must be a positive integer"),
+    ],
+)
+def test_mesh_bad_layout_errors(layout, message):
+    with pytest.raises(ValueError) as info:
+        run_on_ranks(_build, 4, layout)
+    assert message in str(info.value)
+
+
+def _build(layout):
+    ParallelMesh(**layout)
+
+
+def test_mesh_needs_initialised_distributed():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="torchrun --nproc-per-node N .*shardzoo.launch"):
+        ParallelMesh(tp=2)
+
+
+def test_unknown_axis_error():
+    assert "unknown mesh axis 'tp_row' for tp_mode='1d'" in run_on_ranks(_unknown_axis, 2)[0]
+
+
+def _unknown_axis():
+    mesh = ParallelMesh(tp=2)
+    try:
+        mesh.group("tp_row")
+    except ValueError as e:
+        return str(e)
+
+
+def two_meshes():
+    """Two meshes in one process, different layouts, each with working groups."""
+    a = ParallelMesh(tp=4, tp_mode="2d")
+    b = ParallelMesh(dp=2, tp=2)
+    x = torch.ones(1)
+    dist.all_reduce(x, group=a.group("tp_row"))
+    y = torch.ones(1)
+    dist.all_reduce(y, group=b.dp_group)
+    return x.item(), y.item(), a.size("tp_row"), b.dp_size
+
+
+def test_two_meshes_coexist():
+    assert run_on_ranks(two_meshes, 4) == [(2.0, 2.0, 2, 2)] * 4
