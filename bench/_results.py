@@ -1,0 +1,58 @@
+"""Shared by the benchmarks: machine description and writing results (JSON + RESULTS.md section)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+BENCH_DIR = Path(__file__).resolve().parent
+RESULTS_MD = BENCH_DIR / "RESULTS.md"
+
+
+def machine() -> str:
+    """One line naming the hardware and software the numbers come from."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return f"{platform.machine()} {cores} cores, {gpu}, Python {platform.python_version()}, torch {torch.__version__}"
+
+
+def command() -> str:
+    return "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0])] + sys.argv[1:])
+
+
+def markdown_table(headers: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_results(name: str, title: str, table_md: str, data: dict, note: str = "") -> None:
+    """Write ``bench/results/<name>.json`` and replace this benchmark's section of RESULTS.md
+    (between ``<!-- name:start -->`` and ``<!-- name:end -->``), leaving other sections alone."""
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    out_dir = BENCH_DIR / "results"
+    out_dir.mkdir(exist_ok=True)
+    payload = {"date": stamp, "machine": machine(), "command": command(), **data}
+    tmp = out_dir / f"{name}.json.tmp"
+    tmp.write_text(json.dumps(payload, indent=2, default=str))
+    tmp.replace(out_dir / f"{name}.json")
+    section = (
+        f"<!-- {name}:start -->\n## {title}\n\n{stamp} · {machine()} · `{command()}`\n\n"
+        f"{table_md}\n\n{note}\n<!-- {name}:end -->".rstrip() + "\n"
+    )
+    text = RESULTS_MD.read_text() if RESULTS_MD.exists() else "# Benchmark results\n\nLatest run of each benchmark in `bench/`.\n"
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    if start in text and end in text:
+        before, rest = text.split(start, 1)
+        after = rest.split(end, 1)[1].lstrip("\n")
+        text = before + section.rstrip("\n") + "\n" + after
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    RESULTS_MD.write_text(text)

@@ -1,0 +1,137 @@
+"""Collectives: shardzoo's autograd ops vs the raw torch.distributed call, in the same launch.
+
+For each world size, one launch; inside it every op runs at every size, alternating the
+shardzoo op and the raw call rep by rep so drifts hit both equally. Sizes are the bytes of
+the full tensor (gathered output for all_gather, input for the others). Also measures the
+round trip of a no-op through a persistent 8-rank WorkerPool (what one property-test example
+costs on top of its own work).
+
+    python bench/comm.py                       # 1-64 MiB on 2, 4, 8 ranks
+    python bench/comm.py --sizes-mib 1 --worlds 2 --reps 3   # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import shardzoo  # noqa: E402
+from _results import markdown_table, write_results  # noqa: E402
+from shardzoo import comm  # noqa: E402
+from shardzoo.comm.ops import _ALL_GATHER, _REDUCE_SCATTER  # noqa: E402
+from shardzoo.comm.p2p import RingExchange  # noqa: E402
+from shardzoo.comm.workers import WorkerPool  # noqa: E402
+
+
+def _cases(numel: int, p: int):
+    """(op name, shardzoo callable, raw callable) at a full-tensor size of ``numel`` floats."""
+    g = dist.group.WORLD
+    full = torch.randn(numel)
+    part = torch.randn(numel // p)
+    gathered = torch.empty(numel)
+    scattered = torch.empty(numel // p)
+    grad = torch.randn(numel)
+
+    def copy_to_backward():
+        x = full.detach().requires_grad_(True)
+        comm.copy_to(x, g).backward(grad)
+
+    def ring():
+        RingExchange(g).start([full]).wait()
+
+    def raw_ring():
+        ops = [dist.P2POp(dist.isend, full, (dist.get_rank() + 1) % p), dist.P2POp(dist.irecv, gathered, (dist.get_rank() - 1) % p)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+
+    return [
+        ("reduce_from (all_reduce)", lambda: comm.reduce_from(full, g), lambda: dist.all_reduce(full.clone())),
+        ("copy_to backward (all_reduce)", copy_to_backward, lambda: dist.all_reduce(grad.clone())),
+        ("gather_from (all_gather)", lambda: comm.gather_from(part, g, 0), lambda: _ALL_GATHER(gathered, part)),
+        ("all_gather", lambda: comm.all_gather(part, g, 0), lambda: _ALL_GATHER(gathered, part)),
+        ("reduce_scatter", lambda: comm.reduce_scatter(full, g, 0), lambda: _REDUCE_SCATTER(scattered, full)),
+        ("all_to_all", lambda: comm.all_to_all(full, g, 0, 0), lambda: dist.all_to_all_single(gathered, full)),
+        ("broadcast", lambda: comm.broadcast(full, g, 0), lambda: dist.broadcast(full.clone(), 0)),
+        ("ring exchange (p2p)", ring, raw_ring),
+    ]
+
+
+def _time(fn) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def measure(sizes_mib: list[float], reps: int) -> list[dict]:
+    """Runs on every rank; returns rows (rank 0's timings, which every rank matches)."""
+    p = dist.get_world_size()
+    rows = []
+    for mib in sizes_mib:
+        numel = int(mib * 2**20 / 4) // p * p
+        for name, ours, raw in _cases(numel, p):
+            ours(), raw()  # warm up both paths
+            t_ours, t_raw = [], []
+            for _ in range(reps):
+                t_ours.append(_time(ours))
+                t_raw.append(_time(raw))
+            # A rank's step is over when the slowest rank is done: take the max over ranks.
+            times = torch.tensor([statistics.median(t_ours), statistics.median(t_raw)], dtype=torch.float64)
+            dist.all_reduce(times, op=dist.ReduceOp.MAX)
+            rows.append({"op": name, "world": p, "mib": mib, "shardzoo_ms": times[0].item() * 1e3, "raw_ms": times[1].item() * 1e3})
+    return rows
+
+
+def _noop() -> None:
+    return None
+
+
+def pool_round_trip(world: int, calls: int) -> float:
+    with WorkerPool(world) as pool:
+        pool.run(_noop)
+        times = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            pool.run(_noop)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--reps", type=int, default=7)
+    args = parser.parse_args()
+
+    rows = []
+    for world in args.worlds:
+        rows += shardzoo.launch(measure, world, args.sizes_mib, args.reps, timeout=3600)[0]
+    table_rows = [
+        [r["op"], r["world"], f"{r['mib']:g}", f"{r['shardzoo_ms']:.2f}", f"{r['raw_ms']:.2f}", f"{r['shardzoo_ms'] / r['raw_ms']:.3f}"]
+        for r in rows
+    ]
+    table = markdown_table(["op", "ranks", "MiB", "shardzoo ms", "raw ms", "ratio"], table_rows)
+    rt = pool_round_trip(8, 200)
+    print(table)
+    print(f"\nWorkerPool no-op round trip on 8 ranks: {rt:.2f} ms (median of 200)")
+    at16 = [r for r in rows if r["mib"] == 16]
+    worst = max(at16, key=lambda r: r["shardzoo_ms"] / r["raw_ms"]) if at16 else None
+    note = f"WorkerPool no-op round trip on 8 ranks: **{rt:.2f} ms** (median of 200 calls)."
+    if worst:
+        note += (
+            f" Worst ratio at 16 MiB: {worst['shardzoo_ms'] / worst['raw_ms']:.3f} ({worst['op']}, "
+            f"{worst['world']} ranks). Medians of {args.reps} alternating reps, max over ranks; gloo over loopback."
+        )
+    write_results("comm", "Collectives vs raw torch.distributed (bench/comm.py)", table, {"rows": rows, "pool_round_trip_ms": rt}, note)
+
+
+if __name__ == "__main__":
+    main()
