@@ -1,5 +1,9 @@
 """Collectives: shardzoo's autograd ops vs the raw torch.distributed call, in the same launch.
 
+shardzoo's ops are out-of-place (the input is never overwritten), so each raw call is written
+with the same semantics: it allocates its output (or clones the input for in-place calls).
+The ratio is then the cost of the wrapper itself: autograd, dim handling and accounting.
+
 For each world size, one launch; inside it every op runs at every size, alternating the
 shardzoo op and the raw call rep by rep so drifts hit both equally. Sizes are the bytes of
 the full tensor (gathered output for all_gather, input for the others). Also measures the
@@ -35,9 +39,10 @@ def _cases(numel: int, p: int):
     g = dist.group.WORLD
     full = torch.randn(numel)
     part = torch.randn(numel // p)
-    gathered = torch.empty(numel)
-    scattered = torch.empty(numel // p)
     grad = torch.randn(numel)
+
+    def new(n):  # raw calls allocate their output each time, as shardzoo's out-of-place ops do
+        return torch.empty(n)
 
     def copy_to_backward():
         x = full.detach().requires_grad_(True)
@@ -47,17 +52,17 @@ def _cases(numel: int, p: int):
         RingExchange(g).start([full]).wait()
 
     def raw_ring():
-        ops = [dist.P2POp(dist.isend, full, (dist.get_rank() + 1) % p), dist.P2POp(dist.irecv, gathered, (dist.get_rank() - 1) % p)]
+        ops = [dist.P2POp(dist.isend, full, (dist.get_rank() + 1) % p), dist.P2POp(dist.irecv, new(numel), (dist.get_rank() - 1) % p)]
         for w in dist.batch_isend_irecv(ops):
             w.wait()
 
     return [
         ("reduce_from (all_reduce)", lambda: comm.reduce_from(full, g), lambda: dist.all_reduce(full.clone())),
         ("copy_to backward (all_reduce)", copy_to_backward, lambda: dist.all_reduce(grad.clone())),
-        ("gather_from (all_gather)", lambda: comm.gather_from(part, g, 0), lambda: _ALL_GATHER(gathered, part)),
-        ("all_gather", lambda: comm.all_gather(part, g, 0), lambda: _ALL_GATHER(gathered, part)),
-        ("reduce_scatter", lambda: comm.reduce_scatter(full, g, 0), lambda: _REDUCE_SCATTER(scattered, full)),
-        ("all_to_all", lambda: comm.all_to_all(full, g, 0, 0), lambda: dist.all_to_all_single(gathered, full)),
+        ("gather_from (all_gather)", lambda: comm.gather_from(part, g, 0), lambda: _ALL_GATHER(new(numel), part)),
+        ("all_gather", lambda: comm.all_gather(part, g, 0), lambda: _ALL_GATHER(new(numel), part)),
+        ("reduce_scatter", lambda: comm.reduce_scatter(full, g, 0), lambda: _REDUCE_SCATTER(new(numel // p), full)),
+        ("all_to_all", lambda: comm.all_to_all(full, g, 0, 0), lambda: dist.all_to_all_single(new(numel), full)),
         ("broadcast", lambda: comm.broadcast(full, g, 0), lambda: dist.broadcast(full.clone(), 0)),
         ("ring exchange (p2p)", ring, raw_ring),
     ]

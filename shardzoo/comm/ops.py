@@ -113,11 +113,17 @@ def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> tor
     if p == 1:
         return x
     check_divisible(x, scatter_dim, p, "all_to_all")
-    send = torch.stack(x.chunk(p, scatter_dim), 0).contiguous()
+    # Chunk i must be the i-th block of memory; along dim 0 it already is (no copy).
+    if scatter_dim == 0:
+        send = x.contiguous().view((p, x.shape[0] // p) + tuple(x.shape[1:]))
+    else:
+        send = torch.stack(x.chunk(p, scatter_dim), 0).contiguous()
     recv = torch.empty_like(send)
     record("all_to_all", _nbytes(send), p)
     dist.all_to_all_single(recv, send, group=group)
-    return torch.cat(recv.unbind(0), gather_dim % x.dim())
+    if gather_dim == 0:
+        return recv.view((p * recv.shape[1],) + tuple(recv.shape[2:]))
+    return torch.cat(recv.unbind(0), gather_dim)
 
 
 def broadcast(x: torch.Tensor, group, src: int) -> torch.Tensor:
