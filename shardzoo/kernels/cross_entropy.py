@@ -31,25 +31,35 @@ def _local_target(target, vocab_start, v):
     return local.clamp(0, max(v - 1, 0)), in_range
 
 
+def _stat_dtype(logits):
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
 def cross_entropy_partials_torch(logits, target, vocab_start):
-    """Reference: logits [N, V_local], target [N] -> (row_max, sum_exp, target_logit, sum_logits) fp32 [N]."""
-    x = logits.float()
+    """Reference: logits [N, V_local], target [N] -> (row_max, sum_exp, target_logit, sum_logits) fp32 [N]
+    (fp64 for fp64 logits). V_local = 0 gives (-inf, 0, 0, 0)."""
+    x = logits.to(_stat_dtype(logits))
+    n, v = x.shape
+    if v == 0:
+        zeros = x.new_zeros(n)
+        return torch.full_like(zeros, float("-inf")), zeros, zeros.clone(), zeros.clone()
     row_max = x.amax(-1)
     shift = torch.where(torch.isneginf(row_max), torch.zeros_like(row_max), row_max)
     sum_exp = torch.exp(x - shift[:, None]).sum(-1)
-    local, in_range = _local_target(target, vocab_start, x.shape[1])
+    local, in_range = _local_target(target, vocab_start, v)
     target_logit = torch.where(in_range, x.gather(1, local[:, None]).squeeze(1), torch.zeros_like(row_max))
     return row_max, sum_exp, target_logit, x.sum(-1)
 
 
 def cross_entropy_grad_torch(logits, target, vocab_start, lse, grad_row, label_smoothing, vocab_size):
     """Reference: dlogits [N, V_local] = grad_row * (softmax - (1-ls)*onehot - ls/vocab_size)."""
-    x = logits.float()
-    grad = torch.exp(x - lse.float()[:, None]) - label_smoothing / vocab_size
+    ct = _stat_dtype(logits)
+    x = logits.to(ct)
+    grad = torch.exp(x - lse.to(ct)[:, None]) - label_smoothing / vocab_size
     local, in_range = _local_target(target, vocab_start, x.shape[1])
     rows = torch.nonzero(in_range).squeeze(1)
     grad[rows, local[rows]] -= 1.0 - label_smoothing
-    grad = grad * grad_row.float()[:, None]
+    grad = grad * grad_row.to(ct)[:, None]
     grad = torch.where((target >= 0)[:, None], grad, torch.zeros_like(grad))  # ignored rows: exactly 0
     return grad.to(logits.dtype)
 
@@ -73,8 +83,9 @@ def cross_entropy_partials(logits, target, vocab_start=0, backend="auto"):
     """Per-row statistics of local logits.
 
     Args: logits [N, V_local]; target [N] int (negative = ignored); vocab_start: first local vocab id.
-    Returns: fp32 [N] each: row_max (max local logit), sum_exp (sum exp(logit - row_max)),
-    target_logit (logit of the target when it is local, else 0), sum_logits (sum of local logits).
+    Returns: fp32 [N] each (fp64 for fp64 logits, torch backend): row_max (max local logit, -inf when
+    V_local = 0), sum_exp (sum exp(logit - row_max)), target_logit (logit of the target when it is
+    local, else 0), sum_logits (sum of local logits).
     """
     backend = _check("cross_entropy_partials", logits, target, vocab_start, backend)
     if backend == "triton":
@@ -132,7 +143,7 @@ class CrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, grad):
         logits, target, lse, n_valid = ctx.saved_tensors
         label_smoothing, reduction, backend = ctx.settings
-        grad = grad.float()
+        grad = grad.to(lse.dtype)  # fp32, or fp64 for fp64 logits
         if reduction == "none":
             grad_row = grad
         else:

@@ -68,8 +68,10 @@ def cross_entropy_partials_triton(logits, target, vocab_start):
     """logits [N, V_local], target [N] -> (row_max, sum_exp, target_logit, sum_logits), fp32 [N] each."""
     logits = _rows(logits)
     n, v = logits.shape
-    outs = [torch.empty(n, dtype=torch.float32, device=logits.device) for _ in range(4)]
-    if n and v:
+    outs = [torch.zeros(n, dtype=torch.float32, device=logits.device) for _ in range(4)]
+    if v == 0:  # a rank holding no vocab columns
+        outs[0].fill_(float("-inf"))
+    elif n:
         block = _block_v(logits)
         _ce_partials_kernel[(n,)](logits, target.contiguous(), *outs, logits.stride(0), v, int(vocab_start),
                                   BLOCK_V=block, num_warps=8 if block >= 4096 else 4)

@@ -20,7 +20,7 @@ def _visible(q0, q1, k0, k1, causal, key_padding_mask, device):
     """Bool mask broadcastable to [B, H, q1-q0, k1-k0], or None when every key is visible."""
     visible = None
     if key_padding_mask is not None:
-        visible = key_padding_mask[:, None, None, :k1-k0]
+        visible = key_padding_mask[:, None, None, k0:k1]
     if causal:
         rows = torch.arange(q0, q1, device=device)[:, None]
         cols = torch.arange(k0, k1, device=device)[None, :]

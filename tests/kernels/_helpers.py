@@ -1,0 +1,70 @@
+"""Shared settings for the kernel tests: device, tolerances, plain-torch attention."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardzoo.kernels import HAS_TRITON
+from shardzoo.kernels._triton import interpreting
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+TRITON_RUNNABLE = HAS_TRITON and (DEVICE.type == "cuda" or interpreting())
+needs_triton = pytest.mark.skipif(
+    not TRITON_RUNNABLE, reason="needs triton plus a CUDA device or TRITON_INTERPRET=1 (set by conftest on CPU)")
+
+# (atol, rtol) of a kernel output against plain torch in fp32 on the same (upcast) inputs.
+# Low-precision rows cover rounding the result to the input dtype (the interpreter rounds
+# toward zero, so up to one full ulp) and, for gradients, the rounded `out` in D = rowsum(dO*O).
+OUT_TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
+GRAD_TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (5e-3, 5e-3), torch.bfloat16: (4e-2, 4e-2)}
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def assert_close(actual, expected, tol, scale_atol=True, msg=""):
+    """allclose in fp32; with scale_atol the atol is relative to max |expected| (for gradients)."""
+    atol, rtol = tol
+    expected = expected.float()
+    if scale_atol:
+        atol = atol * max(1.0, expected.abs().max().item())
+    torch.testing.assert_close(actual.float(), expected, atol=atol, rtol=rtol, msg=msg or None)
+
+
+def visible_mask(b, sq, sk, causal, key_padding_mask, device=DEVICE):
+    """Bool [B, 1, Sq, Sk]: True where query i may attend key j."""
+    mask = torch.ones(b, 1, sq, sk, dtype=torch.bool, device=device)
+    if causal:
+        mask &= torch.ones(sq, sk, dtype=torch.bool, device=device).tril()
+    if key_padding_mask is not None:
+        mask &= key_padding_mask[:, None, None, :]
+    return mask
+
+
+def sdpa_attention(q, k, v, causal=False, key_padding_mask=None, softmax_scale=None):
+    """Plain torch attention in fp32 (fp64 for fp64 input) with an explicit boolean mask -> (out, lse).
+
+    Rows without a visible key give out = 0 and lse = -inf (SDPA alone would give NaN).
+    Differentiable in q, k, v.
+    """
+    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q, k, v = q.to(ct), k.to(ct), v.to(ct)
+    b, _, sq, d = q.shape
+    scale = softmax_scale if softmax_scale is not None else d ** -0.5
+    mask = visible_mask(b, sq, k.shape[2], causal, key_padding_mask, q.device)
+    has_key = mask.any(-1, keepdim=True)  # [B, 1, Sq, 1]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | ~has_key, scale=scale)
+    out = torch.where(has_key, out, torch.zeros_like(out))
+    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+    return out, torch.logsumexp(scores, -1)
+
+
+def random_padding_mask(gen, b, sk, empty_row=False, device=DEVICE):
+    """Random bool [B, Sk] keep-mask; with empty_row, batch 0 keeps no key at all."""
+    mask = torch.rand(b, sk, generator=gen) > 0.3
+    if empty_row:
+        mask[0] = False
+    return mask.to(device)
+
+
+def randn(gen, *shape, dtype=torch.float32, scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(DEVICE)
