@@ -42,9 +42,8 @@ def vocab_parallel_param(weight: torch.Tensor, mesh, layout: ActivationLayout, d
     vocab_axis, sub_axes = vocab_axes(layout)
     sub = mesh.size(*sub_axes) if sub_axes else 1
     index = mesh.rank(vocab_axis) * sub + (mesh.rank(*sub_axes) if sub_axes else 0)
-    q = mesh.size(layout.hidden_axis)
-    spec = ShardSpec.split(tuple(weight.shape), {0: (index, mesh.size(vocab_axis) * sub), 1: (mesh.rank(layout.hidden_axis), q)},
-                           (layout.hidden_axis, vocab_axis) + sub_axes, layout.replica_axes)
+    split = {0: (index, mesh.size(vocab_axis) * sub), 1: (mesh.rank(layout.hidden_axis), mesh.size(layout.hidden_axis))}
+    spec = ShardSpec.split(tuple(weight.shape), split, (layout.hidden_axis, vocab_axis) + sub_axes, layout.replica_axes)
     device = device if device is not None else default_device(mesh)
     return set_shard_spec(nn.Parameter(spec.take(weight.detach()).to(device)), spec)
 
@@ -83,13 +82,8 @@ class GridEmbedding(_GridEmbeddingBase):
     ids [B/parts, ...] -> [B/parts, ..., H/q]."""
 
     def _place(self, weight: torch.Tensor, device) -> None:
-        parts = layouts.hidden_parts(self.mesh, self.layout)
-        layouts.check_divisible(type(self).__name__, "embedding_dim", self.embedding_dim, parts,
-                                f"{self._parts_rule()}={parts}")
+        layouts.check_hidden_parts(type(self).__name__, "embedding_dim", self.embedding_dim, self.mesh, self.layout)
         self.weight = layouts.hidden_param(weight, 1, self.mesh, self.layout, device)
-
-    def _parts_rule(self) -> str:
-        return {"2d": "q*q", "2.5d": "q*q", "3d": "q*q*q"}[self.mode]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         weight = layouts.gather_hidden_param(self.weight, -1, self.mesh, self.layout)  # [V, H/q]

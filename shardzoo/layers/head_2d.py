@@ -20,7 +20,7 @@ from shardzoo import comm
 from shardzoo.comm import ops
 from shardzoo.layers import layouts
 from shardzoo.layers.cross_entropy import vocab_parallel_cross_entropy
-from shardzoo.layers.embedding_2d import vocab_parallel_param
+from shardzoo.layers.embedding_2d import GridVocabParallelEmbedding, vocab_parallel_param
 from shardzoo.layers.layouts import ActivationLayout
 from shardzoo.layers.shard_spec import ShardSpec, set_shard_spec
 from shardzoo.layers.summa_2d import Grid2D, summa_linear_t
@@ -33,6 +33,8 @@ def grid_cross_entropy(logits, target, *, mesh, layout: ActivationLayout, vocab_
     (global ids, this rank's batch block). "mean" / "sum" return the loss of the whole batch
     on every rank (a mean over all non-ignored targets, as F.cross_entropy); "none" returns
     this rank's block of per-token losses."""
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"cross entropy reduction={reduction!r} is not one of 'mean', 'sum', 'none'")
     per_token = vocab_parallel_cross_entropy(
         logits, target, group=mesh.group(layout.hidden_axis), vocab_start=vocab_start, vocab_size=vocab_size,
         ignore_index=ignore_index, label_smoothing=label_smoothing, reduction="none")
@@ -68,9 +70,7 @@ class GridClassifier(layouts.GridModule):
     def _setup(self, serial: nn.Linear, mesh, device, layout) -> None:
         self._bind(mesh, layout)
         self.in_features, self.num_classes = serial.in_features, serial.out_features
-        parts = layouts.hidden_parts(mesh, self.layout)
-        rule = {"2d": "q*q", "2.5d": "q*q", "3d": "q*q*q"}[self.mode]
-        layouts.check_divisible(type(self).__name__, "in_features", self.in_features, parts, f"{rule}={parts}")
+        layouts.check_hidden_parts(type(self).__name__, "in_features", self.in_features, mesh, self.layout)
         self.weight = layouts.hidden_param(serial.weight, 1, mesh, self.layout, device)
         if serial.bias is None:
             self.register_parameter("bias", None)
@@ -108,9 +108,11 @@ class SummaLMHead(layouts.GridModule):
             return
         if bias:
             raise ValueError(f"{name}(tie_to=...) shares the embedding's weight and has no bias; pass bias=False")
-        if (tie_to.num_embeddings, tie_to.embedding_dim) != (vocab_size, in_features) or tie_to.mesh is not mesh:
+        if not isinstance(tie_to, GridVocabParallelEmbedding) or tie_to.mesh is not mesh \
+                or (tie_to.num_embeddings, tie_to.embedding_dim) != (vocab_size, in_features):
             raise ValueError(f"{name}(in_features={in_features}, vocab_size={vocab_size}) cannot tie to {tie_to}; "
-                             f"use in_features=embedding_dim, vocab_size=num_embeddings and the embedding's mesh")
+                             f"tie to a VocabParallelEmbedding of the same mesh with embedding_dim=in_features, "
+                             f"num_embeddings=vocab_size")
         self._bind(mesh, None)
         self.in_features, self.vocab_size = in_features, vocab_size
         self.weight = tie_to.weight

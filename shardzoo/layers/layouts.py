@@ -33,9 +33,6 @@ from shardzoo import comm
 from shardzoo.comm.mesh import default_device
 from shardzoo.layers.shard_spec import ShardSpec, set_shard_spec
 
-_MODE_NAMES = {"2d": "2D", "2.5d": "2p5D", "3d": "3D"}
-
-
 @dataclass(frozen=True)
 class ActivationLayout:
     """Where the batch (dim 0) and hidden (dim -1) of an activation are split.
@@ -109,7 +106,9 @@ def check_divisible(who: str, what: str, value: int, parts: int, rule: str) -> N
 def _scatter_batch(x: torch.Tensor, mesh, layout: ActivationLayout, who: str) -> torch.Tensor:
     parts = layout.batch_parts(mesh)
     rule = "*".join(f"{a}={mesh.size(a)}" for a in layout.batch_axes)
-    check_divisible(who, "the batch size (dim 0)", x.shape[0], parts, f"{rule} ({parts})" if len(layout.batch_axes) > 1 else rule)
+    if len(layout.batch_axes) > 1:
+        rule = f"{rule} ({parts})"
+    check_divisible(who, "the batch size (dim 0)", x.shape[0], parts, rule)
     for a in layout.batch_axes:  # slowest axis first, so the block index is row-major
         x = comm.scatter_to(x, mesh.group(a), 0)
     return x
@@ -121,12 +120,14 @@ def _gather_batch(y: torch.Tensor, mesh, layout: ActivationLayout) -> torch.Tens
     return y
 
 
-def shard_activation(x_full: torch.Tensor, mesh, layout: ActivationLayout | None = None, who: str = "shard_activation") -> torch.Tensor:
+def shard_activation(x_full: torch.Tensor, mesh, layout: ActivationLayout | None = None,
+                     who: str = "shard_activation") -> torch.Tensor:
     """This rank's block of a replicated activation: [B, ..., H] -> [B/batch_parts, ..., H/q].
 
     Differentiable: the gradient of ``x_full`` is the full gradient on every rank."""
     layout = layout or canonical_layout(mesh)
-    check_divisible(who, "the hidden size (last dim)", x_full.shape[-1], mesh.size(layout.hidden_axis), f"q={mesh.size(layout.hidden_axis)}")
+    q = mesh.size(layout.hidden_axis)
+    check_divisible(who, "the hidden size (last dim)", x_full.shape[-1], q, f"q={q}")
     x = _scatter_batch(x_full, mesh, layout, who)
     return comm.scatter_to(x, mesh.group(layout.hidden_axis), -1)
 
@@ -139,7 +140,8 @@ def gather_activation(y_local: torch.Tensor, mesh, layout: ActivationLayout | No
     return _gather_batch(y, mesh, layout)
 
 
-def shard_batch(x_full: torch.Tensor, mesh, layout: ActivationLayout | None = None, who: str = "shard_batch") -> torch.Tensor:
+def shard_batch(x_full: torch.Tensor, mesh, layout: ActivationLayout | None = None,
+                who: str = "shard_batch") -> torch.Tensor:
     """Split only dim 0 over the layout's batch axes (token ids, images, targets):
     [B, ...] -> [B/batch_parts, ...]. Differentiable for float inputs."""
     return _scatter_batch(x_full, mesh, layout or canonical_layout(mesh), who)
@@ -150,15 +152,18 @@ def gather_batch(y_local: torch.Tensor, mesh, layout: ActivationLayout | None = 
     return _gather_batch(y_local, mesh, layout or canonical_layout(mesh))
 
 
-def mode_name(mode: str) -> str:
-    """Class-name suffix of a mode: "2d" -> "2D", "2.5d" -> "2p5D", "3d" -> "3D"."""
-    return _MODE_NAMES[mode]
-
-
 # -- parameters placed along the layout --------------------------------------------------------
 def hidden_parts(mesh, layout: ActivationLayout) -> int:
     """Pieces a hidden-indexed parameter is cut into: q * size(param_axes)."""
-    return mesh.size(layout.hidden_axis) * mesh.size(*layout.param_axes) if layout.param_axes else mesh.size(layout.hidden_axis)
+    sub = mesh.size(*layout.param_axes) if layout.param_axes else 1
+    return mesh.size(layout.hidden_axis) * sub
+
+
+def check_hidden_parts(who: str, what: str, value: int, mesh, layout: ActivationLayout) -> None:
+    """Raise unless ``value`` splits into :func:`hidden_parts` pieces (q*q in 2D / 2.5D, q^3 in 3D)."""
+    parts = hidden_parts(mesh, layout)
+    rule = {"3d": "q*q*q"}.get(layout.mode, "q*q")
+    check_divisible(who, what, value, parts, f"{rule}={parts}")
 
 
 def hidden_param(full: torch.Tensor, dim: int, mesh, layout: ActivationLayout, device) -> nn.Parameter:
@@ -190,8 +195,8 @@ def block_param(full: torch.Tensor, dim: int, mesh, layout: ActivationLayout, de
     """This rank's hidden block of a small vector-like ``full`` (LayerNorm weight, bias): split
     along ``dim`` over ``hidden_axis`` only, replicated over the batch axes (gradient summed
     there by :func:`use_block_param`)."""
-    spec = ShardSpec.split(tuple(full.shape), {dim % full.dim(): (mesh.rank(layout.hidden_axis), mesh.size(layout.hidden_axis))},
-                           (layout.hidden_axis,), layout.batch_axes)
+    split = {dim % full.dim(): (mesh.rank(layout.hidden_axis), mesh.size(layout.hidden_axis))}
+    spec = ShardSpec.split(tuple(full.shape), split, (layout.hidden_axis,), layout.batch_axes)
     device = device if device is not None else default_device(mesh)
     return set_shard_spec(nn.Parameter(spec.take(full.detach()).to(device)), spec)
 

@@ -22,7 +22,7 @@ from shardzoo.layers.shard_spec import ShardSpec, set_shard_spec
 from shardzoo.layers.summa_2d import Grid2D, summa_linear
 
 
-class SummaLinearBase(nn.Module):
+class SummaLinearBase(layouts.GridModule):
     """Shared by ParallelLinear2D and ParallelLinear2p5D; ``mode`` picks the mesh layout.
 
     x: [B/(d*q), ..., in/q] (the mode's canonical layout) -> y: [B/(d*q), ..., out/q] (same
@@ -53,8 +53,7 @@ class SummaLinearBase(nn.Module):
         layouts.check_divisible(cls.__name__, "out_features", out_features, q, f"q={q}")
 
     def _setup(self, serial: nn.Linear, mesh, device) -> None:
-        self.mesh = mesh
-        self.layout = layouts.canonical_layout(mesh)
+        self._bind(mesh, None)
         self.in_features, self.out_features = serial.in_features, serial.out_features
         self.grid = Grid2D(mesh)
         q, i, j = mesh.q, self.grid.i, self.grid.j
@@ -80,22 +79,17 @@ class SummaLinearBase(nn.Module):
                 f"{type(self).__name__} expects the local input block [..., in_features/q={self.in_features // q}]; "
                 f"got shape {tuple(x.shape)}. Enter the parallel region with layer.shard_input(x_full)"
             )
-        weight = comm.copy_to(self.weight, self.mesh.group(*self.layout.replica_axes)) if self.layout.replica_axes else self.weight
+        weight = self.weight
+        if self.layout.replica_axes:  # 2.5D: replicated over depth, so the gradient is summed there
+            weight = comm.copy_to(weight, self.mesh.group(*self.layout.replica_axes))
         y = summa_linear(x, weight.t(), self.grid)
         if self.bias is not None:
             y = y + comm.copy_to(self.bias, self.mesh.group(*self.layout.batch_axes))
         return y
 
-    def shard_input(self, x_full: torch.Tensor) -> torch.Tensor:
-        """[B, ..., in] (replicated) -> this rank's block [B/(d*q), ..., in/q]."""
-        return layouts.shard_activation(x_full, self.mesh, self.layout, type(self).__name__)
-
-    def gather_output(self, y_local: torch.Tensor) -> torch.Tensor:
-        """[B/(d*q), ..., out/q] -> [B, ..., out] on every rank."""
-        return layouts.gather_activation(y_local, self.mesh, self.layout)
-
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, q={self.mesh.q}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"q={self.mesh.q}, depth={self.mesh.tp_depth}")
 
 
 class ParallelLinear2D(SummaLinearBase):

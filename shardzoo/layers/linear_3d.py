@@ -51,7 +51,7 @@ def weight_spec_3d(global_shape: tuple[int, int], mesh, layout: ActivationLayout
     return ShardSpec.split(global_shape, {0: (out_index, q * q), 1: (mesh.rank(l_axis), q)}, ("tp",))
 
 
-class ParallelLinear3D(nn.Module):
+class ParallelLinear3D(layouts.GridModule):
     """3D linear layer; drop-in for ``nn.Linear`` on a tp_mode="3d" mesh.
 
     Args: as nn.Linear, plus ``mesh`` (tp = q^3) and ``input_layout`` (default the canonical
@@ -59,6 +59,8 @@ class ParallelLinear3D(nn.Module):
     divisible by q, out_features by q*q.
     Input: [B/q^2, ..., in/q] in ``input_layout``; output: [B/q^2, ..., out/q] in
     ``output_layout``."""
+
+    mode = "3d"
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, mesh, dtype=None, device=None,
                  input_layout: ActivationLayout | None = None):
@@ -84,9 +86,7 @@ class ParallelLinear3D(nn.Module):
         layouts.check_divisible(cls.__name__, "out_features", out_features, q * q, f"q*q={q * q}")
 
     def _setup(self, serial: nn.Linear, mesh, device, input_layout) -> None:
-        self.mesh = mesh
-        self.input_layout = input_layout or layouts.canonical_layout(mesh)
-        self.output_layout = layouts.swapped_3d(self.input_layout)
+        self._bind(mesh, input_layout)
         self.in_features, self.out_features = serial.in_features, serial.out_features
         device = device if device is not None else default_device(mesh)
         w_spec = weight_spec_3d(tuple(serial.weight.shape), mesh, self.input_layout)
@@ -115,13 +115,14 @@ class ParallelLinear3D(nn.Module):
             y = y + comm.copy_to(self.bias, self.mesh.group(*self.output_layout.batch_axes))
         return y
 
-    def shard_input(self, x_full: torch.Tensor) -> torch.Tensor:
-        """[B, ..., in] (replicated) -> this rank's block in ``input_layout``."""
-        return layouts.shard_activation(x_full, self.mesh, self.input_layout, "ParallelLinear3D")
+    @property
+    def input_layout(self) -> ActivationLayout:
+        return self.layout
 
-    def gather_output(self, y_local: torch.Tensor) -> torch.Tensor:
-        """[B/q^2, ..., out/q] in ``output_layout`` -> [B, ..., out] on every rank."""
-        return layouts.gather_activation(y_local, self.mesh, self.output_layout)
+    @property
+    def output_layout(self) -> ActivationLayout:
+        """(I, L | J) for an input layout (I, J | L)."""
+        return layouts.swapped_3d(self.layout)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

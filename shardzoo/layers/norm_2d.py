@@ -59,11 +59,11 @@ class GridLayerNorm(layouts.GridModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B/parts, ..., H/q] -> [B/parts, ..., H/q]."""
-        hidden = self.normalized_shape[0]
+        hidden, q = self.normalized_shape[0], self.mesh.size(self.layout.hidden_axis)
         group = self.mesh.group(self.layout.hidden_axis)
-        if x.shape[-1] * self.mesh.size(self.layout.hidden_axis) != hidden:
+        if x.shape[-1] * q != hidden:
             raise ValueError(
-                f"{type(self).__name__} expects the local block [..., H/q={hidden // self.mesh.size(self.layout.hidden_axis)}]; "
+                f"{type(self).__name__} expects the local block [..., H/q={hidden // q}]; "
                 f"got shape {tuple(x.shape)}. Enter the parallel region with module.shard_input(x_full)"
             )
         xf = x.to(torch.promote_types(x.dtype, torch.float32))  # statistics in at least fp32

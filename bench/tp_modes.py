@@ -1,0 +1,286 @@
+"""One transformer MLP block (LayerNorm, fc1, GELU, fc2, residual; fwd + bwd) in every tp mode.
+
+World 8: 1D tp=8 (Megatron column/row, ParallelLinear1D), 2.5D q=2 d=2, 3D q=2.
+World 4: 1D tp=4, 2D q=2.
+
+Per mode: bytes sent per rank measured with ``shardzoo.comm.count`` next to the closed form of
+docs/tp_modes.md (they must agree exactly; the run fails otherwise), parameter bytes and
+saved-activation bytes per rank, and the median step time relative to 1D at the same world.
+
+    python bench/tp_modes.py                                   # B=8 S=64 h=256 ffn=1024 fp32
+    python bench/tp_modes.py --batch 8 --seq 16 --hidden 64 --ffn 256 --steps 3   # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from fractions import Fraction as Fr
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+CONFIGS = [  # (world, label, ParallelMesh kwargs)
+    (8, "1d tp=8", dict(tp=8, tp_mode="1d")),
+    (8, "2.5d q=2 d=2", dict(tp=8, tp_mode="2.5d", tp_depth=2)),
+    (8, "3d q=2", dict(tp=8, tp_mode="3d")),
+    (4, "1d tp=4", dict(tp=4, tp_mode="1d")),
+    (4, "2d q=2", dict(tp=4, tp_mode="2d")),
+]
+
+
+# -- closed forms of docs/tp_modes.md (bytes one rank sends, forward + backward) ---------------
+def ar(p, n):
+    """all_reduce of n bytes on p ranks (ring): 2 (p-1)/p n."""
+    return Fr(2 * (p - 1), p) * n
+
+
+def linear_2d_bytes(n_in, n_out, rows, q, d, e, bias=True):
+    """ParallelLinear2D / 2p5D: 3 SUMMA products (nn forward; nt, tn backward), each q steps of
+    two broadcasts / reduces of (q-1)/q * block, plus the bias and depth gradient sums."""
+    x_blk, w_blk = rows * n_in // q * e, n_in * n_out // (q * q) * e
+    total = 3 * (q - 1) * (x_blk + w_blk) + ar(d, w_blk)
+    return total + (ar(d * q, n_out // q * e) if bias else 0)
+
+
+def linear_3d_bytes(n_in, n_out, rows, q, e, bias=True):
+    """ParallelLinear3D: all-gather x (J), W (I), reduce-scatter y (L) forward; the adjoints
+    backward. rows = local rows B/q^2 * S."""
+    x_blk, w_blk, y_blk = rows * n_in // q * e, n_in * n_out // q**3 * e, rows * n_out // q * e
+    total = 2 * (q - 1) * (x_blk + w_blk + y_blk)
+    return total + (ar(q * q, n_out // q * e) if bias else 0)
+
+
+def layer_norm_grid_bytes(hidden, rows, q, batch_parts, e):
+    """Grid LayerNorm: mean and variance all-reduced over the hidden group, forward and
+    backward (statistics in at least fp32), plus weight and bias gradients over the batch axes."""
+    stat_e = max(e, 4)
+    return 4 * ar(q, rows * stat_e) + 2 * ar(batch_parts, hidden // q * e)
+
+
+def mlp_block_bytes(mode, batch, seq, hidden, ffn, q, d=1, e=4):
+    """Bytes one rank sends for the MLP block's forward + backward in ``mode``."""
+    if mode == "1d":  # column fc1: dX all-reduce; row fc2: y all-reduce; LayerNorm replicated
+        p = q
+        return 2 * ar(p, batch * seq * hidden * e)
+    if mode in ("2d", "2.5d"):
+        rows = batch // (d * q) * seq
+        return (layer_norm_grid_bytes(hidden, rows, q, d * q, e) + linear_2d_bytes(hidden, ffn, rows, q, d, e)
+                + linear_2d_bytes(ffn, hidden, rows, q, d, e))
+    rows = batch // (q * q) * seq
+    return (layer_norm_grid_bytes(hidden, rows, q, q * q, e) + linear_3d_bytes(hidden, ffn, rows, q, e)
+            + linear_3d_bytes(ffn, hidden, rows, q, e))
+
+
+def mlp_param_bytes(mode, hidden, ffn, q, e=4):
+    """Parameter bytes per rank of the block (LayerNorm weight + bias, two linears with bias)."""
+    if mode == "1d":
+        return (2 * hidden + 2 * hidden * ffn // q + ffn // q + hidden) * e
+    if mode in ("2d", "2.5d"):
+        return (2 * hidden // q + 2 * hidden * ffn // (q * q) + ffn // q + hidden // q) * e
+    return (2 * hidden // q + 2 * hidden * ffn // q**3 + ffn // q + hidden // q) * e
+
+
+def _grid(mode, q, d):
+    """(G, P): size of the parameter axes and number of batch parts of a grid mode."""
+    return (q * q, q * q) if mode == "3d" else (q, d * q)
+
+
+def _vocab_pad(vocab, parts):
+    return -(-vocab // parts) * parts
+
+
+def embedding_bytes(mode, vocab, hidden, q, d=1, e=4):
+    """Embedding2D / 2p5D / 3D: gather the hidden chunks over the parameter axes (G ranks),
+    reduce-scatter their gradient; 2.5D sums the table gradient over depth."""
+    g, _ = _grid(mode, q, d)
+    return 2 * Fr(g - 1, g) * vocab * hidden // q * e + ar(d, vocab * hidden // (q * g) * e)
+
+
+def vocab_embedding_bytes(mode, vocab, hidden, rows, q, d=1, e=4, e_id=8):
+    """VocabParallelEmbedding*: ids all-gathered and partial embeddings reduce-scattered over the
+    vocabulary axis (q ranks); 3D gathers the table over I; 2.5D sums it over depth."""
+    sub = q if mode == "3d" else 1
+    block = _vocab_pad(vocab, q * sub) // q * hidden // q * e  # gathered table block
+    total = (q - 1) * rows * e_id + 2 * (q - 1) * rows * hidden // q * e + ar(d, block)
+    return total + (2 * Fr(q - 1, q) * block if mode == "3d" else 0)
+
+
+def classifier_bytes(mode, classes, hidden, rows, q, d=1, e=4, bias=True):
+    """Classifier*: weight gathered like an embedding table, logits all-reduced over the hidden
+    axis (forward only), bias gradient over the batch axes."""
+    g, p = _grid(mode, q, d)
+    total = 2 * Fr(g - 1, g) * classes * hidden // q * e + ar(q, rows * classes * e) + ar(d, classes * hidden // (q * g) * e)
+    return total + (ar(p, classes * e) if bias else 0)
+
+
+def lm_head_bytes(mode, vocab, hidden, rows, q, d=1, e=4, bias=False):
+    """LMHead2D / 2p5D: three SUMMA products on the weight and logits blocks; LMHead3D: the 3D
+    linear product with out = padded vocabulary."""
+    if mode == "3d":
+        return linear_3d_bytes(hidden, _vocab_pad(vocab, q * q), rows, q, e, bias)
+    v_pad = _vocab_pad(vocab, q)
+    w_blk, y_blk = v_pad * hidden // (q * q) * e, rows * v_pad // q * e
+    return 3 * (q - 1) * (w_blk + y_blk) + ar(d, w_blk) + (ar(d * q, v_pad // q * e) if bias else 0)
+
+
+def patch_embedding_bytes(mode, image, patch, channels, hidden, q, d=1, e=4):
+    """PatchEmbedding*: conv weight and bias, cls token and position embeddings gathered like an
+    embedding table (pixels not requiring a gradient)."""
+    g, _ = _grid(mode, q, d)
+    numel = hidden * channels * patch * patch + 2 * hidden + ((image // patch) ** 2 + 1) * hidden
+    return 2 * Fr(g - 1, g) * numel // q * e + ar(d, numel // (q * g) * e)
+
+
+# -- the block on each rank ----------------------------------------------------------------------
+class MLPBlock(nn.Module):
+    def __init__(self, ln, fc1, fc2):
+        super().__init__()
+        self.ln, self.fc1, self.fc2 = ln, fc1, fc2
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+
+
+def build(mesh, hidden, ffn, seed):
+    """(parallel block, enter, leave): enter / leave move a full activation in and out."""
+    from shardzoo.layers import layouts
+
+    torch.manual_seed(seed)
+    serial = MLPBlock(nn.LayerNorm(hidden), nn.Linear(hidden, ffn), nn.Linear(ffn, hidden))
+    if mesh.tp_mode == "1d":
+        from shardzoo.layers.linear_1d import ParallelLinear1D
+        from shardzoo.layers.norm import LayerNorm1D
+
+        block = MLPBlock(LayerNorm1D.from_serial(serial.ln, mesh), ParallelLinear1D.from_serial(serial.fc1, mesh, style="column"),
+                         ParallelLinear1D.from_serial(serial.fc2, mesh, style="row"))
+        return block, (lambda x: x), (lambda y: y)
+    if mesh.tp_mode == "3d":
+        from shardzoo.layers.linear_3d import ParallelLinear3D as Linear
+        from shardzoo.layers.norm_3d import LayerNorm3D as Norm
+    elif mesh.tp_mode == "2d":
+        from shardzoo.layers.linear_2d import ParallelLinear2D as Linear
+        from shardzoo.layers.norm_2d import LayerNorm2D as Norm
+    else:
+        from shardzoo.layers.linear_2p5d import ParallelLinear2p5D as Linear
+        from shardzoo.layers.norm_2p5d import LayerNorm2p5D as Norm
+    fc1 = Linear.from_serial(serial.fc1, mesh)
+    extra = dict(input_layout=fc1.output_layout) if mesh.tp_mode == "3d" else {}
+    block = MLPBlock(Norm.from_serial(serial.ln, mesh), fc1, Linear.from_serial(serial.fc2, mesh, **extra))
+    return block, (lambda x: layouts.shard_activation(x, mesh)), (lambda y: layouts.gather_activation(y, mesh))
+
+
+def saved_activation_bytes(block, x):
+    """Bytes of the tensors autograd keeps for backward (parameters excluded, storages counted once)."""
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x)
+    return sum(seen.values())
+
+
+def run_mode(mesh_kwargs, batch, seq, hidden, ffn, steps, seed):
+    """On every rank: measured bytes, memory and step times of one mode (a dict)."""
+    from shardzoo import ParallelMesh, comm
+
+    mesh = ParallelMesh(**mesh_kwargs)
+    block, enter, _ = build(mesh, hidden, ffn, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    x_full, g_full = torch.randn(batch, seq, hidden, generator=gen), torch.randn(batch, seq, hidden, generator=gen)
+    x, g = enter(x_full).detach().requires_grad_(True), enter(g_full).detach()
+
+    def step():
+        block(x).backward(g)
+
+    step()  # warm-up (also creates any lazily built groups)
+    with comm.count() as counter:
+        step()
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    return dict(bytes=counter.total_bytes, by_kind={k: str(v) for k, v in counter.bytes.items()},
+                param_bytes=sum(p.numel() * p.element_size() for p in block.parameters()),
+                activation_bytes=saved_activation_bytes(block, x), step_s=statistics.median(times))
+
+
+def main(argv=None):
+    from _results import markdown_table, write_results
+    from shardzoo.comm.workers import WorkerPool
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--ffn", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=10)
+    args = ap.parse_args(argv)
+    shape = (args.batch, args.seq, args.hidden, args.ffn)
+    rows, results, pools = [], [], {}
+    try:
+        for world, label, kwargs in CONFIGS:
+            if world not in pools:
+                pools[world] = WorkerPool(world, timeout=1200)
+            per_rank = pools[world].run(run_mode, kwargs, *shape, args.steps, 0)
+            mode, q, d = kwargs["tp_mode"], (8 if world == 8 else 4) if kwargs["tp_mode"] == "1d" else 2, kwargs.get("tp_depth", 1)
+            formula = mlp_block_bytes(mode, *shape, q=q, d=d)
+            measured = per_rank[0]["bytes"]
+            if any(r["bytes"] != formula for r in per_rank):
+                raise SystemExit(f"{label}: measured bytes {[str(r['bytes']) for r in per_rank]} != formula {formula}")
+            assert all(r["param_bytes"] == mlp_param_bytes(mode, args.hidden, args.ffn, q) for r in per_rank), label
+            step = max(r["step_s"] for r in per_rank)
+            results.append(dict(world=world, mode=label, bytes_measured=str(measured), bytes_formula=str(formula),
+                                by_kind=per_rank[0]["by_kind"], param_bytes=per_rank[0]["param_bytes"],
+                                activation_bytes=max(r["activation_bytes"] for r in per_rank), step_ms=1e3 * step))
+    finally:
+        for pool in pools.values():
+            pool.close()
+    base = {r["world"]: r["step_ms"] for r in results if r["mode"].startswith("1d")}
+    for r in results:
+        r["time_vs_1d"] = r["step_ms"] / base[r["world"]]
+        rows.append([r["world"], r["mode"], f"{int(Fr(r['bytes_measured'])):,}", f"{int(Fr(r['bytes_formula'])):,}",
+                     "yes" if r["bytes_measured"] == r["bytes_formula"] else "NO", f"{r['param_bytes']:,}",
+                     f"{r['activation_bytes']:,}", f"{r['step_ms']:.1f}", f"{r['time_vs_1d']:.2f}"])
+    headers = ["world", "mode", "bytes sent/rank", "formula", "exact", "param bytes/rank", "saved act. bytes/rank",
+               "median step ms", "time vs 1D"]
+    table = markdown_table(headers, rows)
+    print(table)
+    b, s, h, f = shape
+    by = {r["mode"].split()[0]: r for r in results}
+    one_d = {r["world"]: r for r in results if r["mode"].startswith("1d")}
+
+    def vs_1d(mode, key):
+        r = by[mode]
+        return float(Fr(r[key]) / Fr(one_d[r["world"]][key]))
+
+    note = (f"MLP block B={b} S={s} h={h} ffn={f} fp32, forward + backward; bytes under the ring model of "
+            f"shardzoo/comm/accounting.py equal the docs/tp_modes.md formulas in every mode; median of {args.steps} "
+            f"steps, max over ranks, gloo on one shared CPU host (times are indicative only). Against 1D at the same "
+            f"world, 2D / 2.5D / 3D send {vs_1d('2d', 'bytes_measured'):.2f}x / {vs_1d('2.5d', 'bytes_measured'):.2f}x / "
+            f"{vs_1d('3d', 'bytes_measured'):.2f}x the bytes and keep {vs_1d('2d', 'activation_bytes'):.2f}x / "
+            f"{vs_1d('2.5d', 'activation_bytes'):.2f}x / {vs_1d('3d', 'activation_bytes'):.2f}x the saved activations "
+            f"per rank: at q=2 SUMMA moves the input and weight blocks of both linears three times, 1D only the "
+            f"h-wide activations twice.")
+    write_results("tp_modes", "Tensor-parallel modes: MLP block (bench/tp_modes.py)", table,
+                  dict(shape=dict(batch=b, seq=s, hidden=h, ffn=f, dtype="fp32"), results=results), note)
+
+
+if __name__ == "__main__":
+    main()

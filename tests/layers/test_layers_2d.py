@@ -1,0 +1,113 @@
+"""2D (Optimus / SUMMA) layers against their serial twins at tp=4 (q=2), and with dp=2 or sp=2
+around the grid (world 8; each dp replica / sp rank feeds its own data). Harness: test_layouts.py."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shardzoo.layers.patch_embedding_2d import PatchEmbedding2D
+from shardzoo.testing import run_on_ranks
+from test_layouts import (check_default_init, check_linear, check_lm, check_mlp_training, check_module, check_patch,
+                          construction_error, linear_case, lm_case, mlp_case, module_case, patch_case, world_of)
+
+
+@pytest.mark.parametrize("name", ["2d", "2d_dp2"])
+@given(data=st.data())
+@settings(max_examples=12)
+def test_linear_2d_matches_serial(name, data):
+    case = linear_case(data.draw, name)
+    shapes = run_on_ranks(check_linear, world_of(name), case)
+    assert shapes[0] == (case["batch"], case["seq"], case["out"])
+
+
+def test_linear_2d_fixed_largest():
+    case = dict(name="2d", **{"in": 64}, out=96, batch=8, seq=16, bias=True, dtype="fp32", seed=7, from_serial=False)
+    run_on_ranks(check_linear, 4, case)
+
+
+@pytest.mark.parametrize("args", [(7, 4), (4, 7)])
+def test_linear_2d_divisibility_error(args):
+    what = "in_features" if args[0] == 7 else "out_features"
+    for m in run_on_ranks(construction_error, 4, "2d", "linear", args, {}):
+        assert m is not None and f"ParallelLinear2D needs {what} divisible by q=2; got 7" in m
+
+
+KINDS = ["norm", "embedding", "vocab_embedding", "classifier"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@given(data=st.data())
+@settings(max_examples=6)
+def test_module_2d_matches_serial(kind, data):
+    run_on_ranks(check_module, 4, module_case(data.draw, "2d", kind))
+
+
+@given(data=st.data())
+@settings(max_examples=8)
+def test_lm_head_2d_with_cross_entropy(data):
+    run_on_ranks(check_lm, 4, lm_case(data.draw, "2d"))
+
+
+@given(data=st.data())
+@settings(max_examples=6)
+def test_patch_embedding_2d_matches_vit(data):
+    run_on_ranks(check_patch, 4, patch_case(data.draw, "2d"))
+
+
+@pytest.mark.parametrize("name", ["2d", "2d_dp2", "2d_sp2"])
+@given(data=st.data())
+@settings(max_examples=4)
+def test_mlp_block_2d_three_adamw_steps(name, data):
+    run_on_ranks(check_mlp_training, world_of(name), mlp_case(data.draw, name))
+
+
+def test_mlp_block_2d_fixed_largest():
+    run_on_ranks(check_mlp_training, 4, dict(name="2d", hidden=32, ffn=128, batch=8, seq=8, dtype="fp32", seed=3))
+
+
+@pytest.mark.parametrize("kind,args", [("norm", (16,)), ("embedding", (10, 8)), ("vocab_embedding", (11, 6)),
+                                       ("classifier", (8, 3)), ("lm_head", (6, 11, False))])
+def test_default_init_2d_equals_serial(kind, args):
+    run_on_ranks(check_default_init, 4, "2d", kind, args, 5)
+
+
+@pytest.mark.parametrize("kind,args,rule", [
+    ("norm", (5,), "LayerNorm2D needs normalized_shape divisible by q=2; got 5"),
+    ("embedding", (10, 6), "Embedding2D needs embedding_dim divisible by q*q=4; got 6"),
+    ("vocab_embedding", (10, 5), "VocabParallelEmbedding2D needs embedding_dim divisible by q=2; got 5"),
+    ("classifier", (6, 3), "Classifier2D needs in_features divisible by q*q=4; got 6"),
+    ("lm_head", (5, 10), "LMHead2D needs in_features divisible by q=2; got 5"),
+])
+def test_divisibility_errors_2d(kind, args, rule):
+    for m in run_on_ranks(construction_error, 4, "2d", kind, args, {}):
+        assert m is not None and rule in m
+
+
+def check_patch_dropout(seed):
+    """Dropout draws from the per-tp-rank stream: reproducible from the seed, different masks on
+    different ranks, and off in eval mode."""
+    import torch
+    import torch.distributed as dist
+
+    from shardzoo.layers import random
+    from test_layouts import mesh_of
+
+    mesh = mesh_of("2d")
+    torch.manual_seed(seed)
+    layer = PatchEmbedding2D(4, 2, 1, 8, mesh=mesh, dropout=0.5)
+    pixels = layer.shard_input(torch.ones(2, 1, 4, 4))
+    runs = []
+    for _ in range(2):
+        random.manual_seed(mesh, seed)
+        runs.append(layer(pixels).detach())
+    assert torch.equal(runs[0], runs[1]), "dropout is not reproducible from the seed"
+    masks = [torch.zeros_like(runs[0], dtype=torch.bool) for _ in range(dist.get_world_size())]
+    dist.all_gather_object(masks, runs[0] == 0)
+    assert len({tuple(m.flatten().tolist()) for m in masks}) == len(masks), "tp ranks drew the same mask"
+    layer.eval()
+    assert not (layer(pixels) == 0).any()
+    return True
+
+
+def test_patch_embedding_2d_dropout_streams():
+    assert all(run_on_ranks(check_patch_dropout, 4, 3))
