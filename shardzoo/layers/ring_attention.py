@@ -51,7 +51,7 @@ def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, b
     which is log-sum-exp merging without exponentiating large numbers. Rows where a side saw
     no key (lse = -inf) take the other side unchanged.
     """
-    block_out = block_out.to(out.dtype)
+    block_out = block_out.to(out.dtype, copy=True)  # updated in place below
     block_lse = block_lse.to(lse.dtype)
     nothing_yet = torch.isneginf(lse)
     block_empty = torch.isneginf(block_lse)
@@ -62,7 +62,7 @@ def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, b
     weight = torch.where(block_empty, torch.zeros_like(weight), weight)
     weight = torch.where(nothing_yet, torch.ones_like(weight), weight)
     merged_lse = torch.where(special, torch.maximum(lse, block_lse), lse - F.logsigmoid(-diff))
-    out.sub_(weight[..., None] * (out - block_out))
+    out.add_(block_out.sub_(out).mul_(weight[..., None]))  # out + w * (block_out - out), in the copy
     lse.copy_(merged_lse)
 
 
@@ -144,7 +144,6 @@ def ring_backward(dout, q, k, v, out, lse, key_padding_mask, settings: RingSetti
 
     Returns (dq, dk, dv) in the accumulation dtype (fp32, fp64 for fp64), shapes of q, k, v."""
     acc = accumulation_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     grad_ring = RingExchange(settings.group)
     me = group_rank(settings.group)
     pending_grads = None
@@ -156,13 +155,14 @@ def ring_backward(dout, q, k, v, out, lse, key_padding_mask, settings: RingSetti
             lse[:, :, rows], causal=causal, key_padding_mask=mask[0][:, cols] if mask else None,
             softmax_scale=settings.softmax_scale, backend=settings.backend,
         )  # fmt: skip
-        dq[:, :, rows] += dq_block
-        if pending_grads is None:  # step 0: the block is our own and starts its trip here
-            dk_travelling, dv_travelling = dk_block.to(acc), dv_block.to(acc)
+        if step == 0:  # own block: all rows and keys; its dK / dV start their trip here
+            dq, dk_travelling, dv_travelling = dq_block.to(acc), dk_block.to(acc), dv_block.to(acc)
         else:  # the block's gradient so far arrives with it, one step behind the K / V
+            dq[:, :, rows] += dq_block
             dk_travelling, dv_travelling = pending_grads.wait()
             dk_travelling[:, :, cols] += dk_block
             dv_travelling[:, :, cols] += dv_block
+        del dq_block, dk_block, dv_block  # free before the next block's kernel call
         pending_grads = grad_ring.start([dk_travelling, dv_travelling])
     dk, dv = pending_grads.wait()  # the P-th hop brings our own block's gradient home
     return dq, dk, dv

@@ -1,0 +1,213 @@
+"""Ring attention memory and time vs full attention and torch's ring core, on CPU.
+
+Causal self-attention, fwd + bwd, batch 1, fp32, zigzag shards. Peers, in the same launch:
+
+* SDPA on 1 rank: ``F.scaled_dot_product_attention(is_causal=True)`` over the full sequence
+  (torch's fused CPU flash kernel, itself O(seq) memory), with every core of the machine;
+* torch's ring core: ``_templated_ring_attention`` / ``_backward`` from
+  ``torch.distributed.tensor.experimental._context_parallel`` with the CPU flash op and the
+  ring (all-to-all) rotater. ``context_parallel()`` itself does not run on CPU: its SDPA
+  handlers cover only the CUDA flash / efficient / cuDNN ops, so the core is called directly;
+* optionally (``--ring-on-one-rank``) shardzoo ``ring_attention`` on 1 rank: its block kernel
+  alone, which on CPU is the pure-torch reference of the Triton kernel.
+
+Memory: peak resident set of each rank process during one fwd + bwd (Linux VmHWM, reset through
+/proc/self/clear_refs just before the step) minus the RSS before the inputs were allocated,
+with glibc's mmap threshold pinned so freed tensors go back to the OS; max over ranks. It
+includes inputs, outputs, gradients, saved activations, kernel temporaries and comm buffers.
+Time: median over reps of fwd + bwd between two barriers (so the slowest rank counts).
+
+    python bench/attention.py                                  # 4k .. 32k on 1 (SDPA), 2 and 4 ranks
+    python bench/attention.py --seqs 4096 8192 --reps 1        # what a 2-core machine manages
+    python bench/attention.py --seqs 2048 --worlds 1 2 --reps 1  # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))  # before any worker spawns
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import markdown_table, write_results  # noqa: E402
+from shardzoo.comm.workers import WorkerPool  # noqa: E402
+from shardzoo.layers.ring_attention import ring_attention  # noqa: E402
+
+MIB = 2**20
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+
+
+def _sdpa_step(q, k, v, dout, group):
+    F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(dout)
+
+
+def _ring_step(q, k, v, dout, group):
+    ring_attention(q, k, v, group=group, causal=True).backward(dout)
+
+
+def _torch_ring_step(q, k, v, dout, group):
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+
+    cp._cp_options.rotate_method = cp._RotateMethod.ALL_TO_ALL  # the ring; ALL_GATHER holds all K/V
+    cp._cp_options.enable_load_balance = True  # zigzag, as our shards
+    aten = torch.ops.aten
+    with torch.no_grad():
+        out, lse = cp._templated_ring_attention(group, 2, aten._scaled_dot_product_flash_attention_for_cpu, q, k, v,
+                                                is_causal=True)  # fmt: skip
+        cp._templated_ring_attention_backward(
+            group, 2, aten._scaled_dot_product_flash_attention_for_cpu_backward.default, grad_out=dout,
+            grad_out_name="grad_out", query=q, key=k, value=v, out=out, logsumexp=lse, is_causal=True, dropout_p=0.0,
+        )  # fmt: skip
+
+
+STEPS = {"sdpa": _sdpa_step, "shardzoo_ring": _ring_step, "torch_ring": _torch_ring_step}
+LABELS = {"sdpa": "SDPA (full seq, 1 rank)", "shardzoo_ring": "shardzoo ring_attention",
+          "torch_ring": "torch ring core (_templated_ring_attention)"}  # fmt: skip
+
+
+def measure(method: str, seq: int, heads: int, head_dim: int, reps: int) -> tuple[float, float]:
+    """On every rank: (median seconds, peak MiB) of one causal fwd + bwd over this rank's shard."""
+    group = dist.group.WORLD
+    local = seq // dist.get_world_size()
+    step = STEPS[method]
+    times, peaks = [], []
+    for _ in range(reps):
+        gc.collect()
+        _reset_peak()
+        base = _rss_kib("VmRSS")
+        q, k, v = (torch.randn(1, heads, local, head_dim, requires_grad=True) for _ in range(3))
+        dout = torch.randn(1, heads, local, head_dim)
+        dist.barrier()
+        start = time.perf_counter()
+        step(q, k, v, dout, group)
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+        peaks.append((_rss_kib("VmHWM") - base) / 1024)
+        del q, k, v, dout
+    return statistics.median(times), min(peaks)
+
+
+def analytic_mib(seq: int, world: int, heads: int, head_dim: int) -> float:
+    """Tensors any fwd + bwd must hold per rank: q, k, v, out, dout, dq, dk, dv (fp32)."""
+    return 8 * heads * (seq // world) * head_dim * 4 / MIB
+
+
+def fit_max_seq(points: list[tuple[int, float]], budget_mib: float) -> int | None:
+    """Longest sequence under ``budget_mib`` from a least-squares line through (seq, MiB)."""
+    if len(points) < 2:
+        return None
+    xs, ys = zip(*points)
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
+    if slope <= 0:
+        return None
+    return int((budget_mib - (mean_y - slope * mean_x)) / slope)
+
+
+def run(args) -> tuple[list[dict], dict]:
+    rows = []
+    for world in args.worlds:
+        methods = ["shardzoo_ring", "torch_ring"]
+        if world == 1:
+            methods = ["sdpa", "shardzoo_ring"] if args.ring_on_one_rank else ["sdpa"]
+        with WorkerPool(world, timeout=3600) as pool:
+            for method in methods:  # warm-up: imports, thread pools and comm buffers stay out of the peaks
+                pool.run(measure, method, 512 * world, args.heads, args.head_dim, 1)
+            for seq in args.seqs:
+                if seq % (2 * world):
+                    continue
+                for method in methods:
+                    results = pool.run(measure, method, seq, args.heads, args.head_dim, args.reps)
+                    seconds = max(r[0] for r in results)
+                    peak = max(r[1] for r in results)
+                    row = dict(method=method, world=world, seq=seq, seconds=seconds, peak_mib=peak,
+                               analytic_mib=analytic_mib(seq, world, args.heads, args.head_dim))  # fmt: skip
+                    rows.append(row)
+                    print(f"{LABELS[method]:45s} ranks={world} seq={seq:6d}  {seconds:8.3f} s  "
+                          f"peak {peak:8.1f} MiB/rank", flush=True)  # fmt: skip
+    fits = {}
+    for method in STEPS:
+        for world in args.worlds:
+            points = [(r["seq"], r["peak_mib"]) for r in rows if r["method"] == method and r["world"] == world]
+            if points:
+                fits[f"{method}@{world}"] = fit_max_seq(points, args.budget_mib)
+    return rows, fits
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seqs", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
+    parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--ring-on-one-rank", action="store_true", help="also time ring_attention on 1 rank")
+    parser.add_argument("--budget-mib", type=float, default=512.0, help="per-rank memory budget for the max-length fit")
+    args = parser.parse_args()
+    load_before = os.getloadavg()[0]
+    rows, fits = run(args)
+    table_md, fit_md = _tables(rows, fits, args)
+    print(f"\n{table_md}\n\n{fit_md}")
+    note = (
+        f"Causal, batch 1, heads {args.heads}, head_dim {args.head_dim}, fp32, zigzag shards; median of "
+        f"{args.reps} reps, slowest rank. Peak = max over ranks of the rank process's VmHWM during one fwd + bwd "
+        "minus its RSS before the inputs were allocated (MALLOC_MMAP_THRESHOLD_ pinned so freed tensors leave "
+        "RSS); it counts inputs, outputs, grads, activations, temporaries and comm buffers. All ranks share this "
+        "machine's cores (1 rank: all cores; P ranks: cores / P threads each), so time shows overhead, not "
+        f"speed-up; 1-minute load average {load_before:.1f} before and {os.getloadavg()[0]:.1f} after the run "
+        "(other jobs shared the machine, so times are noisy). torch's ring core runs on CPU only when called "
+        "directly (context_parallel() dispatches CUDA SDPA ops only); it runs with the ring (all-to-all) "
+        "rotater, as its default all-gather rotater holds every rank's K/V.\n\n" + fit_md
+    )
+    data = {"rows": rows, "max_seq_fit": fits, "args": vars(args)}
+    title = "Ring attention vs full attention and torch's ring core (bench/attention.py)"
+    write_results("attention", title, table_md, data, note)
+
+
+def _tables(rows: list[dict], fits: dict, args) -> tuple[str, str]:
+    """The per-run table and the max-length table, as markdown."""
+    sdpa = {r["seq"]: r for r in rows if r["method"] == "sdpa"}
+    table = []
+    for r in rows:
+        base = sdpa.get(r["seq"])
+        table.append([
+            LABELS[r["method"]], r["world"], r["seq"], f"{r['seconds']:.3f}",
+            f"{r['seconds'] / base['seconds']:.2f}" if base else "-", f"{r['peak_mib']:.1f}",
+            f"{r['peak_mib'] / base['peak_mib']:.2f}" if base else "-", f"{r['analytic_mib']:.1f}",
+        ])  # fmt: skip
+    headers = ["method", "ranks", "seq", "fwd+bwd s", "time / SDPA", "peak MiB/rank", "peak / SDPA",
+               "q,k,v,o + grads MiB/rank"]  # fmt: skip
+    sdpa_fit = fits.get("sdpa@1")
+    fit_rows = []
+    for key, value in fits.items():
+        method, world = key.split("@")
+        ratio = f"{value / sdpa_fit:.2f}" if value and sdpa_fit else "-"
+        fit_rows.append([LABELS[method], world, value if value is not None else "-", ratio])
+    fit_headers = ["method", "ranks", f"longest seq in {args.budget_mib:.0f} MiB/rank (linear fit)", "vs SDPA"]
+    return markdown_table(headers, table), markdown_table(fit_headers, fit_rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,264 @@
+"""Ring attention against serial SDPA on the full sequence: outputs and dq / dk / dv.
+
+Every rank builds the full q, k, v, padding mask and output gradient from the seed, computes
+the fp64 reference with ``F.scaled_dot_product_attention`` (explicit boolean mask), then shards
+the inputs (zigzag when causal), runs ring attention over the sp group and gathers the output;
+input gradients arrive full-size through ``shard_sequence``'s backward."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+
+from shardzoo import comm
+from shardzoo.layers.ring_attention import merge_block, ring_attention
+from shardzoo.layers.sequence import gather_sequence, shard_padding_mask, shard_sequence
+from shardzoo.testing import assert_close, cached_mesh, run_on_ranks
+
+DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16}
+MASK_KINDS = ["none", "random", "right_pad", "rank_padded", "all_padded"]
+# bf16 inputs vs the fp64 reference on the same rounded inputs (docs/sequence_parallel.md)
+BF16_TOL = {"out": (2e-2, 2e-2), "grad": (5e-2, 5e-2)}
+
+
+def sdpa_reference(q, k, v, mask, causal, scale=None):
+    """Serial attention with an explicit bool mask; rows that see no key give 0, as the kernel."""
+    seq_q, seq_k = q.shape[2], k.shape[2]
+    visible = torch.ones(q.shape[0], 1, seq_q, seq_k, dtype=torch.bool)
+    if causal:
+        visible &= torch.ones(seq_q, seq_k, dtype=torch.bool).tril()
+    if mask is not None:
+        visible &= mask[:, None, None, :]
+    has_key = visible.any(-1, keepdim=True)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible | ~has_key, scale=scale)
+    return out * has_key
+
+
+def make_mask(kind, batch, seq, world, zigzag, seed):
+    """A [batch, seq] bool padding mask (True = attend) of the given kind, or None."""
+    g = torch.Generator().manual_seed(seed + 99)
+    if kind == "none":
+        return None
+    mask = torch.ones(batch, seq, dtype=torch.bool)
+    if kind == "random":
+        mask = torch.rand(batch, seq, generator=g) > 0.3
+    elif kind == "right_pad":
+        for b in range(batch):
+            mask[b, int(torch.randint(1, seq + 1, (1,), generator=g)) :] = False
+    elif kind == "rank_padded":  # every key held by one rank is padding
+        padded_rank = seed % world
+        chunks = [padded_rank, 2 * world - 1 - padded_rank] if zigzag else [padded_rank]
+        pieces = 2 * world if zigzag else world
+        for c in chunks:
+            mask[:, c * seq // pieces : (c + 1) * seq // pieces] = False
+    elif kind == "all_padded":  # batch element 0 sees no key at all
+        mask[0] = False
+    return mask
+
+
+def full_inputs(batch, heads, seq, head_dim, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, dout = (torch.randn(batch, heads, seq, head_dim, generator=g, dtype=torch.float64).to(dtype) for _ in range(4))
+    return q, k, v, dout
+
+
+def reference_grads(q, k, v, dout, mask, causal):
+    """fp64 reference output and (dq, dk, dv) for the (possibly rounded) inputs."""
+    q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    out = sdpa_reference(q64, k64, v64, mask, causal)
+    out.backward(dout.double())
+    return out.detach(), q64.grad, k64.grad, v64.grad
+
+
+def parallel_attention(attention, q, k, v, dout, mask, causal, group, shard_zigzag=None, **kwargs):
+    """Shard full inputs (zigzag when causal unless ``shard_zigzag`` says otherwise), run
+    ``attention`` on the shards, gather; returns out, dq, dk, dv."""
+    zigzag = causal if shard_zigzag is None else shard_zigzag
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    local = [shard_sequence(t, group, dim=2, zigzag=zigzag) for t in leaves]
+    local_mask = None if mask is None else shard_padding_mask(mask, group, zigzag=zigzag)
+    out_local = attention(*local, group=group, causal=causal, key_padding_mask=local_mask, **kwargs)
+    out = gather_sequence(out_local, group, dim=2, zigzag=zigzag)
+    out.backward(dout)
+    return out.detach(), leaves[0].grad, leaves[1].grad, leaves[2].grad
+
+
+def compare(actual, expected, dtype, what):
+    names = ("out", "dq", "dk", "dv")
+    for name, a, e in zip(names, actual, expected):
+        assert a.dtype == dtype, f"{what} {name} dtype {a.dtype} != {dtype}"
+        if dtype == torch.bfloat16:
+            rtol, atol = BF16_TOL["out" if name == "out" else "grad"]
+            torch.testing.assert_close(a.double(), e, rtol=rtol, atol=atol, msg=lambda m: f"{what} {name}: {m}")
+        else:
+            assert_close(a, e.to(dtype), f"{what} {name}", scale=4.0)
+
+
+def check_ring(case):
+    world = torch.distributed.get_world_size()
+    batch, heads, seq, head_dim, causal, mask_kind, dtype_name, seed = case
+    dtype = DTYPES[dtype_name]
+    group = cached_mesh(sp=world).sp_group
+    q, k, v, dout = full_inputs(batch, heads, seq, head_dim, dtype, seed)
+    mask = make_mask(mask_kind, batch, seq, world, causal, seed)
+    expected = reference_grads(q, k, v, dout, mask, causal)
+    actual = parallel_attention(ring_attention, q, k, v, dout, mask, causal, group)
+    compare(actual, expected, dtype, f"ring sp={world} case={case}")
+
+
+@st.composite
+def attention_case(draw, world):
+    causal = draw(st.booleans())
+    seq = 2 * world * draw(st.integers(1, 4)) if causal else world * draw(st.integers(1, 8))
+    return (
+        draw(st.integers(1, 2)),  # batch
+        draw(st.integers(1, 3)),  # heads
+        seq,
+        draw(st.sampled_from([16, 24, 32, 64])),  # head_dim
+        causal,
+        draw(st.sampled_from(MASK_KINDS)),
+        draw(st.sampled_from(["fp32", "fp64"])),
+        draw(st.integers(0, 10**6)),
+    )
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@given(data=st.data())
+def test_ring_attention_matches_sdpa(world, data):
+    run_on_ranks(check_ring, world, data.draw(attention_case(world)))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_attention_long_sequence_fixed_example(causal):
+    """Local shards longer than the kernel's key chunk (256), padding on one whole shard."""
+    run_on_ranks(check_ring, 2, (1, 2, 1024, 32, causal, "rank_padded", "fp32", 7))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_attention_bf16(causal):
+    run_on_ranks(check_ring, 4, (2, 2, 64, 32, causal, "random", "bf16", 11))
+
+
+def check_ring_with_tp(causal, seed):
+    """tp=2 x sp=2: each tp rank takes half the heads, ring attention runs over the sp group."""
+    mesh = cached_mesh(sp=2, tp=2)
+    heads, seq = 4, 16
+    q, k, v, dout = full_inputs(2, heads, seq, 16, torch.float32, seed)
+    mask = make_mask("random", 2, seq, 2, causal, seed)
+    per_tp = heads // mesh.tp_size
+    mine = slice(mesh.tp_rank * per_tp, (mesh.tp_rank + 1) * per_tp)
+    q, k, v, dout = (t[:, mine].contiguous() for t in (q, k, v, dout))
+    expected = reference_grads(q, k, v, dout, mask, causal)
+    actual = parallel_attention(ring_attention, q, k, v, dout, mask, causal, mesh.sp_group)
+    compare(actual, expected, torch.float32, f"ring tp=2 sp=2 rank {mesh.rank()}")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_attention_with_tensor_parallel_heads(causal):
+    run_on_ranks(check_ring_with_tp, 4, causal, 3)
+
+
+def count_ring_bytes(causal, with_mask):
+    """Bytes this rank sends in forward and in backward."""
+    world = torch.distributed.get_world_size()
+    group = cached_mesh(sp=world).sp_group
+    q, k, v = (torch.randn(2, 3, 8, 16, requires_grad=True) for _ in range(3))
+    mask = torch.rand(2, 8) > 0.2 if with_mask else None
+    with comm.count() as forward:
+        out = ring_attention(q, k, v, group=group, causal=causal, key_padding_mask=mask)
+    with comm.count() as backward:
+        out.sum().backward()
+    kv_bytes = 2 * k.numel() * k.element_size() + (mask.numel() if with_mask else 0)
+    grad_bytes = 2 * k.numel() * 4  # dK, dV travel in fp32
+    return forward.bytes.get("send", 0), backward.bytes.get("send", 0), kv_bytes, grad_bytes, world
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("causal,with_mask", [(False, False), (True, True)])
+def test_ring_attention_sends_exact_bytes(world, causal, with_mask):
+    """Forward: (P-1) hops of K + V (+ mask); backward: the same again plus P hops of dK + dV."""
+    for fwd, bwd, kv_bytes, grad_bytes, p in run_on_ranks(count_ring_bytes, world, causal, with_mask):
+        assert fwd == (p - 1) * kv_bytes
+        assert bwd == (p - 1) * kv_bytes + p * grad_bytes
+
+
+def test_merge_block_equals_attention_over_concatenated_keys():
+    """Serial: merging two key blocks = one block over both, including rows empty on one side."""
+    g = torch.Generator().manual_seed(0)
+    from shardzoo.kernels import attention_block_forward
+
+    q, k, v = (torch.randn(2, 2, 6, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    mask = torch.rand(2, 6, generator=g) > 0.4
+    mask[0, :3] = False  # rows of batch 0 see nothing in the first block
+    mask[1] = False  # batch 1 sees nothing at all
+    full_out, full_lse = attention_block_forward(q, k, v, key_padding_mask=mask)
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float64)
+    for cols in (slice(0, 3), slice(3, 6)):
+        block_out, block_lse = attention_block_forward(q, k[:, :, cols], v[:, :, cols], key_padding_mask=mask[:, cols])
+        merge_block(out, lse, block_out, block_lse)
+    assert_close(out, full_out, "merged out")
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(full_lse))
+    finite = torch.isfinite(full_lse)
+    assert_close(lse[finite], full_lse[finite], "merged lse")
+    assert not out.isnan().any()
+
+
+def odd_causal_shard():
+    q = torch.randn(1, 2, 5, 8)
+    try:
+        ring_attention(q, q, q, group=cached_mesh(sp=2).sp_group, causal=True)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_ring_attention_odd_causal_shard_raises_clear_error():
+    for message in run_on_ranks(odd_causal_shard, 2):
+        assert message is not None and "5 is odd" in message and "zigzag=True" in message
+
+
+def test_ring_attention_bad_mask_raises_clear_error():
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match=r"bool \[batch, seq/P\]"):
+        ring_attention(q, q, q, group=None, key_padding_mask=torch.ones(1, 4))
+
+
+def check_ring_triton_kernels(causal):
+    """The ring with the Triton block kernels against the torch reference kernels (same inputs)."""
+    from shardzoo.layers.ring_attention import RingAttentionFunction, RingSettings
+
+    world = torch.distributed.get_world_size()
+    group = cached_mesh(sp=world).sp_group
+    q, k, v, dout = full_inputs(1, 2, 16 * world, 16, torch.float32, 21)
+    mask = make_mask("rank_padded", 1, 16 * world, world, causal, 1)
+    local = [shard_sequence(t, group, dim=2, zigzag=causal) for t in (q, k, v, dout)]
+    local_mask = shard_padding_mask(mask, group, zigzag=causal)
+    results = {}
+    for backend in ("torch", "triton"):
+        leaves = [t.clone().requires_grad_(True) for t in local[:3]]
+        out = RingAttentionFunction.apply(*leaves, local_mask, RingSettings(group, causal, None, backend))
+        out.backward(local[3])
+        results[backend] = (out.detach(), *(t.grad for t in leaves))
+    for name, a, e in zip(("out", "dq", "dk", "dv"), results["triton"], results["torch"]):
+        assert_close(a, e, f"triton vs torch block kernel in the ring: {name}", scale=4.0)
+
+
+def test_ring_attention_with_triton_block_kernels():
+    """Under the Triton CPU interpreter, which must be on before the workers import triton."""
+    import os
+
+    from shardzoo.comm import WorkerPool
+
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        pool = WorkerPool(2)
+    finally:
+        if previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+    with pool:
+        pool.run(check_ring_triton_kernels, True)  # causal: diagonal, full and half blocks
