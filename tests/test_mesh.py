@@ -118,3 +118,27 @@ def two_meshes():
 
 def test_two_meshes_coexist():
     assert run_on_ranks(two_meshes, 4) == [(2.0, 2.0, 2, 2)] * 4
+
+
+def mesh_region_round_trip(layout, zigzag):
+    mesh = ParallelMesh(**layout)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 8, 12, generator=g, dtype=torch.float64)  # [batch, seq, hidden]
+    local = mesh.shard_sequence(mesh.shard_input(x), dim=1, zigzag=zigzag)
+    back = mesh.gather_output(mesh.gather_sequence(local, dim=1, zigzag=zigzag))
+    assert torch.equal(back, x)
+    return tuple(local.shape)
+
+
+@pytest.mark.parametrize(
+    "layout, local_shape",
+    [
+        (dict(sp=2, tp=4, tp_mode="1d"), (4, 4, 12)),
+        (dict(sp=2, tp=4, tp_mode="2d"), (2, 4, 6)),
+        (dict(tp=8, tp_mode="2.5d", tp_depth=2), (1, 8, 6)),
+        (dict(tp=8, tp_mode="3d"), (1, 8, 6)),
+    ],
+)
+@pytest.mark.parametrize("zigzag", [False, True])
+def test_mesh_shard_input_and_sequence_round_trip(layout, local_shape, zigzag):
+    assert run_on_ranks(mesh_region_round_trip, 8, layout, zigzag) == [local_shape] * 8
