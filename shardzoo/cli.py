@@ -28,6 +28,13 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from shardzoo.demo import run_demo
+
+    run_demo(ranks=args.ranks, hidden=args.hidden, seed=args.seed)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardzoo",
@@ -37,6 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     info = sub.add_parser("info", help="print versions and what this machine can run")
     info.set_defaults(func=_info)
+    demo = sub.add_parser("demo", help="run parallel layers on local CPU ranks and check them against serial")
+    demo.add_argument("--ranks", type=int, default=4, help="number of local ranks: 1, 2, 4 or 8 (default 4)")
+    demo.add_argument("--hidden", type=int, default=64, help="hidden size of the MLP block (default 64)")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.set_defaults(func=_demo)
     return parser
 
 
