@@ -57,7 +57,7 @@ def _use_kernels(x: torch.Tensor) -> bool:
 def _partials(x: torch.Tensor, target: torch.Tensor, vocab_start: int):
     """(row_max, sum_exp, target_logit, sum_logits), each [N], for local logits x [N, V_valid]."""
     if _use_kernels(x):
-        return cross_entropy_partials(x, target, vocab_start)
+        return cross_entropy_partials(x.contiguous(), target, vocab_start)  # a copy only on padded ranks
     stat = torch.promote_types(x.dtype, torch.float32)
     n = x.shape[0]
     if x.shape[1] == 0:  # a rank holding only padding columns

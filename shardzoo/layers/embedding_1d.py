@@ -44,7 +44,8 @@ class VocabParallelEmbedding1D(nn.Module):
         dtype, device: of the weight; initialised as the serial ``nn.Embedding`` (full table
             drawn on CPU from the current torch RNG, this rank's rows kept).
 
-    Shapes: ids ``[...]`` (global ids, replicated) -> ``[..., H]`` (``[b, s/p, H]`` with SP).
+    Shapes: ids ``[...]`` (global ids in ``[0, V)``, replicated) -> ``[..., H]`` (``[b, s/p, H]``
+    with SP). Ids are not range-checked (that would sync the device); ids >= V embed to zeros.
     Attributes: ``vocab_start`` (first global id held here), ``num_embeddings_per_rank``.
     """
 

@@ -27,8 +27,8 @@ from torch import nn
 from shardzoo.comm import collectives as comm
 from shardzoo.layers.common_1d import (
     SEQ_DIM,
-    leave_sequence_parallel,
     enter_sequence_parallel,
+    leave_sequence_parallel,
     local_param,
     replicated_spec,
     require_divisible,

@@ -1,0 +1,109 @@
+"""ParallelLMHead1D (+ its vocab-parallel loss) against nn.Linear + F.cross_entropy, untied and
+tied to a VocabParallelEmbedding1D, vocab sizes not divisible by tp, gather_output, sequence
+parallelism."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from shardzoo.layers.embedding_1d import VocabParallelEmbedding1D
+from shardzoo.layers.head_1d import ParallelLMHead1D
+from shardzoo.layers.shard_spec import full_state_dict, gather_full, get_shard_spec
+from shardzoo.testing import assert_close, cached_mesh, run_on_ranks
+
+DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+
+
+def check_head(case):
+    dtype = DTYPES[case["dtype"]]
+    tp = case["tp"]
+    mesh = cached_mesh(tp=tp)
+    vocab, hidden, b, s = case["vocab"], case["hidden"], case["batch"], case["seq"]
+    kwargs = dict(gather_output=case["gather"], sequence_parallel=case["sp"])
+    torch.manual_seed(case["seed"])
+    if case["tied"]:
+        serial_emb = nn.Embedding(vocab, hidden, dtype=dtype)
+        serial_weight = serial_emb.weight
+        emb = VocabParallelEmbedding1D.from_serial(serial_emb, mesh)
+        head = ParallelLMHead1D(hidden, vocab, mesh=mesh, tie_to=emb, **kwargs)
+        assert head.weight is emb.weight
+        serial_logits = lambda x: F.linear(x, serial_weight)  # noqa: E731
+    else:
+        serial = nn.Linear(hidden, vocab, case["bias"], dtype=dtype)
+        torch.manual_seed(case["seed"])
+        head = ParallelLMHead1D(hidden, vocab, case["bias"], mesh=mesh, dtype=dtype, **kwargs)
+        state = full_state_dict(head)
+        for k, v in serial.state_dict().items():
+            assert torch.equal(state[k], v), f"init of {k} differs from nn.Linear's"
+        serial_weight, serial_logits = serial.weight, serial
+
+    gen = torch.Generator().manual_seed(case["seed"] + 1)
+    x = torch.randn(b, s, hidden, generator=gen, dtype=torch.float64).to(dtype).requires_grad_(True)
+    target = torch.randint(0, vocab, (b, s), generator=gen)
+    if b * s > 1:
+        target[0, 0] = -100  # ignored position
+    ce = dict(label_smoothing=case["smoothing"], reduction="mean")
+    logits_ref = serial_logits(x)
+    loss_ref = F.cross_entropy(logits_ref.flatten(0, 1), target.flatten(), **ce)
+    loss_ref.backward()
+
+    x_par = x.detach().clone().requires_grad_(True)
+    logits = head(head.shard_input(x_par))
+    per_rank = -(-vocab // tp)
+    assert logits.shape[-1] == (vocab if case["gather"] else per_rank)
+    assert_close(head.gather_output(logits), logits_ref.detach(), "logits", 10 * tp)
+    loss = head.loss(logits, target, **ce)
+    loss.backward()
+    assert_close(loss, loss_ref.detach(), "loss", 10 * tp)
+    assert_close(x_par.grad, x.grad, "input grad", 10 * tp)
+    assert_close(gather_full(head.weight.grad, get_shard_spec(head.weight), mesh), serial_weight.grad,
+                 "weight grad", 10 * tp)
+    if head.bias is not None:
+        assert_close(gather_full(head.bias.grad, get_shard_spec(head.bias), mesh), serial.bias.grad, "bias grad",
+                     10 * tp)
+    return float(loss.detach())
+
+
+@st.composite
+def head_case(draw, tp):
+    sp = draw(st.booleans())
+    tied = draw(st.booleans())
+    return {
+        "tp": tp, "vocab": draw(st.integers(2, 21)), "hidden": draw(st.integers(1, 6)), "sp": sp, "tied": tied,
+        "bias": not tied and draw(st.booleans()), "gather": draw(st.booleans()),
+        "batch": draw(st.integers(1, 2)), "seq": draw(st.integers(1, 3)) * (tp if sp else 1),
+        "smoothing": draw(st.sampled_from([0.0, 0.1])),
+        "dtype": draw(st.sampled_from(list(DTYPES))), "seed": draw(st.integers(0, 2**31)),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+@settings(max_examples=10)
+@given(data=st.data())
+def test_head_and_loss_match_serial(tp, data):
+    case = data.draw(head_case(tp))
+    losses = run_on_ranks(check_head, tp, case)
+    assert len(set(losses)) == 1
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_gpt2_vocab_fixed_example_8_ranks(tied):
+    case = {"tp": 8, "vocab": 50257, "hidden": 16, "sp": True, "tied": tied, "bias": not tied, "gather": False,
+            "batch": 1, "seq": 8, "smoothing": 0.1, "dtype": "fp32", "seed": 5}
+    run_on_ranks(check_head, 8, case)
+
+
+def test_tie_with_mismatched_sizes_raises_clear_error():
+    run_on_ranks(tie_mismatch, 2)
+
+
+def tie_mismatch():
+    mesh = cached_mesh(tp=2)
+    emb = VocabParallelEmbedding1D(11, 4, mesh=mesh)
+    with pytest.raises(ValueError, match="cannot tie to an embedding of num_embeddings=11, embedding_dim=4"):
+        ParallelLMHead1D(4, 12, mesh=mesh, tie_to=emb)
+    with pytest.raises(ValueError, match="has no bias; pass bias=False"):
+        ParallelLMHead1D(4, 11, True, mesh=mesh, tie_to=emb)
