@@ -1,5 +1,48 @@
-"""Parallel layers. Every sharded parameter carries a ShardSpec (see shard_spec.py)."""
+"""Parallel layers for every tp_mode, ring / Ulysses attention, and ShardSpec.
 
+Every sharded parameter carries a ShardSpec (shard_spec.py); every module has ``.mesh``,
+``from_serial(module, mesh, ...)`` and differentiable ``shard_input`` / ``gather_output``.
+"""
+
+from shardzoo.layers.cross_entropy import vocab_parallel_cross_entropy
+from shardzoo.layers.embedding_1d import Embedding1D, VocabParallelEmbedding1D
+from shardzoo.layers.embedding_2d import Embedding2D, VocabParallelEmbedding2D
+from shardzoo.layers.embedding_2p5d import Embedding2p5D, PatchEmbedding2p5D, VocabParallelEmbedding2p5D
+from shardzoo.layers.embedding_3d import Embedding3D, PatchEmbedding3D, VocabParallelEmbedding3D
+from shardzoo.layers.head_1d import ParallelLMHead1D
+from shardzoo.layers.head_2d import Classifier2D, LMHead2D
+from shardzoo.layers.head_2p5d import Classifier2p5D, LMHead2p5D
+from shardzoo.layers.head_3d import Classifier3D, LMHead3D
+from shardzoo.layers.layouts import ActivationLayout, canonical_layout, gather_activation, shard_activation
+from shardzoo.layers.linear_1d import ParallelLinear1D
+from shardzoo.layers.linear_2d import ParallelLinear2D
+from shardzoo.layers.linear_2p5d import ParallelLinear2p5D
+from shardzoo.layers.linear_3d import ParallelLinear3D
+from shardzoo.layers.norm import LayerNorm1D, RMSNorm1D
+from shardzoo.layers.norm_2d import LayerNorm2D
+from shardzoo.layers.norm_2p5d import LayerNorm2p5D
+from shardzoo.layers.norm_3d import LayerNorm3D
+from shardzoo.layers.patch_embedding_2d import PatchEmbedding2D
+from shardzoo.layers.random import ParallelDropout, RNGStreams, dropout, manual_seed, rng_streams, tp_rng
+from shardzoo.layers.ring_attention import RingAttentionFunction, ring_attention
+from shardzoo.layers.sequence import gather_padding_mask, gather_sequence, shard_padding_mask, shard_sequence
 from shardzoo.layers.shard_spec import ShardSpec, full_state_dict, gather_full, get_shard_spec, set_shard_spec
+from shardzoo.layers.ulysses import ulysses_attention
 
-__all__ = ["ShardSpec", "full_state_dict", "gather_full", "get_shard_spec", "set_shard_spec"]
+__all__ = [
+    # 1D
+    "ParallelLinear1D", "VocabParallelEmbedding1D", "Embedding1D", "ParallelLMHead1D", "LayerNorm1D", "RMSNorm1D",
+    # 2D / 2.5D / 3D
+    "ParallelLinear2D", "ParallelLinear2p5D", "ParallelLinear3D", "LayerNorm2D", "LayerNorm2p5D", "LayerNorm3D",
+    "Embedding2D", "Embedding2p5D", "Embedding3D", "VocabParallelEmbedding2D", "VocabParallelEmbedding2p5D",
+    "VocabParallelEmbedding3D", "PatchEmbedding2D", "PatchEmbedding2p5D", "PatchEmbedding3D", "Classifier2D",
+    "Classifier2p5D", "Classifier3D", "LMHead2D", "LMHead2p5D", "LMHead3D",
+    "ActivationLayout", "canonical_layout", "shard_activation", "gather_activation",
+    # loss, dropout
+    "vocab_parallel_cross_entropy", "RNGStreams", "ParallelDropout", "dropout", "manual_seed", "rng_streams", "tp_rng",
+    # sequence parallelism
+    "ring_attention", "RingAttentionFunction", "ulysses_attention", "shard_sequence", "gather_sequence",
+    "shard_padding_mask", "gather_padding_mask",
+    # sharding metadata
+    "ShardSpec", "full_state_dict", "gather_full", "get_shard_spec", "set_shard_spec",
+]  # fmt: skip
