@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--hidden", type=int, default=64, help="hidden size of the MLP block (default 64)")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_demo)
+    from shardzoo.checkpoint.cli import add_convert_parser
+
+    add_convert_parser(sub)
     return parser
 
 

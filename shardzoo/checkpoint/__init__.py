@@ -1,0 +1,18 @@
+"""Sharded checkpoints: save from any layout, load into any other, export plain weights.
+
+    from shardzoo import checkpoint
+
+    checkpoint.save(model, "ckpt/step-1000", optimizer, config=config)   # every rank
+    checkpoint.load(model, "ckpt/step-1000", optimizer)                  # any mesh / world size
+    checkpoint.export_plain("ckpt/step-1000", "hf-out")                  # one process
+
+The format, the writer rule, atomicity and verification are described in docs/checkpoint.md.
+"""
+
+from shardzoo.checkpoint.errors import CheckpointError
+from shardzoo.checkpoint.exporting import export_plain
+from shardzoo.checkpoint.index import read_index
+from shardzoo.checkpoint.loading import LoadResult, load
+from shardzoo.checkpoint.saving import save
+
+__all__ = ["CheckpointError", "LoadResult", "export_plain", "load", "read_index", "save"]

@@ -1,0 +1,47 @@
+"""``shardzoo convert CKPT OUT``: export a sharded checkpoint as plain (Hugging Face layout) safetensors."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """"5GB" -> 5_000_000_000, "512MiB" -> 536_870_912, "1000" -> 1000."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).upper() if match else None
+    if match is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"cannot read size {text!r}; write e.g. 5GB, 500MB, 2GiB or a number of bytes")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from shardzoo.checkpoint import CheckpointError, export_plain
+
+    try:
+        written = export_plain(args.ckpt, args.out, max_shard_bytes=args.max_shard_size, progress=not args.no_progress)
+    except CheckpointError as e:
+        print(f"shardzoo convert: {e}")
+        return 1
+    print(f"wrote {len(written)} file(s) to {args.out}")
+    return 0
+
+
+def add_convert_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``convert`` subcommand to ``subparsers`` (from ``parser.add_subparsers()``)."""
+    from shardzoo.checkpoint.exporting import DEFAULT_MAX_SHARD_BYTES
+
+    parser = subparsers.add_parser(
+        "convert", help="export a sharded checkpoint as plain safetensors (Hugging Face layout)",
+        description="Assemble every tensor of a shardzoo checkpoint (any layout) and write model.safetensors "
+                    "(or model-0000i-of-0000N.safetensors + model.safetensors.index.json) and config.json.")
+    parser.add_argument("ckpt", metavar="CKPT", help="checkpoint directory written by shardzoo.checkpoint.save")
+    parser.add_argument("out", metavar="OUT", help="output directory (created)")
+    parser.add_argument("--max-shard-size", type=parse_size, default=DEFAULT_MAX_SHARD_BYTES,
+                        help="largest output file before splitting, e.g. 5GB (default), 500MB, 2GiB")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(func=_convert)
+    return parser

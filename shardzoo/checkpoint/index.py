@@ -1,0 +1,96 @@
+"""index.json: the description of every global tensor of a checkpoint and where its pieces are.
+
+::
+
+    {
+      "format": "shardzoo-checkpoint", "version": 1,
+      "layout": {"world_size": 4, "dp": 1, "pp": 1, "sp": 1, "tp": 4, "tp_mode": "2d", "tp_depth": 1},
+      "config": {...} | null, "config_class": "pkg.module.Config" | null,
+      "checksum": "crc32",
+      "files": {"shard-00000.safetensors": {"bytes": 123456}, ...},
+      "tensors": {"fc1.weight": {"dtype": "float32", "shape": [16, 8], "pieces": [
+          {"file": "shard-00000.safetensors", "key": "model/fc1.weight@0,0",
+           "offsets": [0, 0], "shape": [8, 4], "bytes": 128, "crc32": 2914236742}, ...]}, ...},
+      "aliases": {"head.weight": "embed.weight"},
+      "optimizer": null | {"class": "AdamW", "param_groups": [{"options": {...}, "params": [names]}],
+                           "values": {param: {key: number}}, "tensors": {"fc1.weight/exp_avg": {..., "like_param": true}}}
+    }
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from shardzoo.checkpoint.errors import CheckpointError
+
+FORMAT = "shardzoo-checkpoint"
+VERSION = 1
+INDEX_NAME = "index.json"
+
+
+def shard_file_name(rank: int) -> str:
+    return f"shard-{rank:05d}.safetensors"
+
+
+def mesh_layout(mesh, world_size: int) -> dict:
+    """The layout a checkpoint was saved from (for people and tools; loading ignores it)."""
+    if mesh is None:
+        return {"world_size": world_size, "dp": world_size, "pp": 1, "sp": 1, "tp": 1, "tp_mode": None, "tp_depth": 1}
+    return {"world_size": world_size, "dp": mesh.dp_size, "pp": mesh.pp_size, "sp": mesh.sp_size, "tp": mesh.tp_size,
+            "tp_mode": mesh.tp_mode, "tp_depth": mesh.tp_depth}
+
+
+def config_to_json(config) -> tuple[dict | None, str | None]:
+    """(config as a JSON dict, its class path); accepts None, a dict or a dataclass instance."""
+    if config is None:
+        return None, None
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        cls = type(config)
+        data = dataclasses.asdict(config)
+        name = f"{cls.__module__}.{cls.__qualname__}"
+    elif isinstance(config, dict):
+        data, name = dict(config), None
+    elif hasattr(config, "to_dict"):  # a transformers PretrainedConfig
+        data, name = config.to_dict(), f"{type(config).__module__}.{type(config).__qualname__}"
+    else:
+        raise CheckpointError(f"config must be a dict or a dataclass instance; got {type(config).__name__}. "
+                              f"Pass dataclasses.asdict(...) or a plain dict")
+    try:
+        json.dumps(data)
+    except TypeError as e:
+        raise CheckpointError(f"config is not JSON-serialisable ({e}); keep to numbers, strings, lists and dicts") from None
+    return data, name
+
+
+def read_index(ckpt_dir: str) -> dict:
+    """The parsed index of ``ckpt_dir``, with errors that say what is wrong and what to do."""
+    path = os.path.join(ckpt_dir, INDEX_NAME)
+    if not os.path.isdir(ckpt_dir):
+        parent, base = os.path.split(os.path.abspath(ckpt_dir))
+        aside = [n for n in os.listdir(parent) if n.startswith(base + ".old-")] if os.path.isdir(parent) else []
+        hint = (f"; a save was interrupted while swapping directories and the previous checkpoint is at "
+                f"{os.path.join(parent, aside[0])}: rename it to {ckpt_dir}") if aside else ""
+        raise CheckpointError(f"checkpoint directory {ckpt_dir} does not exist{hint}")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{ckpt_dir} has no {INDEX_NAME}, so it is not a complete shardzoo checkpoint "
+                              f"(a save that did not finish never writes one); point at a finished checkpoint")
+    try:
+        with open(path) as f:
+            index = json.load(f)
+    except ValueError as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}); the index is corrupted, restore it from a backup") from None
+    if index.get("format") != FORMAT:
+        raise CheckpointError(f"{path} has format {index.get('format')!r}, not {FORMAT!r}; it is not a shardzoo checkpoint")
+    if index.get("version", 0) > VERSION:
+        raise CheckpointError(f"{path} is format version {index['version']}; this shardzoo reads up to {VERSION}. Upgrade shardzoo")
+    return index
+
+
+def write_json_durably(path: str, data: dict) -> None:
+    """Write ``data`` to ``path`` and fsync it."""
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())

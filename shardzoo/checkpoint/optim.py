@@ -1,0 +1,127 @@
+"""Optimizer state as named, sharded tensors, so it reshards exactly like the parameters.
+
+``optimizer.state_dict()`` numbers parameters by their position in ``param_groups``; here each
+is named by ``model.named_parameters()``. A state tensor shaped like its parameter (AdamW's
+``exp_avg`` / ``exp_avg_sq``) shares the parameter's ShardSpec and is saved as
+``"<param>/<key>"`` pieces; any other tensor (AdamW's scalar ``step``) is saved whole, once;
+plain numbers go into the index. Hyperparameters are saved per param group.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shardzoo.checkpoint.errors import CheckpointError
+from shardzoo.checkpoint.safetensors_io import dtype_from_name
+from shardzoo.checkpoint.tensors import LocalTensor
+
+
+def _param_names(model: nn.Module, optimizer) -> list[list[str]]:
+    """Names of the optimizer's parameters, per param group."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = []
+    for g, group in enumerate(optimizer.param_groups):
+        group_names = []
+        for p in group["params"]:
+            if id(p) not in names:
+                raise CheckpointError(f"param group {g} of the optimizer holds a parameter of shape {tuple(p.shape)} that "
+                                      f"is not a parameter of the model; build the optimizer from model.parameters()")
+            group_names.append(names[id(p)])
+        out.append(group_names)
+    return out
+
+
+def _json_value(v):
+    if isinstance(v, torch.Tensor) and v.numel() == 1:
+        return v.item()
+    if isinstance(v, tuple):
+        return [_json_value(x) for x in v]
+    if v is None or isinstance(v, (bool, int, float, str, list)):
+        return v
+    return None  # not representable; the current optimizer's value is kept on load
+
+
+def optimizer_tensors(model: nn.Module, optimizer, model_tensors: list[LocalTensor]) -> tuple[list[LocalTensor], dict]:
+    """This rank's optimizer-state tensors and the JSON part (groups, numbers, which are param-shaped)."""
+    by_name = {lt.name: lt for lt in model_tensors}
+    group_names = _param_names(model, optimizer)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    flat_names = [n for names in group_names for n in names]
+    out: list[LocalTensor] = []
+    values: dict[str, dict] = {}
+    like_param: dict[str, bool] = {}
+    for p, name in zip(params, flat_names):
+        owner = by_name[name]
+        for key, v in optimizer.state.get(p, {}).items():
+            if isinstance(v, torch.Tensor):
+                tname = f"{name}/{key}"
+                shaped = v.dim() > 0 and tuple(v.shape) == tuple(p.shape)
+                like_param[tname] = shaped
+                out.append(LocalTensor(tname, v.detach(), owner.spec if shaped else None, owner.mesh))
+            else:
+                values.setdefault(name, {})[key] = _json_value(v)
+    groups = [{"options": {k: _json_value(v) for k, v in g.items() if k != "params"}, "params": names}
+              for g, names in zip(optimizer.param_groups, group_names)]
+    return out, {"class": type(optimizer).__name__, "param_groups": groups, "values": values, "like_param": like_param}
+
+
+def merge_metas(metas: list[dict]) -> dict:
+    """One optimizer description from every rank's (pipeline stages hold different params)."""
+    merged = {"class": metas[0]["class"], "param_groups": [], "values": {}, "like_param": {}}
+    for meta in metas:
+        for g, group in enumerate(meta["param_groups"]):
+            if g == len(merged["param_groups"]):
+                merged["param_groups"].append({"options": group["options"], "params": []})
+            known = merged["param_groups"][g]["params"]
+            known.extend(n for n in group["params"] if n not in known)
+        merged["values"].update(meta["values"])
+        merged["like_param"].update(meta["like_param"])
+    return merged
+
+
+def load_optimizer(model: nn.Module, optimizer, saved: dict, model_tensors: list[LocalTensor], read) -> None:
+    """Fill ``optimizer`` from the checkpoint's optimizer section.
+
+    ``read(lt, entry)`` fills LocalTensor ``lt`` from index entry ``entry`` (the piece reader)."""
+    if type(optimizer).__name__ != saved["class"]:
+        raise CheckpointError(f"the checkpoint holds {saved['class']} state but the optimizer is {type(optimizer).__name__}; "
+                              f"build the same optimizer class, or load the model alone (optimizer=None)")
+    by_name = {lt.name: lt for lt in model_tensors}
+    group_names = _param_names(model, optimizer)
+    if len(group_names) > len(saved["param_groups"]):
+        raise CheckpointError(f"the optimizer has {len(group_names)} param groups; the checkpoint has "
+                              f"{len(saved['param_groups'])}. Group the parameters as when saving")
+    by_param: dict[str, list[tuple[str, dict]]] = {}
+    for tname, entry in saved["tensors"].items():
+        pname, _, key = tname.rpartition("/")
+        by_param.setdefault(pname, []).append((key, entry))
+    state: dict[int, dict] = {}
+    groups = []
+    index = 0
+    for g, (group, names) in enumerate(zip(optimizer.param_groups, group_names)):
+        saved_group = saved["param_groups"][g]
+        stray = [n for n in names if n not in saved_group["params"]]
+        if stray:
+            raise CheckpointError(f"parameters {stray[:5]} are in optimizer param group {g} but not in the saved group {g}; "
+                                  f"group the parameters as when saving")
+        options = {k: v for k, v in group.items() if k != "params"}
+        for k, v in saved_group["options"].items():
+            if k in options and v is not None:
+                options[k] = tuple(v) if isinstance(options[k], tuple) else v
+        groups.append({**options, "params": list(range(index, index + len(names)))})
+        for name in names:
+            owner = by_name[name]
+            param_state = dict(saved["values"].get(name, {}))
+            for key, entry in by_param.get(name, []):
+                dtype = dtype_from_name(entry["dtype"])
+                if entry.get("like_param"):  # this rank's piece, cut like the parameter
+                    lt = LocalTensor(f"{name}/{key}", torch.zeros(owner.tensor.shape, dtype=dtype), owner.spec, owner.mesh)
+                else:
+                    lt = LocalTensor(f"{name}/{key}", torch.zeros(entry["shape"], dtype=dtype), None, owner.mesh)
+                read(lt, entry)
+                param_state[key] = lt.tensor
+            if param_state:
+                state[index] = param_state
+            index += 1
+    optimizer.load_state_dict({"state": state, "param_groups": groups})

@@ -1,0 +1,135 @@
+"""Reading saved pieces: verification of files and checksums, and box reads by byte range.
+
+Verification (before anything is copied into the model):
+* every shard file the loaded sections use exists and has exactly the size in the index
+  (a truncated or replaced file fails here, on every rank);
+* each piece's header entry (dtype, shape, byte size) matches the index, and the crc32 of its
+  bytes matches; the pieces are split between the ranks by size, so the checkpoint is read
+  once in total for this, not once per rank. ``verify=False`` skips the checksums only.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from safetensors import safe_open
+
+from shardzoo.checkpoint.errors import CheckpointError
+from shardzoo.checkpoint.safetensors_io import ST_DTYPES, crc32_of_range, dtype_from_name, read_header
+from shardzoo.checkpoint.tensors import Box, LocalTensor, intersect, relative_slices, volume
+
+_FIX_SENTENCE = "Restore the file from the original save or re-save the checkpoint"
+
+
+def entries_of(index: dict, sections: tuple[str, ...]) -> list[tuple[str, dict]]:
+    """(tensor name, index entry) of the given sections ("model", "optimizer")."""
+    out = list(index["tensors"].items()) if "model" in sections else []
+    if "optimizer" in sections and index.get("optimizer"):
+        out += list(index["optimizer"]["tensors"].items())
+    return out
+
+
+def verify(ckpt_dir: str, index: dict, entries: list[tuple[str, dict]], rank: int, world: int, checksums: bool) -> None:
+    """Check sizes of every used file, and headers + crc32 of this rank's share of the pieces."""
+    pieces = [(name, e["dtype"], p) for name, e in entries for p in e["pieces"]]
+    for file in sorted({p["file"] for _, _, p in pieces}):
+        path = os.path.join(ckpt_dir, file)
+        expected = index["files"].get(file, {}).get("bytes")
+        if not os.path.isfile(path):
+            names = sorted({n for n, _, p in pieces if p["file"] == file})
+            raise CheckpointError(f"{path} is missing; the index stores pieces of {len(names)} tensor(s) there "
+                                  f"(e.g. {names[0]!r}). {_FIX_SENTENCE}")
+        size = os.path.getsize(path)
+        if size != expected:
+            state = "truncated" if expected is not None and size < expected else "not the file that was saved"
+            raise CheckpointError(f"{path} is {size} bytes but the index records {expected}: the file is {state}. "
+                                  f"{_FIX_SENTENCE}")
+    if not checksums:
+        return
+    load = [0] * world
+    headers: dict[str, tuple[dict, int]] = {}
+    for name, dtype, piece in sorted(pieces, key=lambda x: (-x[2]["bytes"], x[2]["file"], x[2]["key"])):
+        owner = min(range(world), key=load.__getitem__)  # largest first to the least-loaded rank
+        load[owner] += piece["bytes"]
+        if owner != rank:
+            continue
+        path = os.path.join(ckpt_dir, piece["file"])
+        if path not in headers:
+            headers[path] = read_header(path)
+        header, data_start = headers[path]
+        _check_piece(path, name, dtype, piece, header, data_start)
+
+
+def _check_piece(path: str, name: str, dtype: str, piece: dict, header: dict, data_start: int) -> None:
+    info = header.get(piece["key"])
+    if info is None:
+        raise CheckpointError(f"{path} has no entry {piece['key']!r} (a piece of tensor {name!r}); the file does not "
+                              f"belong to this index. {_FIX_SENTENCE}")
+    start, end = info["data_offsets"]
+    stored_dtype = ST_DTYPES.get(dtype_from_name(dtype))
+    if info["shape"] != piece["shape"] or end - start != piece["bytes"] or info["dtype"] != stored_dtype:
+        raise CheckpointError(f"{path}: piece {piece['key']!r} of tensor {name!r} is {info['dtype']}{info['shape']} "
+                              f"({end - start} bytes) in the file but {stored_dtype}{piece['shape']} ({piece['bytes']} bytes) in the "
+                              f"index; the file does not belong to this index. {_FIX_SENTENCE}")
+    crc = crc32_of_range(path, data_start + start, data_start + end)
+    if crc != piece["crc32"]:
+        raise CheckpointError(f"{path}: piece {piece['key']!r} of tensor {name!r} fails its crc32 check (index "
+                              f"{piece['crc32']:08x}, file {crc:08x}): the file is corrupted. {_FIX_SENTENCE}")
+
+
+class PieceReader:
+    """Reads boxes of saved global tensors, touching only the bytes that overlap them."""
+
+    def __init__(self, ckpt_dir: str):
+        self.ckpt_dir = ckpt_dir
+        self._files: dict[str, object] = {}
+
+    def handle(self, file: str):
+        """The open safetensors file ``file`` of the checkpoint (opened once, memory-mapped)."""
+        if file not in self._files:
+            self._files[file] = safe_open(os.path.join(self.ckpt_dir, file), framework="pt", device="cpu")
+        return self._files[file]
+
+    def read_box(self, name: str, entry: dict, box: Box, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The region ``box`` (global offsets, shape) of saved tensor ``name``, shape ``box[1]``,
+        written into ``out`` when given (e.g. a view of a larger buffer)."""
+        if out is None:
+            out = torch.zeros(box[1], dtype=dtype_from_name(entry["dtype"]))
+        filled = 0
+        for piece in entry["pieces"]:
+            piece_box = (tuple(piece["offsets"]), tuple(piece["shape"]))
+            overlap = intersect(box, piece_box)
+            if overlap is None or volume(overlap[1]) == 0:
+                continue
+            handle = self.handle(piece["file"])
+            if len(piece_box[1]) == 0:
+                data = handle.get_tensor(piece["key"])
+            else:
+                data = handle.get_slice(piece["key"])[relative_slices(overlap, piece_box[0])]
+            out[relative_slices(overlap, box[0])] = data
+            filled += volume(overlap[1])
+        if filled != volume(box[1]):
+            raise CheckpointError(f"the saved pieces of {name!r} cover {filled} of the {volume(box[1])} elements this "
+                                  f"rank needs (box {box}); the index is inconsistent. Re-save the checkpoint")
+        return out
+
+    def fill(self, lt: LocalTensor, entry: dict) -> None:
+        """Overwrite ``lt.tensor`` with its saved values; padding past the global end becomes zero."""
+        buf = torch.zeros(lt.tensor.shape, dtype=dtype_from_name(entry["dtype"]))
+        box = lt.valid_box()
+        if volume(box[1]) > 0:  # else this rank holds only padding
+            region = lt.spec.valid_local() if lt.spec is not None else ...
+            self.read_box(lt.name, entry, box, out=buf[region])
+        with torch.no_grad():
+            lt.tensor.copy_(buf)
+
+    def close(self) -> None:
+        self._files.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+

@@ -1,0 +1,183 @@
+"""``save``: every rank writes the pieces it owns; rank 0 writes the index and swaps it in.
+
+Steps (each one agreed by all ranks, so a failure anywhere raises everywhere):
+1. rank 0 checks the target, removes leftovers of earlier saves, creates ``<dir>.tmp-<token>``;
+2. every rank offers the valid boxes the writer rule gives it; one all-gather, and every rank
+   computes the same plan (each distinct piece to the lowest rank offering it);
+3. each writing rank streams its pieces into ``shard-<rank>.safetensors`` and fsyncs it;
+4. barrier (with the collective timeout); rank 0 writes ``index.json`` last, fsyncs, swaps
+   the directory into place. On failure the temp dir is removed and the old checkpoint stays.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import uuid
+
+from torch import nn
+
+from shardzoo.checkpoint import atomic
+from shardzoo.checkpoint.errors import CheckpointError
+from shardzoo.checkpoint.index import FORMAT, INDEX_NAME, VERSION, config_to_json, mesh_layout, shard_file_name, write_json_durably
+from shardzoo.checkpoint.optim import merge_metas, optimizer_tensors
+from shardzoo.checkpoint.plan import Offer, pieces_of_rank, plan_writes
+from shardzoo.checkpoint.safetensors_io import SafetensorsWriter, dtype_name
+from shardzoo.checkpoint.sync import Ranks, describe
+from shardzoo.checkpoint.tensors import LocalTensor, find_mesh, is_candidate_writer, model_tensors, volume
+
+
+def save(model: nn.Module, ckpt_dir: str, optimizer=None, *, config=None, layout: dict | None = None) -> None:
+    """Save ``model`` (and ``optimizer``) as a sharded checkpoint in directory ``ckpt_dir``.
+
+    Collective: every rank of the default process group calls it (a plain module in a single
+    process needs no process group). Replicated pieces are written once; the previous
+    checkpoint at ``ckpt_dir`` is replaced only when the new one is complete.
+
+    Args:
+        model: a parallel model (modules with ``.mesh``, parameters with ShardSpecs) or a plain one.
+        ckpt_dir: target directory (created; replaced atomically if it holds a checkpoint).
+        optimizer: an optimizer over ``model.parameters()`` (e.g. torch AdamW) to save too.
+        config: the model config (dict or dataclass), stored in the index and exported as config.json.
+        layout: extra layout fields to record (default: the model mesh's sizes and tp_mode).
+    """
+    config_to_json(config)  # a config that cannot be stored fails here, on every rank alike
+    mesh = find_mesh(model)
+    timeout = getattr(mesh, "timeout", None) or datetime.timedelta(minutes=10)
+    ranks = Ranks(timeout)
+    what = f"saving checkpoint {ckpt_dir}"
+    error, tmp, token = None, None, uuid.uuid4().hex[:12]
+    if ranks.rank == 0:
+        try:
+            tmp = atomic.prepare(ckpt_dir, token)
+        except Exception as e:
+            error = describe(e)
+    error, tmp, token = ranks.broadcast((error, tmp, token))
+    if error is not None:
+        raise CheckpointError(f"{what} failed: {error}")
+    try:
+        _save_into(model, optimizer, ranks, mesh, tmp, what, config, layout)
+        error = None
+        if ranks.rank == 0:
+            try:
+                atomic.commit(tmp, ckpt_dir, token)
+            except Exception as e:
+                error = describe(e)
+        ranks.agree(error, what)
+    except BaseException:
+        if ranks.rank == 0:
+            atomic.discard(tmp)
+        raise
+
+
+def _local_tensors(model, optimizer) -> tuple[list[tuple[str, LocalTensor]], dict, dict | None]:
+    tensors, aliases = model_tensors(model)
+    local = [("model", lt) for lt in tensors]
+    meta = None
+    if optimizer is not None:
+        opt_tensors, meta = optimizer_tensors(model, optimizer, tensors)
+        local += [("optimizer", lt) for lt in opt_tensors]
+    return local, aliases, meta
+
+
+def _offers(local: list[tuple[str, LocalTensor]], rank: int) -> list[Offer]:
+    offers = []
+    for section, lt in local:
+        if not is_candidate_writer(lt, rank):
+            continue
+        offsets, shape = lt.valid_box()
+        if volume(shape) == 0 and volume(lt.global_shape) > 0:
+            continue  # this rank holds only padding rows
+        offers.append(Offer(section, lt.name, lt.global_shape, dtype_name(lt.tensor.dtype), offsets, shape))
+    return offers
+
+
+def _write_shard_file(tmp: str, rank: int, local: list[tuple[str, LocalTensor]], mine: set) -> dict | None:
+    """Stream this rank's pieces into its shard file; returns the file's and pieces' records."""
+    todo = []
+    for section, lt in local:
+        offsets, shape = lt.valid_box()
+        if (section, lt.name, offsets, shape) in mine:
+            todo.append((Offer(section, lt.name, lt.global_shape, dtype_name(lt.tensor.dtype), offsets, shape), lt))
+    if not todo:
+        return None
+    name = shard_file_name(rank)
+    writer = SafetensorsWriter(os.path.join(tmp, name), [(o.key, lt.tensor.dtype, o.shape) for o, lt in todo],
+                               {"format": "pt", "shardzoo": "checkpoint-shard"})
+    pieces = []
+    try:
+        for offer, lt in todo:
+            size, crc = writer.write(offer.key, lt.valid_data())
+            pieces.append({"section": offer.section, "name": offer.name, "file": name, "key": offer.key,
+                           "offsets": list(offer.offsets), "shape": list(offer.shape), "bytes": size, "crc32": crc})
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    return {"file": name, "bytes": writer.total_bytes, "pieces": pieces}
+
+
+def _save_into(model, optimizer, ranks: Ranks, mesh, tmp: str, what: str, config, layout) -> None:
+    error, offers, local, aliases, meta = None, [], [], {}, None
+    try:
+        local, aliases, meta = _local_tensors(model, optimizer)
+        offers = _offers(local, ranks.rank)
+    except Exception as e:
+        error = describe(e)
+    all_offers = ranks.agree(error, what, offers)
+    plans, problems = plan_writes(all_offers)  # the same on every rank
+    if problems:
+        raise CheckpointError(f"{what} failed:\n" + "\n".join(problems))
+    error, written = None, None
+    try:
+        written = _write_shard_file(tmp, ranks.rank, local, pieces_of_rank(plans, ranks.rank))
+    except Exception as e:
+        error = describe(e)
+    ranks.barrier()  # every shard is on disk (or its rank failed) before the index is written
+    replies = ranks.agree(error, what, (written, aliases, meta))
+    error = None
+    if ranks.rank == 0:
+        try:
+            index = _build_index(plans, replies, mesh, ranks.world, config, layout)
+            write_json_durably(os.path.join(tmp, INDEX_NAME), index)
+        except Exception as e:
+            error = describe(e)
+    ranks.agree(error, what)
+
+
+def _build_index(plans, replies, mesh, world: int, config, layout) -> dict:
+    config_json, config_class = config_to_json(config)
+    sections: dict[str, dict] = {"model": {}, "optimizer": {}}
+    for (section, name), plan in plans.items():
+        sections[section][name] = {"dtype": plan.dtype, "shape": list(plan.global_shape), "pieces": []}
+    files, aliases, metas = {}, {}, []
+    for written, rank_aliases, meta in replies:
+        aliases.update(rank_aliases)
+        if meta is not None:
+            metas.append(meta)
+        if written is None:
+            continue
+        files[written["file"]] = {"bytes": written["bytes"]}
+        for piece in written["pieces"]:
+            entry = sections[piece.pop("section")][piece.pop("name")]
+            entry["pieces"].append(piece)
+    for entries in sections.values():
+        for entry in entries.values():
+            entry["pieces"].sort(key=lambda p: p["offsets"])
+    optimizer = None
+    if metas:
+        optimizer = merge_metas(metas)
+        like_param = optimizer.pop("like_param")
+        for name, entry in sections["optimizer"].items():
+            entry["like_param"] = like_param.get(name, False)
+        optimizer["tensors"] = sections["optimizer"]
+    return {
+        "format": FORMAT, "version": VERSION,
+        "layout": {**mesh_layout(mesh, world), **(layout or {})},
+        "config": config_json, "config_class": config_class,
+        "checksum": "crc32",
+        "files": dict(sorted(files.items())),
+        "tensors": sections["model"],
+        "aliases": aliases,
+        "optimizer": optimizer,
+    }

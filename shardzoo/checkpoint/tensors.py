@@ -1,0 +1,132 @@
+"""What a rank holds: its tensors with their global names and ShardSpecs, and the writer rule.
+
+A ``LocalTensor`` is one parameter, persistent buffer or optimizer-state tensor on this rank.
+Its *valid box* is the rectangle of the global tensor its real values cover (``offsets``,
+``shape`` in global coordinates, vocabulary padding dropped); that box is what a checkpoint
+stores as one piece, and what a load fills from whichever saved pieces overlap it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from shardzoo.checkpoint.errors import CheckpointError
+from shardzoo.layers.shard_spec import ShardSpec, get_shard_spec
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, shape) in global coordinates
+
+
+@dataclass
+class LocalTensor:
+    """One tensor on this rank.
+
+    Attributes:
+        name: global (serial) name, e.g. ``"blocks.0.fc1.weight"``; optimizer state is
+            ``"<param name>/<state key>"``.
+        tensor: the local data, shape ``spec.local_shape`` (or the global shape without a spec).
+        spec: where it sits in the global tensor; None when every rank holding it has all of it.
+        mesh: the ParallelMesh the spec's axes refer to (the owning module's, else the model's).
+    """
+
+    name: str
+    tensor: torch.Tensor
+    spec: ShardSpec | None
+    mesh: object | None
+
+    @property
+    def global_shape(self) -> tuple[int, ...]:
+        return self.spec.global_shape if self.spec is not None else tuple(self.tensor.shape)
+
+    def valid_box(self) -> Box:
+        """(offsets, shape) of the global region this rank's real values cover."""
+        if self.spec is None:
+            shape = tuple(self.tensor.shape)
+            return (0,) * len(shape), shape
+        region = self.spec.valid_global()
+        return tuple(s.start for s in region), tuple(s.stop - s.start for s in region)
+
+    def valid_data(self) -> torch.Tensor:
+        """The local values inside :meth:`valid_box` (padding rows dropped)."""
+        return self.tensor if self.spec is None else self.tensor[self.spec.valid_local()]
+
+
+def find_mesh(model: nn.Module):
+    """The first ``.mesh`` found on ``model`` or its submodules (None for a plain serial model)."""
+    for module in model.modules():
+        mesh = getattr(module, "mesh", None)
+        if mesh is not None:
+            return mesh
+    return None
+
+
+def model_tensors(model: nn.Module) -> tuple[list[LocalTensor], dict[str, str]]:
+    """Parameters and persistent buffers of ``model`` on this rank, and the tied aliases.
+
+    A tensor reachable under several names (tied embeddings) is listed once, under the name
+    ``named_parameters`` gives it; ``aliases`` maps each other name to that one."""
+    model_mesh = find_mesh(model)
+    seen: dict[int, str] = {}
+    tensors: list[LocalTensor] = []
+    aliases: dict[str, str] = {}
+    for mod_name, mod in model.named_modules():
+        mesh = getattr(mod, "mesh", None)
+        skip = getattr(mod, "_non_persistent_buffers_set", set())
+        members = list(mod._parameters.items()) + [(n, b) for n, b in mod._buffers.items() if n not in skip]
+        for name, t in members:
+            if t is None:
+                continue
+            key = f"{mod_name}.{name}" if mod_name else name
+            if id(t) in seen:
+                aliases[key] = seen[id(t)]
+                continue
+            seen[id(t)] = key
+            spec = get_shard_spec(t)
+            if spec is not None and mesh is None:
+                raise CheckpointError(f"{key} has a ShardSpec but its module {type(mod).__name__} has no .mesh; "
+                                      f"set module.mesh to the ParallelMesh the spec's axes refer to")
+            tensors.append(LocalTensor(key, t.detach(), spec, mesh if spec is not None else model_mesh))
+    return tensors, aliases
+
+
+def _expand_axes(axes: tuple[str, ...], mesh) -> set[str]:
+    """Mesh axis names with "tp" expanded into the mode's sub-axes."""
+    out: set[str] = set()
+    for a in axes:
+        out.update(mesh.tp_sub_axes if a == "tp" else (a,))
+    return out
+
+
+def is_candidate_writer(lt: LocalTensor, rank: int) -> bool:
+    """The writer rule: coordinate 0 on every mesh axis except pp and the spec's partitioned_over
+    axes (pipeline stages own different tensors; replicas along every other axis are equal).
+    Without a mesh, global rank 0. Equal pieces offered by several ranks (tied weights on two
+    stages, a scalar optimizer step) are then written once, by the lowest rank."""
+    if lt.mesh is None:
+        return rank == 0
+    free = _expand_axes(lt.spec.partitioned_over, lt.mesh) if lt.spec is not None else set()
+    return all(c == 0 for axis, c in lt.mesh.coordinate.items() if axis != "pp" and axis not in free)
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """The overlap of two boxes, or None when it is empty."""
+    offsets, shape = [], []
+    for ao, as_, bo, bs in zip(a[0], a[1], b[0], b[1]):
+        lo, hi = max(ao, bo), min(ao + as_, bo + bs)
+        if hi <= lo:
+            return None
+        offsets.append(lo)
+        shape.append(hi - lo)
+    return tuple(offsets), tuple(shape)
+
+
+def relative_slices(inner: Box, outer_offsets: tuple[int, ...]) -> tuple[slice, ...]:
+    """Slices selecting box ``inner`` inside a tensor whose first element is at ``outer_offsets``."""
+    return tuple(slice(o - oo, o - oo + s) for o, s, oo in zip(inner[0], inner[1], outer_offsets))
+
+
+def volume(shape) -> int:
+    return math.prod(int(s) for s in shape)
