@@ -173,8 +173,9 @@ class ParallelMesh:
         self._coord = dict(zip(self.axis_names, coord))
 
     # -- sizes and coordinates ------------------------------------------------------------
-    def _axes(self, axes: tuple[str, ...]) -> tuple[str, ...]:
-        """Expand "tp" into the mode's sub-axes and check names; result in mesh order."""
+    def expand_axes(self, *axes: str) -> tuple[str, ...]:
+        """Mesh axes named by ``axes`` with "tp" expanded into the mode's sub-axes, checked and
+        in mesh order: ``expand_axes("tp", "dp")`` on a 2d mesh is ("dp", "tp_row", "tp_col")."""
         expanded: list[str] = []
         for a in axes:
             if a == "tp" and self.tp_mode != "1d":
@@ -190,12 +191,12 @@ class ParallelMesh:
 
     def size(self, *axes: str) -> int:
         """Number of ranks spanned by ``axes`` (all axes: the world size)."""
-        axes = self._axes(axes) if axes else self.axis_names
+        axes = self.expand_axes(*axes) if axes else self.axis_names
         return math.prod(self._sizes[a] for a in axes)
 
     def rank(self, *axes: str) -> int:
         """This rank's index in the group spanned by ``axes`` (row-major over mesh order)."""
-        axes = self._axes(axes) if axes else self.axis_names
+        axes = self.expand_axes(*axes) if axes else self.axis_names
         idx = 0
         for a in axes:
             idx = idx * self._sizes[a] + self._coord[a]
@@ -211,14 +212,14 @@ class ParallelMesh:
 
         Multi-axis groups are created on first use; every rank must ask for them in the same
         order, as for any torch.distributed group creation."""
-        axes = self._axes(axes)
+        axes = self.expand_axes(*axes)
         if len(axes) == 1:
             return self.device_mesh.get_group(axes[0])
         return self.sub_mesh(*axes).get_group()
 
     def sub_mesh(self, *axes: str) -> DeviceMesh:
         """A 1-D DeviceMesh over ``axes`` (flattened when several), for DTensor / FSDP2 interop."""
-        axes = self._axes(axes)
+        axes = self.expand_axes(*axes)
         if len(axes) == 1:
             return self.device_mesh[axes[0]]
         if axes not in self._combined:
@@ -228,7 +229,7 @@ class ParallelMesh:
 
     def ranks(self, *axes: str) -> list[int]:
         """Global ranks of this rank's group over ``axes``, in group-rank order."""
-        axes = self._axes(axes)
+        axes = self.expand_axes(*axes)
         mesh = self.device_mesh.mesh
         index = tuple(slice(None) if a in axes else self._coord[a] for a in self.axis_names)
         return [int(r) for r in mesh[index].flatten().tolist()]

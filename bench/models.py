@@ -1,0 +1,127 @@
+"""GPT-2 training throughput per layout against the serial model, pipeline bubble against the
+ideal (p-1)/(m+p-1), and per-rank parameter memory.
+
+    python bench/models.py                       # worlds 4 and 8 on local ranks (gloo / NCCL)
+    python bench/models.py --steps 3 --layers 4 --hidden 128
+
+Tokens/s counts the global batch per step (median step time after a warm-up step). The bubble
+of a pipelined layout is measured as 1 - (T_1 / p) / T_p: T_1 the step time of the same layout
+without pipelining on one pp rank's share of ranks, T_p the pipelined step time, so transfers
+and schedule overheads count as bubble too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _results import markdown_table, write_results  # noqa: E402
+
+# name -> ParallelMesh kwargs
+LAYOUTS = {
+    "serial": dict(),
+    "1d tp2": dict(tp=2),
+    "1d tp4": dict(tp=4),
+    "2d tp4": dict(tp=4, tp_mode="2d"),
+    "1d tp2 x sp2": dict(tp=2, sp=2),
+    "pp2 x 1d tp2": dict(pp=2, tp=2),
+    "1d tp8": dict(tp=8),
+    "2.5d tp8 (d=2)": dict(tp=8, tp_mode="2.5d", tp_depth=2),
+    "3d tp8": dict(tp=8, tp_mode="3d"),
+    "pp2 x 2d tp4": dict(pp=2, tp=4, tp_mode="2d"),
+}
+# the unpipelined layout each pipelined one is compared with for the bubble
+BUBBLE_BASE = {"pp2 x 1d tp2": "1d tp2", "pp2 x 2d tp4": "2d tp4"}
+
+
+def world(kwargs) -> int:
+    return kwargs.get("tp", 1) * kwargs.get("pp", 1) * kwargs.get("sp", 1) * kwargs.get("dp", 1)
+
+
+def run_layout(kwargs, args):
+    from shardzoo import ParallelMesh
+    from shardzoo.models import GPT2, GPT2Config
+    from shardzoo.models.pipeline import build_schedule, sync_tied_grads
+
+    mesh = ParallelMesh(**kwargs)
+    config = GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=args.heads, vocab_size=args.vocab,
+                        n_positions=args.seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    stage = (mesh.pp_rank, mesh.pp_size) if mesh.pp_size > 1 else None
+    model = GPT2(config, mesh=mesh, stage=stage)
+    model.init_weights(0)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    schedule = build_schedule([(mesh.pp_rank, model)], mesh, n_microbatches=args.microbatches,
+                              loss_fn=model.loss) if stage else None
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
+    inputs, target = model.shard_input(ids[:, :-1]) if model.is_first else None, None
+    if model.is_last:
+        target = model.shard_target(ids[:, 1:])
+    times = []
+    for _ in range(args.steps + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        opt.zero_grad()
+        if schedule is not None:
+            schedule.step(*((inputs,) if model.is_first else ()), **({"target": target} if model.is_last else {}))
+            sync_tied_grads([model], mesh)
+        else:
+            model.loss(model(inputs), target).backward()
+        opt.step()
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+    peak = torch.tensor([float(param_bytes)])
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return {"step_s": statistics.median(times[1:]), "param_mib": peak.item() / 2**20}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--max-world", type=int, default=8)
+    args = p.parse_args()
+    from shardzoo import launch
+
+    layouts = {n: k for n, k in LAYOUTS.items() if world(k) <= args.max_world}
+    results = {}
+    for name, kwargs in layouts.items():
+        results[name] = launch(run_layout, world(kwargs), kwargs, args)[0]
+        print(f"{name:16s} world {world(kwargs)}  step {results[name]['step_s'] * 1e3:8.1f} ms", flush=True)
+    tokens = args.batch * args.seq
+    serial = results["serial"]["step_s"]
+    rows = []
+    for name, r in results.items():
+        bubble, ideal = "", ""
+        if name in BUBBLE_BASE and BUBBLE_BASE[name] in results:
+            pp, m = 2, args.microbatches
+            bubble = f"{1 - (results[BUBBLE_BASE[name]]['step_s'] / pp) / r['step_s']:.2f}"
+            ideal = f"{(pp - 1) / (m + pp - 1):.2f}"
+        rows.append([name, world(layouts[name]), f"{tokens / r['step_s']:,.0f}", f"{serial / r['step_s']:.2f}",
+                     bubble, ideal, f"{r['param_mib']:.2f}"])
+    headers = ["layout", "world", "tokens/s", "vs serial", "bubble", "ideal bubble", "params MiB/rank (max)"]
+    table = markdown_table(headers, rows)
+    print(table)
+    note = (f"GPT-2 n_layer={args.layers}, n_embd={args.hidden}, n_head={args.heads}, vocab={args.vocab}, "
+            f"seq={args.seq}, batch={args.batch}, {args.microbatches} microbatches (1F1B); fp32 AdamW steps. "
+            "On a CPU host with fewer cores than ranks the ranks time-share cores, so the ratios say "
+            "nothing about scaling; run on GPUs for that.")
+    write_results("models", "Models: GPT-2 training per layout", table, {"args": vars(args), "results": results},
+                  note)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""BERT encoder with the masked-LM head and the pooler, on any layout, whole or as one stage.
+
+Bidirectional attention with key padding masks; sequences are split over sp in contiguous
+chunks. Parameter names follow ``BertForPreTraining`` outside the encoder blocks; inside a
+block (``bert.encoder.layer.{i}``) the names are shardzoo's (``hf_to_shardzoo`` maps them):
+
+=================================== ==========================
+Hugging Face                        shardzoo
+=================================== ==========================
+attention.self.query / key / value  attention.q_proj / k_proj / v_proj
+attention.output.dense              attention.out_proj
+attention.output.LayerNorm          attention_norm
+intermediate.dense                  mlp.fc1
+output.dense                        mlp.fc2
+output.LayerNorm                    output_norm
+=================================== ==========================
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from shardzoo.comm import collectives as comm
+from shardzoo.layers import attention_tp as tpl
+from shardzoo.layers import random
+from shardzoo.layers.attention import SelfAttention, check_heads
+from shardzoo.layers.attention_core import local_positions
+from shardzoo.layers.mlp import MLP, activation
+from shardzoo.models import common
+from shardzoo.models.config import HFConfig
+from shardzoo.models.pipeline import StagedModel
+
+
+@dataclass
+class BERTConfig(HFConfig):
+    """Fields of Hugging Face's BERT ``config.json`` that the model uses."""
+
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    pad_token_id: int = 0
+    tie_word_embeddings: bool = True
+
+
+class BertLayer(nn.Module):
+    """Post-LN block: x = norm(x + attn(x)); x = norm(x + mlp(x)). [b, s, H_l] -> same."""
+
+    def __init__(self, config: BERTConfig, mesh, sp_mode: str, device=None, layout=None):
+        super().__init__()
+        h, eps = config.hidden_size, config.layer_norm_eps
+        self.mesh, self.p = mesh, config.hidden_dropout_prob
+        self.attention = SelfAttention(h, config.num_attention_heads, mesh=mesh, causal=False,
+                                       attn_dropout=config.attention_probs_dropout_prob, sp_mode=sp_mode,
+                                       qkv="separate", device=device)
+        self.attention_norm = tpl.tp_layer_norm(nn.LayerNorm(h, eps), mesh, layout, device)
+        self.mlp = MLP(h, config.intermediate_size, mesh=mesh, act=config.hidden_act, device=device)
+        self.output_norm = tpl.tp_layer_norm(nn.LayerNorm(h, eps), mesh, layout, device)
+
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.attention_norm(x + self._drop(self.attention(x, key_padding_mask)))
+        return self.output_norm(x + self._drop(self.mlp(x)))
+
+    def _drop(self, x):
+        return random.dropout(x, self.p, mesh=self.mesh, parallel_region=self.mesh.tp_mode != "1d",
+                              training=self.training)
+
+
+class BERT(StagedModel):
+    """BERT with MLM head (forward) and pooler (:meth:`pool`) on ``mesh``.
+
+    Args as :class:`GPT2`. Forward: ids [b, s] (first stage; ``token_type_ids`` [b, s]
+    optional, zeros by default) or hidden [b, s, H_l] -> hidden, or on the last stage MLM
+    logits [b, s, V_local]. ``key_padding_mask`` bool [b, s] (``shard_mask``) on every stage."""
+
+    causal = False
+    head_name = "cls.predictions.decoder"
+
+    def __init__(self, config: BERTConfig, *, mesh, stage=None, stage_layers=None, sp_mode: str = "ring",
+                 checkpointing: bool = False, device=None):
+        super().__init__()
+        check_heads("BERT", config.hidden_size, config.num_attention_heads, mesh, sp_mode)
+        self.config, self.mesh, self.checkpointing = config, mesh, checkpointing
+        self.layout = layout = tpl.input_layout(mesh)
+        self.tied_names = ({"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight"}
+                           if config.tie_word_embeddings else {})
+        blocks, self.is_first, self.is_last = common.stage_blocks("BERT", config.num_hidden_layers, stage,
+                                                                  stage_layers)
+        h, eps = config.hidden_size, config.layer_norm_eps
+        self.bert = nn.Module()
+        if self.is_first:
+            self.bert.embeddings = emb = nn.Module()
+            emb.word_embeddings = common.vocab_embedding(nn.Embedding(config.vocab_size, h, config.pad_token_id),
+                                                         mesh, layout, device)
+            emb.position_embeddings = common.hidden_embedding(nn.Embedding(config.max_position_embeddings, h), mesh,
+                                                              layout, device)
+            emb.token_type_embeddings = common.hidden_embedding(nn.Embedding(config.type_vocab_size, h), mesh,
+                                                                layout, device)
+            emb.LayerNorm = tpl.tp_layer_norm(nn.LayerNorm(h, eps), mesh, layout, device)
+        self.bert.encoder = nn.Module()
+        self.bert.encoder.layer = nn.ModuleDict({str(i): BertLayer(config, mesh, sp_mode, device, layout)
+                                                 for i in blocks})
+        if self.is_last:
+            self.bert.pooler = nn.Module()
+            self.bert.pooler.dense = common.dense(nn.Linear(h, h), mesh, layout, device)
+            self.cls = nn.Module()
+            self.cls.predictions = pred = nn.Module()
+            pred.transform = nn.Module()
+            pred.transform.dense = common.dense(nn.Linear(h, h), mesh, layout, device)
+            pred.transform.LayerNorm = tpl.tp_layer_norm(nn.LayerNorm(h, eps), mesh, layout, device)
+            tie = self.bert.embeddings.word_embeddings if self.is_first and config.tie_word_embeddings else None
+            serial = None if tie is not None else nn.Linear(h, config.vocab_size, bias=False)
+            pred.decoder = common.lm_head(h, config.vocab_size, mesh, layout, tie_to=tie, serial=serial, device=device)
+            pred.bias = common.vocab_bias(pred.decoder, config.vocab_size, mesh, layout, device)
+            self.target_layout = common.head_output_layout(pred.decoder, layout)
+
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if self.is_first:
+            x = self.embed(x, token_type_ids)
+        for block in self.bert.encoder.layer.values():
+            x = self.run_block(block, x, key_padding_mask)
+        return self.mlm_logits(x) if self.is_last else x
+
+    def embed(self, ids: torch.Tensor, token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """ids [b, s] -> LayerNorm(word + position + token type) [b, s, H_l]."""
+        emb = self.bert.embeddings
+        common.check_seq_len("BERT", ids.shape[1] * self.mesh.sp_size, self.config.max_position_embeddings,
+                             "max_position_embeddings")
+        positions = local_positions(ids.shape[1], self.mesh, zigzag=False, device=ids.device)
+        types = token_type_ids if token_type_ids is not None else torch.zeros_like(ids)
+        x = emb.word_embeddings(ids) + emb.position_embeddings(positions[None]) + emb.token_type_embeddings(types)
+        x = emb.LayerNorm(x)
+        return random.dropout(x, self.config.hidden_dropout_prob, mesh=self.mesh,
+                              parallel_region=self.mesh.tp_mode != "1d", training=self.training)
+
+    def mlm_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final hidden [b, s, H_l] -> vocab-parallel MLM logits [b, s, V_local]."""
+        pred = self.cls.predictions
+        x = common.run_dense(pred.transform.dense, x, self.mesh, self.layout)
+        x = pred.transform.LayerNorm(activation(self.config.hidden_act)(x))
+        return common.add_vocab_bias(pred.decoder(x), pred.bias, pred.decoder, self.mesh, self.layout)
+
+    def pool(self, x: torch.Tensor) -> torch.Tensor:
+        """Final hidden [b, s, H_l] -> tanh(dense(hidden of token 0)) [b, H_l] on every sp rank
+        (token 0 lives on sp rank 0 and is broadcast from there)."""
+        first = comm.broadcast(x[:, 0].contiguous(), self.mesh.sp_group, 0)
+        return torch.tanh(common.run_dense(self.bert.pooler.dense, first, self.mesh, self.layout))
+
+    def gather_pooled(self, pooled: torch.Tensor) -> torch.Tensor:
+        """[b, H_l] -> [B, H] on every rank."""
+        return tpl.gather_hidden(pooled, self.mesh, self.layout)
+
+
+_BLOCK = [("attention.self.query", "attention.q_proj"), ("attention.self.key", "attention.k_proj"),
+          ("attention.self.value", "attention.v_proj"), ("attention.output.dense", "attention.out_proj"),
+          ("attention.output.LayerNorm", "attention_norm"), ("intermediate.dense", "mlp.fc1"),
+          ("output.dense", "mlp.fc2"), ("output.LayerNorm", "output_norm")]
+_LAYER = re.compile(r"^(bert\.encoder\.layer\.\d+)\.(.+)\.(weight|bias)$")
+
+
+def hf_to_shardzoo(name: str, tensor: torch.Tensor, config: BERTConfig) -> list[tuple[str, torch.Tensor]]:
+    """One ``BertForPreTraining`` / ``BertForMaskedLM`` entry -> shardzoo (name, tensor) pairs.
+    The next-sentence head is dropped; ``cls.predictions.decoder.bias`` is ``cls.predictions.bias``."""
+    if name.startswith("cls.seq_relationship."):
+        return []
+    if name == "cls.predictions.decoder.bias":
+        return [("cls.predictions.bias", tensor)]
+    m = _LAYER.match(name)
+    if m:
+        for hf, ours in _BLOCK:
+            if m.group(2) == hf:
+                return [(f"{m.group(1)}.{ours}.{m.group(3)}", tensor)]
+    return [(name, tensor)]
+
+
+def shardzoo_to_hf(name: str, tensor: torch.Tensor, config: BERTConfig) -> list[tuple[str, torch.Tensor]]:
+    """Inverse of :func:`hf_to_shardzoo`."""
+    m = _LAYER.match(name)
+    if m:
+        for hf, ours in _BLOCK:
+            if m.group(2) == ours:
+                return [(f"{m.group(1)}.{hf}.{m.group(3)}", tensor)]
+    return [(name, tensor)]

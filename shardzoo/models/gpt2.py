@@ -1,0 +1,166 @@
+"""GPT-2 (causal LM) on any layout, whole or as one pipeline stage.
+
+    mesh = ParallelMesh(tp=4, tp_mode="2d", sp=2)
+    model = GPT2(GPT2Config(n_layer=2, n_embd=64, n_head=4), mesh=mesh)
+    ids = model.shard_input(ids_full)                 # [B, S] -> [b, s]
+    logits = model(ids)                               # [b, s, V_local]
+    loss = model.loss(logits, model.shard_target(targets_full))
+    full = model.gather_output(logits)                # [B, S, V]
+
+Parameter names follow ``GPT2LMHeadModel`` except inside blocks: ``attn.qkv`` (per-head fused,
+see layers/attention.py), ``attn.out_proj``, ``mlp.fc1``, ``mlp.fc2``, all in nn.Linear's
+[out, in] layout (``hf_to_shardzoo`` converts from Conv1D's [in, out]).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from shardzoo.layers import attention_tp as tpl
+from shardzoo.layers import random
+from shardzoo.layers.attention import SelfAttention, check_heads, fuse_qkv, split_qkv
+from shardzoo.layers.attention_core import local_positions
+from shardzoo.layers.mlp import MLP
+from shardzoo.models import common
+from shardzoo.models.config import HFConfig
+from shardzoo.models.pipeline import StagedModel
+
+
+@dataclass
+class GPT2Config(HFConfig):
+    """Fields of Hugging Face's GPT-2 ``config.json`` that the model uses."""
+
+    vocab_size: int = 50257
+    n_positions: int = 1024
+    n_embd: int = 768
+    n_layer: int = 12
+    n_head: int = 12
+    n_inner: int | None = None
+    activation_function: str = "gelu_new"
+    resid_pdrop: float = 0.1
+    embd_pdrop: float = 0.1
+    attn_pdrop: float = 0.1
+    layer_norm_epsilon: float = 1e-5
+    initializer_range: float = 0.02
+    tie_word_embeddings: bool = True
+
+
+class GPT2Block(nn.Module):
+    """Pre-LN block: x + attn(ln_1(x)), then + mlp(ln_2(x)). [b, s, H_l] -> same."""
+
+    def __init__(self, config: GPT2Config, mesh, sp_mode: str, device=None):
+        super().__init__()
+        h, layout = config.n_embd, tpl.input_layout(mesh)
+        eps = config.layer_norm_epsilon
+        self.mesh, self.resid_pdrop = mesh, config.resid_pdrop
+        self.ln_1 = tpl.tp_layer_norm(nn.LayerNorm(h, eps), mesh, layout, device)
+        self.attn = SelfAttention(h, config.n_head, mesh=mesh, causal=True, attn_dropout=config.attn_pdrop,
+                                  sp_mode=sp_mode, device=device)
+        self.ln_2 = tpl.tp_layer_norm(nn.LayerNorm(h, eps), mesh, layout, device)
+        self.mlp = MLP(h, config.n_inner or 4 * h, mesh=mesh, act=config.activation_function, device=device)
+
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self._drop(self.attn(self.ln_1(x), key_padding_mask))
+        return x + self._drop(self.mlp(self.ln_2(x)))
+
+    def _drop(self, x: torch.Tensor) -> torch.Tensor:
+        # 1D activations are replicated over tp (same mask everywhere), grid ones are split
+        return random.dropout(x, self.resid_pdrop, mesh=self.mesh, parallel_region=self.mesh.tp_mode != "1d",
+                              training=self.training)
+
+
+class GPT2(StagedModel):
+    """GPT-2 LM head model on ``mesh``; ``stage=(k, n)`` / ``stage_layers`` build one pipeline stage.
+
+    Args:
+        config: GPT2Config. mesh: ParallelMesh (tp in any mode, sp, dp, pp).
+        stage, stage_layers: pipeline stage (models/common.stage_blocks); None: whole model.
+        sp_mode: "ring" or "ulysses" attention over sp. checkpointing: recompute each block
+            in backward (activation checkpointing).
+        device: of the parameters.
+
+    Forward (stage inputs / outputs, b = local batch rows, s = S/sp tokens):
+        first stage: ids [b, s] -> ...; other stages: hidden [b, s, H_l] -> ...;
+        last stage: ... -> vocab-parallel logits [b, s, V_local]; others: hidden [b, s, H_l].
+    """
+
+    family = "GPT2"
+    causal = True
+
+    def __init__(self, config: GPT2Config, *, mesh, stage=None, stage_layers=None, sp_mode: str = "ring",
+                 checkpointing: bool = False, device=None):
+        super().__init__()
+        check_heads("GPT2", config.n_embd, config.n_head, mesh, sp_mode)
+        self.config, self.mesh, self.checkpointing = config, mesh, checkpointing
+        self.tied_names = {"lm_head.weight": "transformer.wte.weight"} if config.tie_word_embeddings else {}
+        self.layout = tpl.input_layout(mesh)
+        blocks, self.is_first, self.is_last = common.stage_blocks("GPT2", config.n_layer, stage, stage_layers)
+        h = config.n_embd
+        self.transformer = nn.Module()
+        if self.is_first:
+            self.transformer.wte = common.vocab_embedding(nn.Embedding(config.vocab_size, h), mesh, self.layout, device)
+            self.transformer.wpe = common.hidden_embedding(nn.Embedding(config.n_positions, h), mesh, self.layout,
+                                                           device)
+        self.transformer.h = nn.ModuleDict({str(i): GPT2Block(config, mesh, sp_mode, device) for i in blocks})
+        if self.is_last:
+            self.transformer.ln_f = tpl.tp_layer_norm(nn.LayerNorm(h, config.layer_norm_epsilon), mesh, self.layout,
+                                                      device)
+            tie = self.transformer.wte if self.is_first and config.tie_word_embeddings else None
+            serial = None if tie is not None else nn.Linear(h, config.vocab_size, bias=False)
+            self.lm_head = common.lm_head(h, config.vocab_size, mesh, self.layout, tie_to=tie, serial=serial,
+                                          device=device)
+            self.target_layout = common.head_output_layout(self.lm_head, self.layout)
+
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """ids [b, s] (first stage) or hidden [b, s, H_l] -> hidden, or logits [b, s, V_local] (last)."""
+        if self.is_first:
+            x = self.embed(x)
+        for block in self.transformer.h.values():
+            x = self.run_block(block, x, key_padding_mask)
+        if self.is_last:
+            x = self.lm_head(self.transformer.ln_f(x))
+        return x
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [b, s] -> token + position embeddings [b, s, H_l] (dropout embd_pdrop)."""
+        seq = ids.shape[1] * self.mesh.sp_size
+        common.check_seq_len("GPT2", seq, self.config.n_positions, "n_positions")
+        positions = local_positions(ids.shape[1], self.mesh, zigzag=True, device=ids.device)
+        x = self.transformer.wte(ids) + self.transformer.wpe(positions[None])
+        return random.dropout(x, self.config.embd_pdrop, mesh=self.mesh, parallel_region=self.mesh.tp_mode != "1d",
+                              training=self.training)
+
+
+# -- Hugging Face names ------------------------------------------------------------------------
+_CONV1D = {"attn.c_proj": "attn.out_proj", "mlp.c_fc": "mlp.fc1", "mlp.c_proj": "mlp.fc2"}
+
+
+def hf_to_shardzoo(name: str, tensor: torch.Tensor, config: GPT2Config) -> list[tuple[str, torch.Tensor]]:
+    """One ``GPT2LMHeadModel`` state-dict entry -> shardzoo (name, tensor) pairs (full size).
+
+    Conv1D weights [in, out] become nn.Linear's [out, in]; ``c_attn`` ([q; k; v] columns)
+    becomes the per-head fused ``attn.qkv``; the causal-mask buffers are dropped."""
+    if name.endswith((".attn.bias", ".attn.masked_bias")):
+        return []
+    if ".attn.c_attn." in name:
+        t = tensor.t() if name.endswith("weight") else tensor
+        return [(name.replace("attn.c_attn", "attn.qkv"), fuse_qkv(*t.chunk(3, 0), config.n_head).contiguous())]
+    for hf, ours in _CONV1D.items():
+        if f".{hf}." in name:
+            t = tensor.t() if name.endswith("weight") else tensor
+            return [(name.replace(hf, ours), t.contiguous())]
+    return [(name, tensor)]
+
+
+def shardzoo_to_hf(name: str, tensor: torch.Tensor, config: GPT2Config) -> list[tuple[str, torch.Tensor]]:
+    """Inverse of :func:`hf_to_shardzoo` for one shardzoo entry (full size)."""
+    if ".attn.qkv." in name:
+        t = torch.cat(split_qkv(tensor, config.n_head), 0)
+        return [(name.replace("attn.qkv", "attn.c_attn"), (t.t() if name.endswith("weight") else t).contiguous())]
+    for hf, ours in _CONV1D.items():
+        if f".{ours}." in name:
+            return [(name.replace(ours, hf), (tensor.t() if name.endswith("weight") else tensor).contiguous())]
+    return [(name, tensor)]

@@ -1,0 +1,180 @@
+"""What every model shares as a (possibly partial) pipeline stage, and the glue to
+``torch.distributed.pipelining``.
+
+A stage holds a contiguous range of globally numbered blocks; the embeddings sit on the first
+stage and the head on the last. A model built whole is a single stage holding everything.
+``build_schedule`` wraps this rank's stage(s) in ``PipelineStage`` over ``mesh.pp_group`` and
+returns a GPipe / 1F1B / interleaved 1F1B schedule; ``schedule.step(ids, target=...)`` on the
+first / last stage runs one training step (``scale_grads=True``: gradients are those of the
+mean loss over the microbatches, as the unpipelined model's mean loss).
+
+With tied input / output embeddings the last stage holds its own copy of the table
+(``lm_head.weight``); :func:`sync_tied_grads` sums the two gradients between the first and the
+last stage after backward, so both copies step identically (Megatron's embedding group).
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+import zlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from shardzoo.layers import attention_tp as tpl
+from shardzoo.layers import layouts
+from shardzoo.layers.shard_spec import get_shard_spec
+from shardzoo.models import common
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+class StagedModel(nn.Module):
+    """Base of the model families: token sharding, gathering, loss, activation checkpointing.
+
+    Subclasses set ``causal`` and, in ``__init__``: ``mesh``, ``layout``, ``is_first``,
+    ``is_last``, ``checkpointing`` and on the last stage the head's ``target_layout``."""
+
+    causal = False
+    head_name = "lm_head"
+    tied_names: dict[str, str] = {"lm_head.weight": "transformer.wte.weight"}
+
+    def run_block(self, block: nn.Module, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        if self.checkpointing and self.training:
+            return checkpoint(block, x, mask, use_reentrant=False)
+        return block(x, mask)
+
+    @property
+    def mask_layout(self):
+        """Batch layout of key padding masks: the attention's (3D: the QKV output layout)."""
+        if self.layout is None or self.mesh.tp_mode != "3d":
+            return self.layout
+        return layouts.swapped_3d(self.layout)
+
+    def shard_input(self, ids_full: torch.Tensor) -> torch.Tensor:
+        """Token ids [B, S] -> this rank's [b, s] (batch as the tp layout, sequence over sp)."""
+        return common.shard_tokens(ids_full, self.mesh, self.layout, zigzag=self.causal)
+
+    def shard_mask(self, mask_full: torch.Tensor) -> torch.Tensor:
+        """Key padding mask bool [B, S] (True = attend) -> this rank's [b, s]."""
+        return common.shard_tokens(mask_full, self.mesh, self.mask_layout, zigzag=self.causal)
+
+    def shard_target(self, target_full: torch.Tensor) -> torch.Tensor:
+        """Targets [B, S] (or [B] for classifiers) -> this rank's rows of the head's output."""
+        if target_full.dim() == 1:
+            return tpl.shard_rows(target_full, self.mesh, self.target_layout)
+        return common.shard_tokens(target_full, self.mesh, self.target_layout, zigzag=self.causal)
+
+    def gather_output(self, y_local: torch.Tensor) -> torch.Tensor:
+        """This stage's output -> the full tensor on every rank: logits [B, S, V] on the last
+        stage (padding columns dropped), hidden states [B, S, H] on the others."""
+        if self.is_last:
+            y = self.get_submodule(self.head_name).gather_output(y_local)
+            if y.dim() == 2:  # pooled / classifier logits [B, C]: no sequence dim
+                return y
+            return common.gather_tokens(y, self.mesh, None, zigzag=self.causal)
+        y = tpl.gather_hidden(y_local, self.mesh, self.layout)
+        return common.gather_tokens(y, self.mesh, None, zigzag=self.causal)
+
+    def loss(self, logits: torch.Tensor, target: torch.Tensor, **kwargs) -> torch.Tensor:
+        """Mean cross entropy over this rank's tokens (vocab-parallel; equal to the global
+        mean over the tp group). Averaging the gradients over dp and sp (DDP on
+        ``mesh.group("dp", "sp")``) then gives the gradient of the global mean."""
+        return self.get_submodule(self.head_name).loss(logits, target, **kwargs)
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> list[str]:
+        """Load full-size shardzoo-named tensors (e.g. from ``hf_to_shardzoo``) into this stage;
+        an untied copy of a tied table falls back to the table's entry."""
+        state = dict(state)
+        for copy, table in self.tied_names.items():
+            if copy not in state and table in state:
+                state[copy] = state[table]
+        return common.load_full_state_dict(self, state, strict)
+
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0, std: float = 0.02) -> None:
+        """Hugging Face-style init, the same for every layout and stage split: each full
+        tensor is drawn from a generator seeded by ``seed`` and the parameter's global name,
+        and this rank keeps its piece. Matrices / tables ~ N(0, std), biases 0, 1-D weights
+        (LayerNorm) 1."""
+        for name, p in self.named_parameters():
+            spec = get_shard_spec(p)
+            shape = spec.global_shape if spec is not None else tuple(p.shape)
+            key = self.tied_names.get(name, name)  # an untied copy of a tied table draws the table
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
+            if name.endswith("bias"):
+                full = torch.zeros(shape)
+            elif len(shape) == 1:
+                full = torch.ones(shape)
+            else:
+                full = torch.randn(shape, generator=gen) * std
+            p.copy_(spec.take(full) if spec is not None else full)
+
+
+def build_schedule(stages: list[tuple[int, nn.Module]], mesh, *, n_microbatches: int, schedule: str = "1f1b",
+                   loss_fn=None, device=None):
+    """A ``torch.distributed.pipelining`` schedule over ``mesh.pp_group`` for this rank's stages.
+
+    ``stages``: (global stage index, stage module) pairs held by this rank; one pair for GPipe /
+    1F1B, v pairs (indices ``pp_rank + i * pp``) for the interleaved schedule.
+    ``loss_fn(output, target)``: the loss on the last stage (e.g. ``model.loss``). Pass it on
+    every rank: a schedule built without one skips backward on that rank (and the others wait)."""
+    if loss_fn is None:
+        raise ValueError("build_schedule needs loss_fn on every rank (the schedules run backward only when they have "
+                         "one); pass the last stage's model.loss, or any callable on the other ranks")
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES}")
+    pp = mesh.pp_size
+    device = device or torch.device("cpu")
+    total = pp * len(stages)
+    wrapped = [PipelineStage(m, index, total, device, group=mesh.pp_group) for index, m in stages]
+    if schedule == "interleaved":
+        if len(stages) < 2:
+            raise ValueError("the interleaved schedule needs >= 2 stages per rank (virtual stages); build the model as "
+                             "stages pp_rank + i * pp for i in range(v)")
+        return ScheduleInterleaved1F1B(wrapped, n_microbatches, loss_fn=loss_fn)
+    if len(stages) != 1:
+        raise ValueError(f"schedule={schedule!r} takes one stage per rank; got {len(stages)} (use 'interleaved')")
+    cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+    return cls(wrapped[0], n_microbatches, loss_fn=loss_fn)
+
+
+_tied_groups: "weakref.WeakKeyDictionary[object, object]" = weakref.WeakKeyDictionary()
+
+
+def tied_group(mesh):
+    """The group of this rank's first and last pipeline stages (same dp / sp / tp coordinate);
+    created once per mesh, collectively on every rank."""
+    if mesh not in _tied_groups:
+        grid = mesh.device_mesh.mesh  # [dp, pp, sp, *tp]
+        mine = None
+        others = [range(s) for d, s in enumerate(grid.shape) if d != 1]
+        for idx in itertools.product(*others):
+            line = grid[(idx[0], slice(None)) + tuple(idx[1:])].tolist()
+            ranks = sorted({line[0], line[-1]})
+            group = dist.new_group(ranks) if len(ranks) > 1 else None
+            if dist.get_rank() in ranks:
+                mine = group
+        _tied_groups[mesh] = mine
+    return _tied_groups[mesh]
+
+
+def sync_tied_grads(stages: list[nn.Module], mesh) -> None:
+    """Sum the gradients of a tied table held separately by the first and last stage."""
+    if mesh.pp_size == 1:
+        return
+    group = tied_group(mesh)
+    for model in stages:
+        if model.is_first == model.is_last:  # a middle stage, or one holding both ends (one table)
+            continue
+        params = dict(model.named_parameters())
+        for copy, table in model.tied_names.items():
+            param = params.get(table if model.is_first else copy)
+            if param is not None and param.grad is not None:
+                dist.all_reduce(param.grad, group=group)

@@ -1,0 +1,105 @@
+"""Training utilities: global gradient norm / clipping across tp, pp, dp and sp shards, data
+parallelism through torch DDP, and bf16 autocast.
+
+Gradient convention: every rank's loss is the mean over its own tokens (and the tp group's
+rows), so the gradient of the global mean is the *average* of the ranks' gradients over the dp
+and sp axes; ``data_parallel`` wraps a model in DDP over ``mesh.group("dp", "sp")``, which does
+exactly that. Pipeline stages with tied embeddings also need ``pipeline.sync_tied_grads``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardzoo.layers.shard_spec import get_shard_spec
+
+
+def _copy_axes(param: torch.Tensor, mesh) -> tuple[str, ...]:
+    """Mesh axes over which this rank's piece of ``param`` is repeated (every axis but pp and
+    the ones its ShardSpec partitions it over)."""
+    spec = get_shard_spec(param)
+    parted = set(mesh.expand_axes(*spec.partitioned_over)) if spec is not None and spec.partitioned_over else set()
+    return tuple(a for a in mesh.axis_names if a != "pp" and a not in parted)
+
+
+def global_grad_norm(models: nn.Module | list[nn.Module], mesh, norm_type: float = 2.0) -> torch.Tensor:
+    """The norm of the whole model's gradient, as the serial model would compute it, on every
+    rank (collective over the world). Each distinct piece of each parameter counts once: a
+    rank adds a piece only when it is the first copy along the axes the piece is repeated
+    over (ShardSpec), and an untied copy of a tied table on the last stage is skipped."""
+    models = models if isinstance(models, (list, tuple)) else [models]
+    device = next(p for m in models for p in m.parameters()).device
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for model in models:
+        model = getattr(model, "module", model)  # DDP
+        skip = set()
+        if not getattr(model, "is_first", True):
+            skip = set(getattr(model, "tied_names", {}))
+        for name, p in model.named_parameters():
+            if p.grad is None or name in skip:
+                continue
+            axes = _copy_axes(p, mesh)
+            if axes and mesh.rank(*axes) != 0:
+                continue
+            g = p.grad.detach().double()
+            if norm_type == math.inf:
+                total = torch.maximum(total, g.abs().max())
+            else:
+                total += g.abs().pow(norm_type).sum()
+    op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
+    dist.all_reduce(total, op=op)
+    return total if norm_type == math.inf else total.pow(1.0 / norm_type)
+
+
+@torch.no_grad()
+def clip_grad_norm_(models: nn.Module | list[nn.Module], max_norm: float, mesh,
+                    norm_type: float = 2.0) -> torch.Tensor:
+    """Scale every gradient by ``max_norm / global norm`` when the norm exceeds ``max_norm``
+    (``torch.nn.utils.clip_grad_norm_`` semantics on the global norm). Returns the norm."""
+    norm = global_grad_norm(models, mesh, norm_type)
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for model in models if isinstance(models, (list, tuple)) else [models]:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef.to(p.grad.dtype))
+    return norm.float()
+
+
+def data_parallel(model: nn.Module, mesh) -> nn.Module:
+    """``model`` wrapped in torch DDP over the dp x sp group (gradients averaged there); the
+    model itself when that group has one rank. Use ``wrapped.module`` for ``loss``,
+    ``shard_input`` and friends. For pipeline stages, whose schedules run backward per
+    microbatch, average after the step instead (``average_grads``)."""
+    if mesh.size("dp", "sp") == 1:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, process_group=mesh.group("dp", "sp"), broadcast_buffers=False)
+
+
+@torch.no_grad()
+def average_grads(models: nn.Module | list[nn.Module], mesh) -> None:
+    """Average gradients over the dp x sp group in place (for pipeline stages, where DDP's
+    per-backward hooks do not fit the schedules' microbatch loop)."""
+    if mesh.size("dp", "sp") == 1:
+        return
+    group, n = mesh.group("dp", "sp"), mesh.size("dp", "sp")
+    for model in models if isinstance(models, (list, tuple)) else [models]:
+        for p in model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=group)
+                p.grad.div_(n)
+
+
+def autocast(enabled: bool = True, dtype: torch.dtype = torch.bfloat16):
+    """``torch.autocast`` for the device of the default process group (bf16 by default);
+    parameters stay fp32, matmuls run in bf16, the loss kernels accumulate in fp32."""
+    if not enabled:
+        return contextlib.nullcontext()
+    device_type = "cuda" if dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
+    return torch.autocast(device_type, dtype=dtype)

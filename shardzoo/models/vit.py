@@ -1,0 +1,236 @@
+"""ViT image classification on any layout, whole or as one pipeline stage.
+
+Pixels are split along the batch like the activations; the N+1 tokens (cls + patches) are
+made on every sp rank, padded to a multiple of sp (padding masked out of attention) and each
+sp rank keeps its contiguous chunk; the cls token (sp rank 0) is broadcast over sp for the
+classifier. Parameter names follow ``ViTForImageClassification`` except inside blocks
+(``vit.encoder.layer.{i}``): ``attention.q_proj`` / ``k_proj`` / ``v_proj`` / ``out_proj``,
+``mlp.fc1`` / ``mlp.fc2`` (``hf_to_shardzoo``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardzoo.comm import collectives as comm
+from shardzoo.layers import attention_tp as tpl
+from shardzoo.layers import random
+from shardzoo.layers.attention import SelfAttention, check_heads
+from shardzoo.layers.head_2d import Classifier2D
+from shardzoo.layers.head_2p5d import Classifier2p5D
+from shardzoo.layers.head_3d import Classifier3D
+from shardzoo.layers.mlp import MLP
+from shardzoo.layers.patch_embedding_2d import PatchEmbedding2D
+from shardzoo.layers.embedding_2p5d import PatchEmbedding2p5D
+from shardzoo.layers.embedding_3d import PatchEmbedding3D
+from shardzoo.models import common
+from shardzoo.models.config import HFConfig
+from shardzoo.models.pipeline import StagedModel
+
+_PATCH = {"2d": PatchEmbedding2D, "2.5d": PatchEmbedding2p5D, "3d": PatchEmbedding3D}
+_CLASSIFIER = {"2d": Classifier2D, "2.5d": Classifier2p5D, "3d": Classifier3D}
+
+
+@dataclass
+class ViTConfig(HFConfig):
+    """Fields of Hugging Face's ViT ``config.json`` that the model uses (``num_labels`` comes
+    from ``id2label`` when read from JSON)."""
+
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    hidden_dropout_prob: float = 0.0
+    attention_probs_dropout_prob: float = 0.0
+    layer_norm_eps: float = 1e-12
+    image_size: int = 224
+    patch_size: int = 16
+    num_channels: int = 3
+    qkv_bias: bool = True
+    num_labels: int = 2
+
+    @classmethod
+    def from_json(cls, path_or_dict):
+        config = super().from_json(path_or_dict)
+        data = path_or_dict if isinstance(path_or_dict, dict) else None
+        if data is not None and "id2label" in data and "num_labels" not in data:
+            config.num_labels = len(data["id2label"])
+        return config
+
+    @property
+    def num_tokens(self) -> int:
+        return (self.image_size // self.patch_size) ** 2 + 1
+
+
+class ViTEmbeddings(nn.Module):
+    """cat(cls, patches) + positions, replicated (the 1D / serial twin of PatchEmbedding2D):
+    pixels [B, C, img, img] -> [B, N+1, H]."""
+
+    def __init__(self, config: ViTConfig, device=None):
+        super().__init__()
+        h, n = config.hidden_size, config.num_tokens
+        self.cls_token = nn.Parameter(torch.randn(1, 1, h, device=device))
+        self.patch_embeddings = nn.Module()
+        self.patch_embeddings.projection = nn.Conv2d(config.num_channels, h, config.patch_size,
+                                                     stride=config.patch_size, device=device)
+        self.position_embeddings = nn.Parameter(torch.randn(1, n, h, device=device))
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        patches = self.patch_embeddings.projection(pixels).flatten(2).transpose(1, 2)
+        return torch.cat([self.cls_token.expand(patches.shape[0], -1, -1), patches], 1) + self.position_embeddings
+
+
+class ViTLayer(nn.Module):
+    """Pre-LN block: x + attn(layernorm_before(x)), then + mlp(layernorm_after(x))."""
+
+    def __init__(self, config: ViTConfig, mesh, sp_mode: str, device=None):
+        super().__init__()
+        h, eps, layout = config.hidden_size, config.layer_norm_eps, tpl.input_layout(mesh)
+        self.mesh, self.p = mesh, config.hidden_dropout_prob
+        self.layernorm_before = tpl.tp_layer_norm(nn.LayerNorm(h, eps), mesh, layout, device)
+        self.attention = SelfAttention(h, config.num_attention_heads, mesh=mesh, causal=False, bias=config.qkv_bias,
+                                       attn_dropout=config.attention_probs_dropout_prob, sp_mode=sp_mode,
+                                       qkv="separate", device=device)
+        self.layernorm_after = tpl.tp_layer_norm(nn.LayerNorm(h, eps), mesh, layout, device)
+        self.mlp = MLP(h, config.intermediate_size, mesh=mesh, act=config.hidden_act, device=device)
+
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self._drop(self.attention(self.layernorm_before(x), key_padding_mask))
+        return x + self._drop(self.mlp(self.layernorm_after(x)))
+
+    def _drop(self, x):
+        return random.dropout(x, self.p, mesh=self.mesh, parallel_region=self.mesh.tp_mode != "1d",
+                              training=self.training)
+
+
+class ViT(StagedModel):
+    """ViT for image classification on ``mesh`` (arguments as :class:`GPT2`).
+
+    Forward: pixels [b, C, img, img] (first stage) or hidden [b, s, H_l] -> hidden, or on the
+    last stage logits [b, num_labels]; s = ceil((N+1)/sp) tokens per sp rank."""
+
+    head_name = "classifier"
+
+    def __init__(self, config: ViTConfig, *, mesh, stage=None, stage_layers=None, sp_mode: str = "ring",
+                 checkpointing: bool = False, device=None):
+        super().__init__()
+        check_heads("ViT", config.hidden_size, config.num_attention_heads, mesh, sp_mode)
+        self.config, self.mesh, self.checkpointing = config, mesh, checkpointing
+        self.layout = layout = tpl.input_layout(mesh)
+        self.tied_names = {}
+        blocks, self.is_first, self.is_last = common.stage_blocks("ViT", config.num_hidden_layers, stage,
+                                                                  stage_layers)
+        self.local_tokens = math.ceil(config.num_tokens / mesh.sp_size)
+        h = config.hidden_size
+        self.vit = nn.Module()
+        if self.is_first:
+            emb = ViTEmbeddings(config)
+            self.vit.embeddings = emb if layout is None else _PATCH[mesh.tp_mode].from_serial(
+                emb, mesh, device=device, layout=layout, image_size=config.image_size)
+        self.vit.encoder = nn.Module()
+        self.vit.encoder.layer = nn.ModuleDict({str(i): ViTLayer(config, mesh, sp_mode, device) for i in blocks})
+        if self.is_last:
+            self.vit.layernorm = tpl.tp_layer_norm(nn.LayerNorm(h, config.layer_norm_eps), mesh, layout, device)
+            serial = nn.Linear(h, config.num_labels)
+            self.classifier = serial if layout is None else _CLASSIFIER[mesh.tp_mode].from_serial(
+                serial, mesh, device=device, layout=layout)
+            self.target_layout = layout
+
+    def token_mask(self, rows: int, device=None) -> torch.Tensor | None:
+        """Bool [rows, s] key mask of this sp rank's tokens (False on the sequence padding)."""
+        if self.local_tokens * self.mesh.sp_size == self.config.num_tokens:
+            return None
+        start = self.mesh.sp_rank * self.local_tokens
+        positions = torch.arange(start, start + self.local_tokens, device=device)
+        return (positions < self.config.num_tokens)[None].expand(rows, -1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_first:
+            x = self.embed(x)
+        mask = self.token_mask(x.shape[0], x.device)
+        for block in self.vit.encoder.layer.values():
+            x = self.run_block(block, x, mask)
+        if not self.is_last:
+            return x
+        x = self.vit.layernorm(x)
+        # the cls token sits on sp rank 0; backward sums its gradient there
+        cls = comm.broadcast(x[:, 0].contiguous(), self.mesh.sp_group, 0)
+        return self.classifier(cls)
+
+    def embed(self, pixels: torch.Tensor) -> torch.Tensor:
+        """pixels [b, C, img, img] -> this sp rank's tokens [b, s, H_l] (padded at the end)."""
+        x = self.vit.embeddings(pixels)
+        x = random.dropout(x, self.config.hidden_dropout_prob, mesh=self.mesh,
+                           parallel_region=self.mesh.tp_mode != "1d", training=self.training)
+        pad = self.local_tokens * self.mesh.sp_size - x.shape[1]
+        if pad:
+            x = F.pad(x, (0, 0, 0, pad))
+        # plain slicing: each sp rank's gradient covers its own tokens, as for token inputs
+        return x.narrow(1, self.mesh.sp_rank * self.local_tokens, self.local_tokens)
+
+    def shard_input(self, pixels_full: torch.Tensor) -> torch.Tensor:
+        """Pixels [B, C, img, img] -> this rank's batch rows [b, C, img, img]."""
+        return tpl.shard_rows(pixels_full, self.mesh, self.layout)
+
+    def gather_output(self, y_local: torch.Tensor) -> torch.Tensor:
+        """Logits [b, num_labels] -> [B, num_labels] (last stage); hidden states otherwise."""
+        if self.is_last:
+            return tpl.gather_rows(y_local, self.mesh, self.layout)
+        y = tpl.gather_hidden(y_local, self.mesh, self.layout)
+        y = comm.gather_from(y, self.mesh.sp_group, 1) if self.mesh.sp_size > 1 else y
+        return y[:, : self.config.num_tokens]
+
+    def loss(self, logits: torch.Tensor, target: torch.Tensor, **kwargs) -> torch.Tensor:
+        """Mean cross entropy over the whole batch of the tp group (logits [b, C], target [b])."""
+        if self.layout is None:
+            return F.cross_entropy(logits, target, **kwargs)
+        group = self.mesh.group(*self.layout.batch_axes)
+        rows = torch.tensor(float(target.numel()))
+        total = rows.clone()
+        torch.distributed.all_reduce(total, group=group)
+        # each rank adds its rows' share; every rank continues with the sum (identity backward)
+        return comm.reduce_from(F.cross_entropy(logits, target, reduction="sum", **kwargs) / total, group)
+
+
+# checkpoint-file names (all transformers versions) -> shardzoo; transformers >= 5 names its
+# in-memory modules ``vit.layers.{i}.attention.{q,k,v,o}_proj`` / ``mlp.fc1`` / ``mlp.fc2``
+_BLOCK = [("attention.attention.query", "attention.q_proj"), ("attention.attention.key", "attention.k_proj"),
+          ("attention.attention.value", "attention.v_proj"), ("attention.output.dense", "attention.out_proj"),
+          ("intermediate.dense", "mlp.fc1"), ("output.dense", "mlp.fc2")]
+_HF5 = {"attention.o_proj": "attention.out_proj"}
+_LAYER = re.compile(r"^(vit\.encoder\.layer\.\d+)\.(.+)\.(weight|bias)$")
+_LAYER_HF5 = re.compile(r"^vit\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+
+
+def hf_to_shardzoo(name: str, tensor: torch.Tensor, config: ViTConfig) -> list[tuple[str, torch.Tensor]]:
+    """One ``ViTForImageClassification`` entry (checkpoint-file names, or transformers 5's
+    in-memory ``vit.layers.{i}...`` names) -> shardzoo (name, tensor) pairs (pooler dropped)."""
+    if name.startswith("vit.pooler."):
+        return []
+    m = _LAYER_HF5.match(name)
+    if m:
+        return [(f"vit.encoder.layer.{m.group(1)}.{_HF5.get(m.group(2), m.group(2))}.{m.group(3)}", tensor)]
+    m = _LAYER.match(name)
+    if m:
+        for hf, ours in _BLOCK:
+            if m.group(2) == hf:
+                return [(f"{m.group(1)}.{ours}.{m.group(3)}", tensor)]
+    return [(name, tensor)]
+
+
+def shardzoo_to_hf(name: str, tensor: torch.Tensor, config: ViTConfig) -> list[tuple[str, torch.Tensor]]:
+    """Inverse of :func:`hf_to_shardzoo`, to the checkpoint-file names (which every
+    transformers version loads)."""
+    m = _LAYER.match(name)
+    if m:
+        for hf, ours in _BLOCK:
+            if m.group(2) == ours:
+                return [(f"{m.group(1)}.{hf}.{m.group(3)}", tensor)]
+    return [(name, tensor)]

@@ -1,0 +1,74 @@
+"""BERT against transformers' BertForPreTraining (same weights): MLM logits, pooler output and
+every gradient, with key padding masks and token types, in every tp_mode and with sp=2."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardzoo.testing import assert_close, run_on_ranks
+from test_model_gpt2 import LAYOUTS, converted, grads_vs_reference, mesh_of
+
+
+def hf_bert(seed, **overrides):
+    from transformers import BertConfig as HFConfig
+    from transformers import BertForPreTraining
+
+    torch.manual_seed(seed)
+    cfg = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, vocab_size=101,
+               max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    cfg.update(overrides)
+    return BertForPreTraining(HFConfig(**cfg)).eval()
+
+
+def check_bert(layout, case):
+    from shardzoo.models import BERT, BERTConfig
+    from shardzoo.models.bert import hf_to_shardzoo
+
+    mesh = mesh_of(layout)
+    hf = hf_bert(case["seed"])
+    config = BERTConfig.from_json(hf.config.to_dict())
+    model = BERT(config, mesh=mesh, sp_mode=case.get("sp_mode", "ring")).eval()
+    model.load_full_state_dict(converted(hf.state_dict(), hf_to_shardzoo, config))
+    gen = torch.Generator().manual_seed(case["seed"] + 1)
+    batch, seq = case["batch"], case["seq"]
+    ids = torch.randint(1, config.vocab_size, (batch, seq), generator=gen)
+    types = torch.randint(0, 2, (batch, seq), generator=gen)
+    target = torch.randint(0, config.vocab_size, (batch, seq), generator=gen)
+    lengths = torch.randint(1, seq + 1, (batch,), generator=gen)
+    mask = torch.arange(seq)[None] < lengths[:, None]
+    weight = torch.randn(batch, config.hidden_size, generator=gen)
+    out = hf(ids, attention_mask=mask.long(), token_type_ids=types)
+    pooled_ref = hf.bert(ids, attention_mask=mask.long(), token_type_ids=types).pooler_output
+    hidden = model.embed(model.shard_input(ids), model.shard_input(types))
+    local_mask = model.shard_mask(mask)
+    for block in model.bert.encoder.layer.values():
+        hidden = block(hidden, local_mask)
+    logits = model.mlm_logits(hidden)
+    pooled = model.gather_pooled(model.pool(hidden))
+    assert_close(model.gather_output(logits), out.prediction_logits, f"{layout} MLM logits", scale=5)
+    assert_close(pooled, pooled_ref, f"{layout} pooled", scale=5)
+    loss = model.loss(logits, model.shard_target(target)) + (pooled * weight).sum()
+    loss.backward()
+    hf.zero_grad()
+    (F.cross_entropy(out.prediction_logits.flatten(0, 1), target.flatten()) + (pooled_ref * weight).sum()).backward()
+    grads = converted({n: p.grad for n, p in hf.named_parameters()}, hf_to_shardzoo, config)
+    grads.setdefault("cls.predictions.decoder.weight", grads["bert.embeddings.word_embeddings.weight"])
+    grads_vs_reference(model, mesh, grads, layout)
+    return True
+
+
+CASES = [
+    ("serial", {}),
+    ("1d_tp2", {}),
+    ("1d_tp2_sp2", {}),
+    ("1d_tp2_sp2", {"sp_mode": "ulysses"}),
+    ("2d_tp4", {}),
+    ("2d_tp4_sp2", {}),
+    ("2.5d_tp8", {}),
+    ("3d_tp8", {}),
+]
+
+
+@pytest.mark.parametrize("layout,changes", CASES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(CASES)])
+def test_bert_matches_transformers(layout, changes):
+    run_on_ranks(check_bert, LAYOUTS[layout][1], layout, {"seed": 0, "batch": 4, "seq": 8, **changes})

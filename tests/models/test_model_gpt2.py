@@ -1,0 +1,119 @@
+"""GPT-2 against transformers' GPT2LMHeadModel (same weights): logits, loss and every gradient,
+serial and in every tp_mode, with sp=2 (ring, Ulysses) and dp=2. Also the shared harness of the
+other model tests (``LAYOUTS``, ``grads_vs_reference``)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from shardzoo.layers.shard_spec import gather_full, get_shard_spec
+from shardzoo.testing import assert_close, cached_mesh, run_on_ranks
+
+# name -> (ParallelMesh kwargs, world)
+LAYOUTS = {
+    "serial": (dict(), 1),
+    "1d_tp2": (dict(tp=2), 2),
+    "1d_tp4": (dict(tp=4), 4),
+    "1d_tp2_sp2": (dict(tp=2, sp=2), 4),
+    "1d_tp2_dp2": (dict(tp=2, dp=2), 4),
+    "2d_tp4": (dict(tp=4, tp_mode="2d"), 4),
+    "2d_tp4_sp2": (dict(tp=4, tp_mode="2d", sp=2), 8),
+    "2.5d_tp8": (dict(tp=8, tp_mode="2.5d", tp_depth=2), 8),
+    "3d_tp8": (dict(tp=8, tp_mode="3d"), 8),
+}
+
+
+def mesh_of(layout):
+    return cached_mesh(**LAYOUTS[layout][0])
+
+
+def dp_rows(t, mesh):
+    """This dp replica's rows of a global batch (each replica feeds its own data)."""
+    return t.chunk(mesh.dp_size, 0)[mesh.dp_rank]
+
+
+def grads_vs_reference(model, mesh, expected: dict, what: str, scale: float = 20):
+    """Average this rank's gradients over dp and sp (what DDP on group("dp", "sp") does), gather
+    them to full size and compare with ``expected`` (shardzoo names)."""
+    group_size = mesh.size("dp", "sp")
+    for name, p in model.named_parameters():
+        g = p.grad
+        if group_size > 1:
+            g = g.clone()
+            dist.all_reduce(g, group=mesh.group("dp", "sp"))
+            g /= group_size
+        assert_close(gather_full(g, get_shard_spec(p), mesh), expected[name], f"{what} grad {name}", scale)
+
+
+def hf_gpt2(seed, **overrides):
+    from transformers import GPT2Config as HFConfig
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=101, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+               attn_pdrop=0.0)
+    cfg.update(overrides)
+    return GPT2LMHeadModel(HFConfig(**cfg)).eval()
+
+
+def converted(hf, convert, config):
+    """HF state dict (or gradients) -> shardzoo names, full size."""
+    out = {}
+    for name, t in hf.items():
+        for n, v in convert(name, t, config):
+            out[n] = v
+    return out
+
+
+def check_gpt2(layout, case):
+    from shardzoo.models import GPT2, GPT2Config
+    from shardzoo.models.gpt2 import hf_to_shardzoo
+
+    mesh = mesh_of(layout)
+    hf = hf_gpt2(case["seed"], **case.get("config", {}))
+    config = GPT2Config.from_json(hf.config.to_dict())
+    model = GPT2(config, mesh=mesh, sp_mode=case.get("sp_mode", "ring")).eval()
+    model.load_full_state_dict(converted(hf.state_dict(), hf_to_shardzoo, config))
+    gen = torch.Generator().manual_seed(case["seed"] + 1)
+    batch, seq = case["batch"], case["seq"]
+    ids_all = torch.randint(0, config.vocab_size, (batch, seq + 1), generator=gen)
+    ids, target = dp_rows(ids_all[:, :-1], mesh), dp_rows(ids_all[:, 1:], mesh)
+    ref = hf(ids).logits
+    ref_loss = F.cross_entropy(ref.flatten(0, 1), target.flatten())
+    logits = model(model.shard_input(ids))
+    assert_close(model.gather_output(logits), ref, f"{layout} logits", scale=5)
+    loss = model.loss(logits, model.shard_target(target))
+    loss.backward()
+    # every dp replica's own mean; the global mean is their average, so compare per replica
+    sp_mean = loss.detach().clone()
+    dist.all_reduce(sp_mean, group=mesh.sp_group)
+    assert_close(sp_mean / mesh.sp_size, ref_loss.detach(), f"{layout} loss", scale=5)
+    hf.zero_grad()
+    # the global batch's mean loss: its gradient is the dp average of the replicas' gradients
+    full_loss = F.cross_entropy(hf(ids_all[:, :-1]).logits.flatten(0, 1), ids_all[:, 1:].flatten())
+    full_loss.backward()
+    grads = converted({n: p.grad for n, p in hf.named_parameters()}, hf_to_shardzoo, config)
+    grads.setdefault("lm_head.weight", grads["transformer.wte.weight"])
+    grads_vs_reference(model, mesh, grads, layout)
+    return float(loss)
+
+
+BASE = dict(seed=0, batch=4, seq=8)
+CASES = [
+    ("serial", {}),
+    ("1d_tp2", {}),
+    ("1d_tp4", {}),
+    ("1d_tp2_sp2", {}),
+    ("1d_tp2_sp2", {"sp_mode": "ulysses"}),
+    ("1d_tp2_dp2", {}),
+    ("2d_tp4", {}),
+    ("2d_tp4_sp2", {}),
+    ("2.5d_tp8", {}),
+    ("3d_tp8", {}),
+]
+
+
+@pytest.mark.parametrize("layout,changes", CASES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(CASES)])
+def test_gpt2_matches_transformers(layout, changes):
+    run_on_ranks(check_gpt2, LAYOUTS[layout][1], layout, {**BASE, **changes})

@@ -1,0 +1,121 @@
+"""GPT-2 as pipeline stages under torch.distributed.pipelining (GPipe, 1F1B, interleaved 1F1B) over
+mesh.pp_group, composed with tp: loss and every gradient equal transformers' unpipelined model."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardzoo.testing import assert_close, cached_mesh, run_on_ranks
+from test_model_gpt2 import converted, grads_vs_reference, hf_gpt2
+
+LAYOUTS = {
+    "pp2_1d_tp2": (dict(pp=2, tp=2), 4),
+    "pp2_2d_tp4": (dict(pp=2, tp=4, tp_mode="2d"), 8),
+    "pp2_sp2": (dict(pp=2, sp=2), 4),
+}
+
+
+def check_pipeline(layout, case):
+    from shardzoo.models import GPT2, GPT2Config
+    from shardzoo.models.gpt2 import hf_to_shardzoo
+    from shardzoo.models.pipeline import build_schedule, sync_tied_grads
+
+    mesh = cached_mesh(**LAYOUTS[layout][0])
+    hf = hf_gpt2(case["seed"], n_layer=case["n_layer"])
+    config = GPT2Config.from_json(hf.config.to_dict())
+    state = converted(hf.state_dict(), hf_to_shardzoo, config)
+    pp, virtual = mesh.pp_size, case.get("virtual", 1)
+    total = pp * virtual
+    indices = [mesh.pp_rank + i * pp for i in range(virtual)]
+    models = []
+    for index in indices:
+        model = GPT2(config, mesh=mesh, stage=(index, total))
+        model.load_full_state_dict(state, strict=True)
+        models.append(model)
+    last = models[-1]
+    schedule = build_schedule(list(zip(indices, models)), mesh, n_microbatches=case["microbatches"],
+                              schedule=case["schedule"], loss_fn=last.loss)
+    gen = torch.Generator().manual_seed(case["seed"] + 1)
+    ids_all = torch.randint(0, config.vocab_size, (case["batch"], case["seq"] + 1), generator=gen)
+    ids, target = ids_all[:, :-1], ids_all[:, 1:]
+    kwargs, losses = {}, []
+    first = models[0]
+    args = (first.shard_input(ids),) if first.is_first else ()
+    if last.is_last:
+        kwargs = dict(target=last.shard_target(target), losses=losses)
+    schedule.step(*args, **kwargs)
+    sync_tied_grads(models, mesh)
+    ref_loss = F.cross_entropy(hf(ids).logits.flatten(0, 1), target.flatten())
+    ref_loss.backward()
+    if last.is_last:
+        loss = torch.stack(losses).mean()
+        torch.distributed.all_reduce(loss, group=mesh.sp_group)
+        assert_close(loss / mesh.sp_size, ref_loss.detach(), f"{layout} loss", scale=5)
+    grads = converted({n: p.grad for n, p in hf.named_parameters()}, hf_to_shardzoo, config)
+    grads.setdefault("lm_head.weight", grads["transformer.wte.weight"])
+    for model in models:
+        grads_vs_reference(model, mesh, grads, f"{layout} stage")
+    return [list(m.transformer.h.keys()) for m in models]
+
+
+BASE = dict(seed=0, batch=4, seq=8, n_layer=2, microbatches=2, schedule="1f1b")
+CASES = [
+    ("pp2_1d_tp2", {"schedule": "gpipe"}),
+    ("pp2_1d_tp2", {}),
+    ("pp2_1d_tp2", {"schedule": "interleaved", "virtual": 2, "n_layer": 4}),
+    ("pp2_2d_tp4", {}),
+    ("pp2_sp2", {"microbatches": 4}),
+]
+
+
+@pytest.mark.parametrize("layout,changes", CASES, ids=[f"{n}-{c.get('schedule', '1f1b')}" for n, c in CASES])
+def test_gpt2_pipeline_matches_transformers(layout, changes):
+    blocks = run_on_ranks(check_pipeline, LAYOUTS[layout][1], layout, {**BASE, **changes})
+    names = sorted(int(b) for rank in blocks for stage in rank for b in stage)
+    assert sorted(set(names)) == list(range({**BASE, **changes}["n_layer"]))
+
+
+def check_family_pipeline(layout, family):
+    """OPT (post-LN, project_in on the first stage, project_out on the last) and ViT (sequence
+    padding mask rebuilt on every stage) under 1F1B: loss and gradients equal transformers'."""
+    from shardzoo import models
+    from shardzoo.models import opt, vit
+    from shardzoo.models.pipeline import build_schedule, sync_tied_grads
+    from test_model_opt import OPT_350M, hf_opt
+    from test_model_vit import hf_vit
+
+    mesh = cached_mesh(**LAYOUTS[layout][0])
+    gen = torch.Generator().manual_seed(5)
+    if family == "OPT":
+        hf, module = hf_opt(0, **OPT_350M), opt
+        ids_all = torch.randint(0, 101, (4, 9), generator=gen)
+        inputs, target = ids_all[:, :-1], ids_all[:, 1:]
+        ref_loss = F.cross_entropy(hf(inputs).logits.flatten(0, 1), target.flatten())
+    else:
+        hf, module = hf_vit(0), vit
+        inputs, target = torch.randn(4, 3, 8, 8, generator=gen), torch.randint(0, 5, (4,), generator=gen)
+        ref_loss = F.cross_entropy(hf(inputs).logits, target)
+    ref_loss.backward()
+    config = getattr(models, f"{family}Config").from_json(hf.config.to_dict())
+    model = getattr(models, family)(config, mesh=mesh, stage=(mesh.pp_rank, mesh.pp_size))
+    model.load_full_state_dict(converted(hf.state_dict(), module.hf_to_shardzoo, config))
+    schedule = build_schedule([(mesh.pp_rank, model)], mesh, n_microbatches=2, loss_fn=model.loss)
+    losses = []
+    if model.is_first:
+        schedule.step(model.shard_input(inputs))
+    else:
+        schedule.step(target=model.shard_target(target), losses=losses)
+    sync_tied_grads([model], mesh)
+    if model.is_last:
+        loss = torch.stack(losses).mean()
+        torch.distributed.all_reduce(loss, group=mesh.sp_group)
+        assert_close(loss / mesh.sp_size, ref_loss.detach(), f"{family} {layout} loss", scale=5)
+    grads = converted({n: p.grad for n, p in hf.named_parameters()}, module.hf_to_shardzoo, config)
+    grads.setdefault("lm_head.weight", grads.get("model.decoder.embed_tokens.weight"))
+    grads_vs_reference(model, mesh, grads, f"{family} {layout}")
+    return True
+
+
+@pytest.mark.parametrize("layout,family", [("pp2_1d_tp2", "OPT"), ("pp2_sp2", "ViT")])
+def test_opt_and_vit_pipeline_match_transformers(layout, family):
+    assert all(run_on_ranks(check_family_pipeline, LAYOUTS[layout][1], layout, family))
