@@ -63,7 +63,7 @@ def _cases(numel: int, p: int):
         ("all_gather", lambda: comm.all_gather(part, g, 0), lambda: _ALL_GATHER(new(numel), part)),
         ("reduce_scatter", lambda: comm.reduce_scatter(full, g, 0), lambda: _REDUCE_SCATTER(new(numel // p), full)),
         ("all_to_all", lambda: comm.all_to_all(full, g, 0, 0), lambda: dist.all_to_all_single(new(numel), full)),
-        ("broadcast", lambda: comm.broadcast(full, g, 0), lambda: dist.broadcast(full.clone(), 0)),
+        ("broadcast", lambda: comm.broadcast(full, g, 0), lambda: dist.broadcast(full.clone() if dist.get_rank() == 0 else new(numel), 0)),
         ("ring exchange (p2p)", ring, raw_ring),
     ]
 
