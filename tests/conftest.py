@@ -3,7 +3,13 @@
 import os
 
 import pytest
+import torch
 from hypothesis import HealthCheck, settings
+
+# Triton decides at kernel-wrapping time whether to interpret; any test may be the first to
+# import shardzoo.kernels, so without a GPU the interpreter is switched on before all of them.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 settings.register_profile(
     "default",

@@ -30,6 +30,9 @@ import torch.distributed as dist
 
 
 
+_STARTUP_TIMEOUT_S = 300.0
+
+
 class RemoteTraceback(Exception):
     """Carries a worker's formatted traceback; set as ``__cause__`` of the re-raised error."""
 
@@ -141,7 +144,9 @@ class WorkerPool:
             child.close()
             self._conns.append(parent)
             self._procs.append(proc)
-        self._collect("start", self.timeout)
+        # Spawning and importing torch can take long on a loaded host: startup gets its own
+        # allowance, so a short per-function timeout does not turn a slow start into a "hang".
+        self._collect("start", max(self.timeout, _STARTUP_TIMEOUT_S))
         self.healthy = True
 
     def _stack_path(self, rank: int) -> str:
@@ -225,8 +230,11 @@ class WorkerPool:
         time.sleep(0.5)
         out = []
         for rank in ranks:
-            with open(self._stack_path(rank)) as f:
-                text = f.read().strip()
+            try:
+                with open(self._stack_path(rank)) as f:
+                    text = f.read().strip()
+            except FileNotFoundError:
+                text = "(the rank had not finished starting up)"
             out.append(f"--- rank {rank} ---\n{text or '(no stack dumped)'}")
         return "\n".join(out)
 

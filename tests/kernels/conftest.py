@@ -1,7 +1,8 @@
 """Kernel tests run the Triton kernels on CPU through the Triton interpreter when no GPU is present.
 
-TRITON_INTERPRET is set here at import time, before any test module imports shardzoo.kernels.
-(The kernels also read it at launch, not at import, so an earlier import would not break this.)
+The root tests/conftest.py sets TRITON_INTERPRET before any test module can import
+shardzoo.kernels (Triton reads it when a kernel is first wrapped); this keeps the directory
+runnable on its own too.
 """
 import os
 
