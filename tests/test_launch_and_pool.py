@@ -151,3 +151,9 @@ def test_same_script_runs_under_torchrun(tmp_path):
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
         assert out.returncode == 0, out.stderr[-3000:]
         assert "RESULTS [100, 111]" in out.stdout, out.stdout
+
+
+def test_short_function_timeout_does_not_cut_startup():
+    """Spawning ranks takes seconds; a 0.5 s per-function timeout must only apply to functions."""
+    with WorkerPool(2, timeout=0.5) as pool:
+        assert [r[0] for r in pool.run(rank_info, 1)] == [0, 1]
