@@ -65,7 +65,7 @@ def launch(
         nprocs: number of ranks.
         backend: "auto", "gloo" or "nccl".
         timeout: seconds before ranks that have not finished are reported by rank (with their
-            stacks) and killed; also the collective timeout.
+            stacks) and killed; also the collective timeout (at least 30 s).
 
     Raises:
         The first rank's exception, with the rank and remote traceback attached;

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 
 _STARTUP_TIMEOUT_S = 300.0
+_MIN_COLLECTIVE_TIMEOUT_S = 30.0
 
 
 class RemoteTraceback(Exception):
@@ -75,8 +76,11 @@ def _worker_main(rank, world, port, backend, threads, timeout_s, stack_path, con
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
+    # Rendezvous happens while other ranks may still be importing torch, and a collective
+    # timeout shorter than a connection setup is never useful: both get a floor.
+    store_timeout = datetime.timedelta(seconds=max(timeout_s, _STARTUP_TIMEOUT_S))
+    timeout = datetime.timedelta(seconds=max(timeout_s, _MIN_COLLECTIVE_TIMEOUT_S))
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=store_timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     conn.send(("ready", None))
     while True:
@@ -107,7 +111,7 @@ class WorkerPool:
         world_size: number of ranks.
         backend: "auto" (NCCL with one GPU per rank, else gloo), "gloo" or "nccl".
         timeout: seconds a function may run before its unfinished ranks are reported, and the
-            collective timeout of the process group.
+            collective timeout of the process group (at least 30 s).
         threads: intra-op threads per rank (default: cores // world_size, at least 1).
         error_grace: once a rank has failed, seconds the others get to report back before the
             pool is declared broken (they may be waiting in a collective for the failed rank).
