@@ -177,19 +177,11 @@ def hf_to_shardzoo(name: str, tensor: torch.Tensor, config: BERTConfig) -> list[
         return []
     if name == "cls.predictions.decoder.bias":
         return [("cls.predictions.bias", tensor)]
-    m = _LAYER.match(name)
-    if m:
-        for hf, ours in _BLOCK:
-            if m.group(2) == hf:
-                return [(f"{m.group(1)}.{ours}.{m.group(3)}", tensor)]
-    return [(name, tensor)]
+    renamed = common.rename_block_param(name, _LAYER, _BLOCK, to_ours=True)
+    return [(renamed or name, tensor)]
 
 
 def shardzoo_to_hf(name: str, tensor: torch.Tensor, config: BERTConfig) -> list[tuple[str, torch.Tensor]]:
     """Inverse of :func:`hf_to_shardzoo`."""
-    m = _LAYER.match(name)
-    if m:
-        for hf, ours in _BLOCK:
-            if m.group(2) == ours:
-                return [(f"{m.group(1)}.{hf}.{m.group(3)}", tensor)]
-    return [(name, tensor)]
+    renamed = common.rename_block_param(name, _LAYER, _BLOCK, to_ours=False)
+    return [(renamed or name, tensor)]

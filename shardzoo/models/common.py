@@ -8,6 +8,8 @@ causal models, so ring attention is balanced).
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
@@ -190,3 +192,18 @@ def add_vocab_bias(logits: torch.Tensor, bias: torch.Tensor, head: nn.Module, me
 
         bias = use_block_param(bias, mesh, out)
     return logits + bias
+
+
+def rename_block_param(name: str, pattern: re.Pattern, table: list[tuple[str, str]],
+                       to_ours: bool) -> str | None:
+    """Rename a per-block parameter between Hugging Face and shardzoo names.
+
+    ``pattern`` matches ``<prefix>.<i>.<module>.<param>`` as groups (prefix.i, module, param);
+    ``table`` lists (hf module, shardzoo module) pairs. Returns None when nothing matches."""
+    m = pattern.match(name)
+    if not m:
+        return None
+    for hf, ours in table:
+        if m.group(2) == (hf if to_ours else ours):
+            return f"{m.group(1)}.{ours if to_ours else hf}.{m.group(3)}"
+    return None

@@ -217,20 +217,12 @@ def hf_to_shardzoo(name: str, tensor: torch.Tensor, config: ViTConfig) -> list[t
     m = _LAYER_HF5.match(name)
     if m:
         return [(f"vit.encoder.layer.{m.group(1)}.{_HF5.get(m.group(2), m.group(2))}.{m.group(3)}", tensor)]
-    m = _LAYER.match(name)
-    if m:
-        for hf, ours in _BLOCK:
-            if m.group(2) == hf:
-                return [(f"{m.group(1)}.{ours}.{m.group(3)}", tensor)]
-    return [(name, tensor)]
+    renamed = common.rename_block_param(name, _LAYER, _BLOCK, to_ours=True)
+    return [(renamed or name, tensor)]
 
 
 def shardzoo_to_hf(name: str, tensor: torch.Tensor, config: ViTConfig) -> list[tuple[str, torch.Tensor]]:
     """Inverse of :func:`hf_to_shardzoo`, to the checkpoint-file names (which every
     transformers version loads)."""
-    m = _LAYER.match(name)
-    if m:
-        for hf, ours in _BLOCK:
-            if m.group(2) == ours:
-                return [(f"{m.group(1)}.{hf}.{m.group(3)}", tensor)]
-    return [(name, tensor)]
+    renamed = common.rename_block_param(name, _LAYER, _BLOCK, to_ours=False)
+    return [(renamed or name, tensor)]
