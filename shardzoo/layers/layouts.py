@@ -103,6 +103,15 @@ def check_divisible(who: str, what: str, value: int, parts: int, rule: str) -> N
         )
 
 
+def check_local_input(who: str, x: torch.Tensor, in_features: int, q: int) -> None:
+    """Raise unless ``x`` is a local block [..., in_features/q] (not the full activation)."""
+    if x.shape[-1] * q != in_features:
+        raise ValueError(
+            f"{who} expects the local input block [..., in_features/q={in_features // q}]; got shape "
+            f"{tuple(x.shape)}. Enter the parallel region with layer.shard_input(x_full)"
+        )
+
+
 def _scatter_batch(x: torch.Tensor, mesh, layout: ActivationLayout, who: str) -> torch.Tensor:
     parts = layout.batch_parts(mesh)
     rule = "*".join(f"{a}={mesh.size(a)}" for a in layout.batch_axes)

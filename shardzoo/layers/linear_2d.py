@@ -74,11 +74,7 @@ class SummaLinearBase(layouts.GridModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B/(d*q), ..., in/q] -> [B/(d*q), ..., out/q]."""
         q = self.mesh.q
-        if x.shape[-1] * q != self.in_features:
-            raise ValueError(
-                f"{type(self).__name__} expects the local input block [..., in_features/q={self.in_features // q}]; "
-                f"got shape {tuple(x.shape)}. Enter the parallel region with layer.shard_input(x_full)"
-            )
+        layouts.check_local_input(type(self).__name__, x, self.in_features, q)
         weight = self.weight
         if self.layout.replica_axes:  # 2.5D: replicated over depth, so the gradient is summed there
             weight = comm.copy_to(weight, self.mesh.group(*self.layout.replica_axes))

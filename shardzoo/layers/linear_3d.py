@@ -105,11 +105,7 @@ class ParallelLinear3D(layouts.GridModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B/q^2, ..., in/q] (input_layout) -> [B/q^2, ..., out/q] (output_layout)."""
         q = self.mesh.q
-        if x.shape[-1] * q != self.in_features:
-            raise ValueError(
-                f"ParallelLinear3D expects the local input block [..., in_features/q={self.in_features // q}]; got "
-                f"shape {tuple(x.shape)}. Enter the parallel region with layer.shard_input(x_full)"
-            )
+        layouts.check_local_input("ParallelLinear3D", x, self.in_features, q)
         y = linear_3d(x, self.weight, self.mesh, self.input_layout)
         if self.bias is not None:
             y = y + comm.copy_to(self.bias, self.mesh.group(*self.output_layout.batch_axes))
