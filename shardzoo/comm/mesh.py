@@ -227,6 +227,22 @@ class ParallelMesh:
             self._combined[axes] = self.device_mesh[axes]._flatten(name, backend_override=self._override)
         return self._combined[axes]
 
+    def close(self) -> None:
+        """Destroy this mesh's process groups (all its axes and combined groups; never the
+        default group). Every gloo group keeps a network thread that wakes up every few
+        milliseconds, so a process that builds many meshes should close those it no longer
+        uses. Local to this rank; the mesh and modules built on it must not be used afterwards."""
+        default = dist.distributed_c10d._get_default_group()
+        groups = [self.device_mesh.get_group(a) for a in self.axis_names]
+        groups += [m.get_group() for m in self._combined.values()]
+        seen: set[int] = set()
+        for g in groups:
+            if g is None or g is default or id(g) in seen:
+                continue
+            seen.add(id(g))
+            dist.destroy_process_group(g)
+        self._combined.clear()
+
     def ranks(self, *axes: str) -> list[int]:
         """Global ranks of this rank's group over ``axes``, in group-rank order."""
         axes = self.expand_axes(*axes)

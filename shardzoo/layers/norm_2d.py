@@ -2,9 +2,13 @@
 
 x: [B/parts, ..., H/q], hidden split over the layout's ``hidden_axis``. The mean and the
 variance are sums over the full hidden size, so each is a local partial sum followed by an
-all-reduce over the hidden group. Every rank uses the reduced statistic for its own block, so
-the backward must sum the gradients from all ranks: ``comm.all_reduce`` (the per-rank-consumer
-adjoint), not ``reduce_from``. Two-pass (mean, then centred squares) as in nn.LayerNorm.
+all-reduce over the hidden group (two-pass: mean, then centred squares, as nn.LayerNorm).
+The backward is written out rather than left to autograd: with xhat = (x - mean) * rstd and
+g the gradient of xhat, dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), where both means run
+over the full hidden size, so one all-reduce of the two row sums serves the whole backward.
+This is the formula of the serial kernels, so the parallel and serial gradients round alike
+(autograd through two chained all-reduces differs from them by cancellation in near-zero
+entries).
 
 weight / bias hold the hidden block of this rank, replicated over the batch axes; their
 gradients are summed there (``copy_to``).
@@ -15,9 +19,35 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardzoo import comm
+from shardzoo.comm import ops
 from shardzoo.layers import layouts
 from shardzoo.layers.layouts import ActivationLayout
+
+
+class _SplitNormalize(torch.autograd.Function):
+    """(x - mean) / sqrt(var + eps) over a last dim split across ``group`` (full size ``hidden``).
+    x: [..., hidden / p] -> same; statistics in at least fp32."""
+
+    @staticmethod
+    def forward(ctx, x, group, hidden: int, eps: float):
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        mean = ops.all_reduce(xf.sum(-1, keepdim=True), group, inplace=True) / hidden
+        centred = xf - mean
+        var = ops.all_reduce((centred * centred).sum(-1, keepdim=True), group, inplace=True) / hidden
+        rstd = torch.rsqrt(var + eps)
+        xhat = centred * rstd
+        ctx.save_for_backward(xhat, rstd)
+        ctx.group, ctx.hidden = group, hidden
+        return xhat.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        xhat, rstd = ctx.saved_tensors
+        g = grad.to(xhat.dtype)
+        sums = torch.cat([g.sum(-1, keepdim=True), (g * xhat).sum(-1, keepdim=True)], -1)
+        sums = ops.all_reduce(sums, ctx.group, inplace=True) / ctx.hidden
+        dx = rstd * (g - sums[..., :1] - xhat * sums[..., 1:])
+        return dx.to(grad.dtype), None, None, None
 
 
 class GridLayerNorm(layouts.GridModule):
@@ -66,11 +96,7 @@ class GridLayerNorm(layouts.GridModule):
                 f"{type(self).__name__} expects the local block [..., H/q={hidden // q}]; "
                 f"got shape {tuple(x.shape)}. Enter the parallel region with module.shard_input(x_full)"
             )
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))  # statistics in at least fp32
-        mean = comm.all_reduce(xf.sum(-1, keepdim=True), group) / hidden
-        centred = xf - mean
-        var = comm.all_reduce((centred * centred).sum(-1, keepdim=True), group) / hidden
-        y = (centred * torch.rsqrt(var + self.eps)).to(x.dtype)
+        y = _SplitNormalize.apply(x, group, hidden, self.eps)
         if self.weight is not None:
             y = y * layouts.use_block_param(self.weight, self.mesh, self.layout)
         if self.bias is not None:

@@ -80,21 +80,24 @@ class BertLayer(nn.Module):
 class BERT(StagedModel):
     """BERT with MLM head (forward) and pooler (:meth:`pool`) on ``mesh``.
 
-    Args as :class:`GPT2`. Forward: ids [b, s] (first stage; ``token_type_ids`` [b, s]
-    optional, zeros by default) or hidden [b, s, H_l] -> hidden, or on the last stage MLM
-    logits [b, s, V_local]. ``key_padding_mask`` bool [b, s] (``shard_mask``) on every stage."""
+    Args as :class:`GPT2`, plus ``mlm_head``: build the masked-LM head (False: the bare encoder
+    of ``BertModel``, e.g. sentence-embedding checkpoints). Forward: ids [b, s] (first stage;
+    ``token_type_ids`` [b, s] optional, zeros by default) or hidden [b, s, H_l] -> hidden, or on
+    the last stage MLM logits [b, s, V_local] (final hidden states without the MLM head).
+    ``key_padding_mask`` bool [b, s] (``shard_mask``) on every stage."""
 
     causal = False
     head_name = "cls.predictions.decoder"
 
     def __init__(self, config: BERTConfig, *, mesh, stage=None, stage_layers=None, sp_mode: str = "ring",
-                 checkpointing: bool = False, device=None):
+                 checkpointing: bool = False, mlm_head: bool = True, device=None):
         super().__init__()
         check_heads("BERT", config.hidden_size, config.num_attention_heads, mesh, sp_mode)
         self.config, self.mesh, self.checkpointing = config, mesh, checkpointing
         self.layout = layout = tpl.input_layout(mesh)
         self.tied_names = ({"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight"}
-                           if config.tie_word_embeddings else {})
+                           if config.tie_word_embeddings and mlm_head else {})
+        self.head_name = "cls.predictions.decoder" if mlm_head else None
         blocks, self.is_first, self.is_last = common.stage_blocks("BERT", config.num_hidden_layers, stage,
                                                                   stage_layers)
         h, eps = config.hidden_size, config.layer_norm_eps
@@ -114,6 +117,8 @@ class BERT(StagedModel):
         if self.is_last:
             self.bert.pooler = nn.Module()
             self.bert.pooler.dense = common.dense(nn.Linear(h, h), mesh, layout, device)
+            self.target_layout = layout
+        if self.is_last and mlm_head:
             self.cls = nn.Module()
             self.cls.predictions = pred = nn.Module()
             pred.transform = nn.Module()
@@ -131,7 +136,7 @@ class BERT(StagedModel):
             x = self.embed(x, token_type_ids)
         for block in self.bert.encoder.layer.values():
             x = self.run_block(block, x, key_padding_mask)
-        return self.mlm_logits(x) if self.is_last else x
+        return self.mlm_logits(x) if self.is_last and self.head_name is not None else x
 
     def embed(self, ids: torch.Tensor, token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         """ids [b, s] -> LayerNorm(word + position + token type) [b, s, H_l]."""
@@ -163,6 +168,16 @@ class BERT(StagedModel):
         return tpl.gather_hidden(pooled, self.mesh, self.layout)
 
 
+    @classmethod
+    def pretrained_kwargs(cls, hf_dir: str, kwargs: dict) -> dict:
+        """``mlm_head`` defaults to whether the checkpoint holds one (``BertModel`` files do not)."""
+        if "mlm_head" not in kwargs:
+            from shardzoo.models.pretrained import HFWeights
+
+            kwargs = dict(kwargs, mlm_head=any(k.startswith("cls.predictions.") for k in HFWeights(hf_dir).entries))
+        return kwargs
+
+
 _BLOCK = [("attention.self.query", "attention.q_proj"), ("attention.self.key", "attention.k_proj"),
           ("attention.self.value", "attention.v_proj"), ("attention.output.dense", "attention.out_proj"),
           ("attention.output.LayerNorm", "attention_norm"), ("intermediate.dense", "mlp.fc1"),
@@ -172,9 +187,10 @@ _LAYER = re.compile(r"^(bert\.encoder\.layer\.\d+)\.(.+)\.(weight|bias)$")
 
 def hf_to_shardzoo(name: str, tensor: torch.Tensor, config: BERTConfig) -> list[tuple[str, torch.Tensor]]:
     """One ``BertForPreTraining`` / ``BertForMaskedLM`` entry -> shardzoo (name, tensor) pairs.
-    The next-sentence head is dropped; ``cls.predictions.decoder.bias`` is ``cls.predictions.bias``."""
-    if name.startswith("cls.seq_relationship."):
-        return []
+    The next-sentence head and the embeddings' index buffers are dropped;
+    ``cls.predictions.decoder.bias`` is ``cls.predictions.bias``."""
+    if name.startswith("cls.seq_relationship.") or name.endswith((".position_ids", ".token_type_ids")):
+        return []  # next-sentence head; index buffers of the embeddings
     if name == "cls.predictions.decoder.bias":
         return [("cls.predictions.bias", tensor)]
     renamed = common.rename_block_param(name, _LAYER, _BLOCK, to_ours=True)

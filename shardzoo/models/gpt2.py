@@ -155,6 +155,24 @@ def hf_to_shardzoo(name: str, tensor: torch.Tensor, config: GPT2Config) -> list[
     return [(name, tensor)]
 
 
+def hf_read_plan(name: str, config: GPT2Config) -> tuple[bool, object]:
+    """How shardzoo tensor ``name`` is cut from its checkpoint tensor (``shardzoo_to_hf``'s name):
+    (transposed, row map). Conv1D weights are stored [in, out], so rows of ours are columns
+    there; ``attn.qkv`` row r (head h, part q/k/v, index j) is row ``part * H + h * d + j`` of
+    ``c_attn``'s [q; k; v] (after the transpose for the weight)."""
+    transposed = name.endswith("weight") and any(f".{ours}." in name for ours in (*_CONV1D.values(), "attn.qkv"))
+    if ".attn.qkv." not in name:
+        return transposed, None
+    hidden, d = config.n_embd, config.n_embd // config.n_head
+
+    def row(r: int) -> int:
+        head, rest = divmod(r, 3 * d)
+        part, j = divmod(rest, d)
+        return part * hidden + head * d + j
+
+    return transposed, row
+
+
 def shardzoo_to_hf(name: str, tensor: torch.Tensor, config: GPT2Config) -> list[tuple[str, torch.Tensor]]:
     """Inverse of :func:`hf_to_shardzoo` for one shardzoo entry (full size)."""
     if ".attn.qkv." in name:

@@ -42,6 +42,27 @@ class StagedModel(nn.Module):
     head_name = "lm_head"
     tied_names: dict[str, str] = {"lm_head.weight": "transformer.wte.weight"}
 
+    @classmethod
+    def from_pretrained(cls, hf_dir: str, *, mesh, strict: bool = True, **kwargs):
+        """The model built from ``hf_dir/config.json`` on ``mesh`` (any layout; ``stage=``,
+        ``sp_mode=`` ... as the constructor) and filled from the Hugging Face weights there
+        (``model.safetensors`` or a sharded index), each rank reading only its own slices.
+        Collective: every rank calls it. See models/pretrained.py."""
+        from shardzoo.models.families import family_of
+        from shardzoo.models.pretrained import config_from_dir, load_pretrained
+
+        fam = family_of(cls)
+        config = config_from_dir(fam, hf_dir)
+        model = cls(config, mesh=mesh, **cls.pretrained_kwargs(hf_dir, kwargs))
+        model.load_result = load_pretrained(model, hf_dir, strict=strict)
+        return model
+
+    @classmethod
+    def pretrained_kwargs(cls, hf_dir: str, kwargs: dict) -> dict:
+        """Constructor arguments for :meth:`from_pretrained` (a family may add defaults read
+        from the checkpoint, e.g. whether BERT's MLM head is there)."""
+        return kwargs
+
     def run_block(self, block: nn.Module, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         if self.checkpointing and self.training:
             return checkpoint(block, x, mask, use_reentrant=False)
@@ -71,7 +92,7 @@ class StagedModel(nn.Module):
     def gather_output(self, y_local: torch.Tensor) -> torch.Tensor:
         """This stage's output -> the full tensor on every rank: logits [B, S, V] on the last
         stage (padding columns dropped), hidden states [B, S, H] on the others."""
-        if self.is_last:
+        if self.is_last and self.head_name is not None:
             y = self.get_submodule(self.head_name).gather_output(y_local)
             if y.dim() == 2:  # pooled / classifier logits [B, C]: no sequence dim
                 return y
@@ -83,6 +104,9 @@ class StagedModel(nn.Module):
         """Mean cross entropy over this rank's tokens (vocab-parallel; equal to the global
         mean over the tp group). Averaging the gradients over dp and sp (DDP on
         ``mesh.group("dp", "sp")``) then gives the gradient of the global mean."""
+        if self.head_name is None:
+            raise ValueError(f"this {type(self).__name__} was built without a head (its last stage returns hidden "
+                             f"states), so it has no loss; build it with its head to train it")
         return self.get_submodule(self.head_name).loss(logits, target, **kwargs)
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> list[str]:

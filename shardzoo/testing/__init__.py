@@ -10,7 +10,7 @@
     errors = run_on_ranks(check, 4, 0)
 """
 
-from shardzoo.testing.asserts import TOLERANCES, assert_close, tolerance
+from shardzoo.testing.asserts import TOLERANCES, assert_close, assert_close_conditioned, tolerance
 from shardzoo.testing.pools import cached_mesh, close_pools, get_pool, run_on_ranks
 
-__all__ = ["TOLERANCES", "assert_close", "tolerance", "cached_mesh", "close_pools", "get_pool", "run_on_ranks"]
+__all__ = ["TOLERANCES", "assert_close", "assert_close_conditioned", "tolerance", "cached_mesh", "close_pools", "get_pool", "run_on_ranks"]

@@ -45,14 +45,22 @@ atexit.register(close_pools)
 
 
 _meshes: dict[tuple, object] = {}
+MESH_CACHE_SIZE = 4  # meshes kept per worker process; older ones are closed
 
 
 def cached_mesh(**layout):
     """A ``ParallelMesh(**layout)`` built once per worker process and reused by later tests,
-    so property tests do not create new process groups for every example."""
+    so property tests do not create new process groups for every example. The least recently
+    used meshes beyond ``MESH_CACHE_SIZE`` are closed: idle gloo groups cost CPU time (each has
+    a polling network thread), and a test session builds hundreds of groups otherwise. Every
+    rank of a pool runs the same tests, so the ranks create and close groups in the same order."""
     from shardzoo.comm.mesh import ParallelMesh
 
     key = tuple(sorted(layout.items()))
-    if key not in _meshes:
-        _meshes[key] = ParallelMesh(**layout)
-    return _meshes[key]
+    mesh = _meshes.pop(key, None)
+    if mesh is None:
+        mesh = ParallelMesh(**layout)
+    _meshes[key] = mesh  # most recently used last
+    while len(_meshes) > MESH_CACHE_SIZE:
+        _meshes.pop(next(iter(_meshes))).close()
+    return mesh
