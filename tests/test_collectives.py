@@ -147,3 +147,21 @@ def test_size_one_group_is_identity_without_distributed():
         assert getattr(comm, op)(x, None, 1) is x
     assert comm.all_to_all(x, None, 0, 1) is x
     assert comm.broadcast(x, None, 0) is x
+
+
+def _reduce_from_inplace(seed):
+    p, r = dist.get_world_size(), dist.get_rank()
+    xs = [_tensor(seed + s, (3, 5), torch.float64) for s in range(p)]
+    w = xs[r].clone().requires_grad_(True)
+    y = w * 2  # a fresh tensor nothing else reads
+    out = comm.reduce_from(y, dist.group.WORLD, inplace=True)
+    assert out is y, "inplace=True returns the summed input itself"
+    assert_close(out.detach(), 2 * sum(xs), "reduce_from(inplace=True) output")
+    g = _tensor(seed + 100 + r, (3, 5), torch.float64)
+    out.backward(g)
+    assert_close(w.grad, 2 * g, "reduce_from(inplace=True) input grad")  # identity backward
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_reduce_from_inplace_sums_into_its_input(world):
+    run_on_ranks(_reduce_from_inplace, world, 7)

@@ -35,6 +35,7 @@ def describe_mesh(layout):
         assert dist.get_rank(group) == mesh.rank(*axes)
         info["sizes"][axes] = mesh.size(*axes)
     assert mesh.world_size == world
+    mesh.close()  # a test process builds many meshes: release their groups
     return info
 
 
@@ -113,6 +114,8 @@ def two_meshes():
     dist.all_reduce(x, group=a.group("tp_row"))
     y = torch.ones(1)
     dist.all_reduce(y, group=b.dp_group)
+    a.close()
+    b.close()
     return x.item(), y.item(), a.size("tp_row"), b.dp_size
 
 
@@ -127,6 +130,7 @@ def mesh_region_round_trip(layout, zigzag):
     local = mesh.shard_sequence(mesh.shard_input(x), dim=1, zigzag=zigzag)
     back = mesh.gather_output(mesh.gather_sequence(local, dim=1, zigzag=zigzag))
     assert torch.equal(back, x)
+    mesh.close()
     return tuple(local.shape)
 
 
@@ -142,3 +146,40 @@ def mesh_region_round_trip(layout, zigzag):
 @pytest.mark.parametrize("zigzag", [False, True])
 def test_mesh_shard_input_and_sequence_round_trip(layout, local_shape, zigzag):
     assert run_on_ranks(mesh_region_round_trip, 8, layout, zigzag) == [local_shape] * 8
+
+
+def _gloo_threads() -> int:
+    """Network threads of this process's gloo groups (one per group)."""
+    import os
+
+    count = 0
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            count += f.read().strip() == "gloo_tcp_loop"
+    return count
+
+
+def close_releases_groups():
+    import gc
+
+    gc.collect()  # groups of earlier, closed meshes end with their last reference
+    before = _gloo_threads()
+    mesh = ParallelMesh(tp=8, tp_mode="3d")
+    mesh.group("tp")  # a combined group too
+    built = _gloo_threads()
+    mesh.close()
+    del mesh
+    gc.collect()
+    after = _gloo_threads()
+    again = ParallelMesh(tp=8, tp_mode="3d")  # the same layout builds and works again
+    x = torch.ones(1)
+    dist.all_reduce(x, group=again.group("tp"))
+    again.close()
+    return before, built, after, x.item()
+
+
+def test_close_destroys_the_mesh_groups():
+    before, built, after, total = run_on_ranks(close_releases_groups, 8)[0]
+    assert built > before, "building a mesh creates gloo groups"
+    assert after == before, f"close() left {after - before} of the mesh's {built - before} gloo groups running"
+    assert total == 8.0

@@ -43,12 +43,14 @@ class _CopyTo(torch.autograd.Function):
 
 class _ReduceFrom(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        return ops.all_reduce(x, group)
+    def forward(ctx, x, group, inplace=False):
+        if inplace:
+            ctx.mark_dirty(x)
+        return ops.all_reduce(x, group, inplace=inplace)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 class _AllReduce(torch.autograd.Function):
@@ -143,11 +145,14 @@ def copy_to(x: torch.Tensor, group) -> torch.Tensor:
     return _CopyTo.apply(x, group)
 
 
-def reduce_from(x: torch.Tensor, group) -> torch.Tensor:
-    """Leave a parallel region: sum over ``group`` forward, identity backward. Shape unchanged."""
+def reduce_from(x: torch.Tensor, group, inplace: bool = False) -> torch.Tensor:
+    """Leave a parallel region: sum over ``group`` forward, identity backward. Shape unchanged.
+
+    ``inplace=True`` sums into ``x`` itself and returns it, saving a copy; only for a tensor
+    nothing else reads (e.g. a matmul output the caller has just made)."""
     if ops.group_size(group) == 1:
         return x
-    return _ReduceFrom.apply(x, group)
+    return _ReduceFrom.apply(x, group, inplace)
 
 
 def all_reduce(x: torch.Tensor, group) -> torch.Tensor:

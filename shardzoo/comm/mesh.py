@@ -169,6 +169,7 @@ class ParallelMesh:
         self.device_mesh: DeviceMesh = init_device_mesh(device_type, shape, mesh_dim_names=self.axis_names, **kwargs)
         self._override = override
         self._combined: dict[tuple[str, ...], DeviceMesh] = {}
+        self._adopted: list = []  # groups others made for this mesh, closed with it
         coord = self.device_mesh.get_coordinate()
         self._coord = dict(zip(self.axis_names, coord))
 
@@ -234,7 +235,7 @@ class ParallelMesh:
         uses. Local to this rank; the mesh and modules built on it must not be used afterwards."""
         default = dist.distributed_c10d._get_default_group()
         groups = [self.device_mesh.get_group(a) for a in self.axis_names]
-        groups += [m.get_group() for m in self._combined.values()]
+        groups += [m.get_group() for m in self._combined.values()] + self._adopted
         seen: set[int] = set()
         for g in groups:
             if g is None or g is default or id(g) in seen:
@@ -242,6 +243,13 @@ class ParallelMesh:
             seen.add(id(g))
             dist.destroy_process_group(g)
         self._combined.clear()
+        self._adopted.clear()
+
+    def adopt_group(self, group) -> None:
+        """Destroy ``group`` (made for this mesh's work, e.g. a pipeline's tied-embedding
+        group) when the mesh is closed."""
+        if group is not None:
+            self._adopted.append(group)
 
     def ranks(self, *axes: str) -> list[int]:
         """Global ranks of this rank's group over ``axes``, in group-rank order."""

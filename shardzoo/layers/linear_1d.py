@@ -119,7 +119,8 @@ class ParallelLinear1D(nn.Module):
         if not self.input_is_parallel:
             x = comm.scatter_to(x, group, -1)
         y = F.linear(x, self.weight)
-        y = comm.reduce_scatter(y, group, SEQ_DIM) if self.sequence_parallel else comm.reduce_from(y, group)
+        # y is this matmul's fresh output, read by nothing else: sum it in place
+        y = comm.reduce_scatter(y, group, SEQ_DIM) if self.sequence_parallel else comm.reduce_from(y, group, inplace=True)
         if self.bias is not None:  # added once, after the sum
             y = y + tp_sum_grad(self.bias, self.mesh, self.sequence_parallel)
         return y

@@ -28,6 +28,9 @@ class Family:
         module: the module defining the model, its config and ``hf_to_shardzoo`` /
             ``shardzoo_to_hf`` (one full-size tensor at a time).
         model_class, config_class: names in ``module``.
+        optional_prefixes: model tensors that checkpoints of ``architecture`` may lack (BERT's
+            pooler: ``BertForMaskedLM`` has none); left as initialised and reported in
+            ``missing_keys``, but not an error with ``strict``.
     """
 
     name: str
@@ -38,6 +41,7 @@ class Family:
     module: str
     model_class: str
     config_class: str
+    optional_prefixes: tuple[str, ...] = ()
 
     @property
     def code(self):
@@ -72,7 +76,7 @@ FAMILIES: dict[str, Family] = {
     "gpt2": Family("gpt2", "gpt2", "GPT2LMHeadModel", "transformer.", ("lm_head.",), "shardzoo.models.gpt2",
                    "GPT2", "GPT2Config"),
     "bert": Family("bert", "bert", "BertForMaskedLM", "bert.", ("cls.",), "shardzoo.models.bert", "BERT",
-                   "BERTConfig"),
+                   "BERTConfig", optional_prefixes=("bert.pooler.",)),
     "vit": Family("vit", "vit", "ViTForImageClassification", "vit.", ("classifier.",), "shardzoo.models.vit", "ViT",
                   "ViTConfig"),
     "opt": Family("opt", "opt", "OPTForCausalLM", "model.", ("lm_head.",), "shardzoo.models.opt", "OPT",

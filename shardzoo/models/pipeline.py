@@ -51,10 +51,19 @@ class StagedModel(nn.Module):
         from shardzoo.models.families import family_of
         from shardzoo.models.pretrained import config_from_dir, load_pretrained
 
+        from shardzoo.models.meta import materialize
+
         fam = family_of(cls)
         config = config_from_dir(fam, hf_dir)
-        model = cls(config, mesh=mesh, **cls.pretrained_kwargs(hf_dir, kwargs))
+        kwargs = cls.pretrained_kwargs(hf_dir, kwargs)
+        device = kwargs.pop("device", None) or "cpu"
+        with torch.device("meta"):  # no random init, no full-size serial twins: only the local shards get storage
+            model = cls(config, mesh=mesh, device="meta", **kwargs)
+        materialize(model, device)
         model.load_result = load_pretrained(model, hf_dir, strict=strict)
+        missing = set(model.load_result.missing_keys)
+        if missing:  # left out of the checkpoint: initialise as a fresh model would be
+            model.init_weights(names=missing)
         return model
 
     @classmethod
@@ -120,12 +129,14 @@ class StagedModel(nn.Module):
 
 
     @torch.no_grad()
-    def init_weights(self, seed: int = 0, std: float = 0.02) -> None:
+    def init_weights(self, seed: int = 0, std: float = 0.02, names=None) -> None:
         """Hugging Face-style init, the same for every layout and stage split: each full
         tensor is drawn from a generator seeded by ``seed`` and the parameter's global name,
         and this rank keeps its piece. Matrices / tables ~ N(0, std), biases 0, 1-D weights
-        (LayerNorm) 1."""
+        (LayerNorm) 1. ``names``: only these parameters (default all)."""
         for name, p in self.named_parameters():
+            if names is not None and name not in names:
+                continue
             spec = get_shard_spec(p)
             shape = spec.global_shape if spec is not None else tuple(p.shape)
             key = self.tied_names.get(name, name)  # an untied copy of a tied table draws the table
@@ -185,6 +196,7 @@ def tied_group(mesh):
             group = dist.new_group(ranks) if len(ranks) > 1 else None
             if dist.get_rank() in ranks:
                 mine = group
+                mesh.adopt_group(group)
         _tied_groups[mesh] = mine
     return _tied_groups[mesh]
 

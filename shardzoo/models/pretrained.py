@@ -27,7 +27,7 @@ from shardzoo.checkpoint.errors import CheckpointError
 from shardzoo.checkpoint.safetensors_io import read_header
 from shardzoo.checkpoint.sync import Ranks, describe
 from shardzoo.checkpoint.tensors import Box, LocalTensor, find_mesh, model_tensors, volume
-from shardzoo.models.families import Family, family_of
+from shardzoo.models.families import FAMILIES, Family, family_of
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -37,9 +37,10 @@ _ST_TO_TORCH = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16
 
 
 class PretrainedLoadResult(NamedTuple):
-    """Names not loaded (only non-empty with ``strict=False``)."""
+    """Names not loaded."""
 
     missing_keys: list[str]  # model tensors the checkpoint lacks (left as initialised)
+    # (with strict=True only the family's optional ones, e.g. BERT's pooler from BertForMaskedLM)
     unexpected_keys: list[str]  # checkpoint tensors that no rank's model takes
 
 
@@ -74,33 +75,30 @@ class HFWeights:
             for key, info in header.items():
                 if key != "__metadata__":
                     self.entries[key] = (file, tuple(info["shape"]), info["dtype"])
-        self._handles: dict[str, object] = {}
 
     def shape(self, key: str) -> tuple[int, ...]:
         return self.entries[key][1]
 
-    def _slice(self, key: str):
-        file = self.entries[key][0]
-        if file not in self._handles:
-            self._handles[file] = safe_open(os.path.join(self.hf_dir, file), framework="pt", device="cpu")
-        return self._handles[file].get_slice(key)
+    def _open(self, key: str):
+        # A fresh memory map per tensor: pages a read touches (a transposed read touches every page
+        # of its tensor) stay resident while the file is mapped, so keeping one map open for the
+        # whole load would make every rank's memory peak the size of the file.
+        return safe_open(os.path.join(self.hf_dir, self.entries[key][0]), framework="pt", device="cpu")
 
     def read(self, key: str, box: Box, transposed: bool = False, row=None) -> torch.Tensor:
         """Region ``box`` (offsets, shape) of the tensor that checkpoint tensor ``key`` becomes
         after an optional 2-D transpose and a row map (row r of the result is row ``row(r)``)."""
         offsets, shape = box
-        if not shape:
-            return self._slice(key)[...]
-        rest = tuple(slice(o, o + s) for o, s in zip(offsets[1:], shape[1:]))
-        rows = [row(r) for r in range(offsets[0], offsets[0] + shape[0])] if row else None
-        runs = _runs(rows) if rows else [(offsets[0], shape[0])]
-        data = self._slice(key)
-        parts = [data[rest[0], start:start + n].t() if transposed else data[(slice(start, start + n),) + rest]
-                 for start, n in runs]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
-
-    def close(self) -> None:
-        self._handles.clear()
+        with self._open(key) as handle:
+            data = handle.get_slice(key)
+            if not shape:
+                return data[...]
+            rest = tuple(slice(o, o + s) for o, s in zip(offsets[1:], shape[1:]))
+            rows = [row(r) for r in range(offsets[0], offsets[0] + shape[0])] if row else None
+            runs = _runs(rows) if rows else [(offsets[0], shape[0])]
+            parts = [data[rest[0], start:start + n].t() if transposed else data[(slice(start, start + n),) + rest]
+                     for start, n in runs]
+            return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
 
 
 def _runs(rows: list[int]) -> list[tuple[int, int]]:
@@ -125,24 +123,26 @@ def _meta(shape) -> torch.Tensor:
 
 
 def _plan(model, fam: Family, weights: HFWeights, local: list[LocalTensor]):
-    """For this rank: sources of its tensors, missing names, shape problems, names it covers."""
+    """For this rank: sources of its tensors, missing names (with the checkpoint key each
+    would be read from), shape problems."""
     config, code = model.config, fam.code
     by_canonical = {fam.canonical(k): k for k in weights.entries}
     alternates: dict[str, str] = {}  # shardzoo name -> canonical key providing it under another name
     for canon in by_canonical:
         for ours, _ in code.hf_to_shardzoo(canon, _meta(weights.shape(by_canonical[canon])), config):
             alternates.setdefault(ours, canon)
-    sources, missing, problems = {}, [], []
+    sources, missing, problems = {}, {}, []
     for lt in local:
         name = lt.name
         if name not in alternates and name in model.tied_names:
             name = model.tied_names[name]  # an untied copy of a tied table reads the table
-        [(canon, expected)] = code.shardzoo_to_hf(name, _meta(lt.global_shape), config)
+        [(hf_name, expected)] = code.shardzoo_to_hf(name, _meta(lt.global_shape), config)
+        canon = hf_name
         transposed, row = code.hf_read_plan(name, config) if hasattr(code, "hf_read_plan") else (False, None)
         if canon not in by_canonical:  # stored under another name (e.g. BERT's decoder.bias), as it is
             canon = alternates.get(name)
             if canon is None:
-                missing.append(lt.name)
+                missing[lt.name] = hf_name
                 continue
             expected, transposed, row = _meta(lt.global_shape), False, None
         key = by_canonical[canon]
@@ -171,7 +171,8 @@ def load_pretrained(model, hf_dir: str, *, strict: bool = True) -> PretrainedLoa
     Collective over the default process group when it is initialised (every rank calls it).
     ``strict`` raises :class:`~shardzoo.checkpoint.CheckpointError` naming every missing,
     unexpected or mis-shaped tensor; without it the mismatched names come back and those
-    tensors keep their values. Shape mismatches always raise.
+    tensors keep their values. Shape mismatches always raise; the family's optional tensors
+    (``Family.optional_prefixes``: BERT's pooler) only come back as missing.
     """
     fam = family_of(model)
     mesh = find_mesh(model)
@@ -189,11 +190,15 @@ def load_pretrained(model, hf_dir: str, *, strict: bool = True) -> PretrainedLoa
     problems = sorted({p for _, ps, _ in replies for p in ps})
     if problems:
         raise CheckpointError(f"{hf_dir} does not fit the model:\n" + "\n".join(problems))
-    missing = sorted({m for ms, _, _ in replies for m in ms})
+    wanted = {name: key for ms, _, _ in replies for name, key in ms.items()}  # missing name -> checkpoint key
+    missing = sorted(wanted)
     unexpected = _unexpected(fam, model, weights, {n for _, _, names in replies for n in names})
-    if strict and (missing or unexpected):
+    required = [m for m in missing if not m.startswith(fam.optional_prefixes)]
+    if strict and (required or unexpected):
+        # name the key the file lacks too where it differs from ours (GPT-2's c_attn -> attn.qkv)
+        named = [m if wanted[m] == m else f"{m} (checkpoint key {wanted[m]})" for m in required]
         lines = [f"{label} ({len(names)}): {', '.join(names[:20])}" + (" ..." if len(names) > 20 else "")
-                 for label, names in (("missing from the checkpoint", missing),
+                 for label, names in (("missing from the checkpoint", named),
                                       ("in the checkpoint but not in the model", unexpected)) if names]
         raise CheckpointError(f"{hf_dir} does not match {type(model).__name__}:\n" + "\n".join(lines) +
                               "\nCheck the family and config.json, or pass strict=False to load the matching tensors "
@@ -205,8 +210,6 @@ def load_pretrained(model, hf_dir: str, *, strict: bool = True) -> PretrainedLoa
                 _fill(lt, weights, sources[lt.name])
     except Exception as e:
         error = describe(e)
-    finally:
-        weights.close()
     ranks.agree(error, what)
     return PretrainedLoadResult(missing, unexpected)
 
@@ -215,11 +218,11 @@ def load_pretrained(model, hf_dir: str, *, strict: bool = True) -> PretrainedLoa
 def _fill(lt: LocalTensor, weights: HFWeights, src: _Source) -> None:
     """Copy this rank's box of the tensor into ``lt.tensor``; padding past the end stays zero."""
     box = lt.valid_box()
-    buf = torch.zeros(lt.tensor.shape, dtype=lt.tensor.dtype)
+    region = lt.spec.valid_local() if lt.spec is not None else ...
+    if lt.spec is not None and tuple(s.stop for s in region) != tuple(lt.tensor.shape):
+        lt.tensor.zero_()  # vocabulary padding past the end
     if volume(box[1]) > 0:
-        region = lt.spec.valid_local() if lt.spec is not None else ...
-        buf[region] = weights.read(src.key, box, src.transposed, src.row).to(lt.tensor.dtype)
-    lt.tensor.copy_(buf)
+        lt.tensor[region] = weights.read(src.key, box, src.transposed, src.row)
 
 
 def config_from_dir(fam: Family, hf_dir: str):
@@ -232,6 +235,8 @@ def config_from_dir(fam: Family, hf_dir: str):
         data = json.load(f)
     model_type = data.get("model_type")
     if model_type is not None and model_type != fam.model_type:
-        raise CheckpointError(f"{path} describes a {model_type!r} model, not {fam.model_type!r}; load it with the "
-                              f"matching family")
+        match = [f.model_class for f in FAMILIES.values() if f.model_type == model_type]
+        hint = f"load it with {match[0]}.from_pretrained" if match else f"shardzoo loads only {sorted(FAMILIES)}"
+        raise CheckpointError(f"{path} has model_type {model_type!r}, but {fam.model_class} loads {fam.model_type!r} "
+                              f"checkpoints; {hint}")
     return fam.config.from_json(data)

@@ -8,6 +8,7 @@ hypothesis example on 8 ranks costs a round trip of a few milliseconds.
 from __future__ import annotations
 
 import atexit
+import gc
 from typing import Any, Callable
 
 from shardzoo.comm.workers import WorkerPool
@@ -45,7 +46,7 @@ atexit.register(close_pools)
 
 
 _meshes: dict[tuple, object] = {}
-MESH_CACHE_SIZE = 4  # meshes kept per worker process; older ones are closed
+MESH_CACHE_SIZE = 2  # meshes kept per worker process; older ones are closed
 
 
 def cached_mesh(**layout):
@@ -61,6 +62,8 @@ def cached_mesh(**layout):
     if mesh is None:
         mesh = ParallelMesh(**layout)
     _meshes[key] = mesh  # most recently used last
-    while len(_meshes) > MESH_CACHE_SIZE:
-        _meshes.pop(next(iter(_meshes))).close()
+    if len(_meshes) > MESH_CACHE_SIZE:
+        while len(_meshes) > MESH_CACHE_SIZE:
+            _meshes.pop(next(iter(_meshes))).close()
+        gc.collect()  # a destroyed group's thread ends with the group's last (often cyclic) reference
     return mesh
