@@ -4,7 +4,8 @@ transformers' ``GPT2LMHeadModel.from_pretrained`` in one process, and the load t
 The weights: a GPT-2 with random values saved by transformers (default the 124M-parameter
 shape: 12 layers, hidden 768, vocabulary 50257; fp32 safetensors, ~500 MB), written once to a
 scratch directory. Each loader runs in a fresh process; its peak is the process's high-water
-RSS during the load minus its RSS just before it (imports done, /proc/self/clear_refs reset),
+RSS during the load minus its RSS just before it (imports done, including the meta-device
+machinery torch imports on its first use, about 80 MiB once per process; /proc/self/clear_refs reset),
 so it counts the parameters, every temporary, and the file pages the load touched. The rank's
 shard is the bytes of its own parameters: the floor for any loader.
 """
@@ -71,12 +72,15 @@ def load_with_transformers(path: str) -> dict:
 
 def load_with_shardzoo(path: str, layout: dict) -> dict:
     """Peak RSS and time of GPT2.from_pretrained on this rank."""
+    import torch
     import torch.distributed as dist
 
     from shardzoo.comm import ParallelMesh
     from shardzoo.models import GPT2
 
     mesh = ParallelMesh(**layout)
+    with torch.device("meta"):  # the meta-device machinery is imported on first use: import it before the
+        torch.nn.Embedding(2, 2)  # baseline, as transformers' modules are imported before its own
     dist.barrier()
     base = _reset_peak()
     start = time.perf_counter()
@@ -132,7 +136,9 @@ def main() -> None:
                                 "peak / shard", "peak / transformers", "load s (slowest rank)"], rows)
         print(table)
         write_results("pretrained", "Loading Hugging Face weights: peak memory per rank", table, data,
-                      "Peak = high-water RSS during the load minus the RSS just before it (imports done). "
+                      "Peak = high-water RSS during the load minus the RSS just before it (imports done, including torch's "
+                      "meta-device machinery, ~80 MiB once per process). Weights are touched after loading (transformers maps "
+                      "them lazily). "
                       "All ranks share this machine's page cache; the file pages a rank touches count in its RSS.")
 
 

@@ -177,8 +177,11 @@ def run(cfg):
         x_in, gy_in = (x[:, chunk].contiguous(), gy[:, chunk].contiguous()) if sp else (x, gy)
         times = {k: [] for k in blocks}
         outputs = {}
+        names = list(blocks)
         for i in range(cfg["warmup"] + cfg["steps"]):
-            for name, block in blocks.items():  # interleaved, so load drifts hit all alike
+            # interleaved, first one rotating, so load drifts and order effects hit all alike
+            for name in names[i % 3:] + names[:i % 3]:
+                block = blocks[name]
                 dist.barrier()
                 t0 = time.perf_counter()
                 y = _step(block, x_in, gy_in)
@@ -187,11 +190,14 @@ def run(cfg):
                     times[name].append((time.perf_counter() - t0) * 1e3)
                 y = y.full_tensor() if hasattr(y, "full_tensor") else y
                 outputs[name] = y.detach()
-        for name, block in blocks.items():
+        # a step is as slow as its slowest rank
+        steps = torch.tensor([times[n] for n in names], dtype=torch.float64)
+        dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+        for k, (name, block) in enumerate(blocks.items()):
             local = sum((t.to_local() if hasattr(t, "to_local") else t).numel() * t.element_size()
                         for t in block.parameters())
-            out.append({"world": p, "sp": sp, "impl": name, "step_ms": statistics.median(times[name]),
-                        "min_ms": min(times[name]),
+            out.append({"world": p, "sp": sp, "impl": name, "step_ms": statistics.median(steps[k].tolist()),
+                        "min_ms": min(steps[k].tolist()), "steps_ms": steps[k].tolist(),
                         "param_bytes": local, "serial_bytes_over_tp": serial_bytes // p,
                         "max_diff_vs_floor": float((outputs[name] - outputs["floor"]).abs().max())})
     return out
@@ -211,16 +217,14 @@ def main() -> None:
     cfg = vars(args)
     rows, data = [], []
     for world in args.worlds:
-        per_rank = shardzoo.launch(run, world, cfg, timeout=3600)
-        for k, r0 in enumerate(per_rank[0]):  # a step is as slow as the slowest rank
-            r = dict(r0, step_ms=max(pr[k]["step_ms"] for pr in per_rank),
-                     min_ms=max(pr[k]["min_ms"] for pr in per_rank))
-            data.append(r)
+        data += shardzoo.launch(run, world, cfg, timeout=3600)[0]  # every rank returns the same rows
+
+    def paired(r, other):  # median over steps of this step's time / the other's in the same step
+        o = next(d for d in data if (d["world"], d["sp"], d["impl"]) == (r["world"], r["sp"], other))
+        return statistics.median(a / b for a, b in zip(r["steps_ms"], o["steps_ms"]))
+
     for r in data:
-        base = next(d["step_ms"] for d in data if (d["world"], d["sp"], d["impl"]) == (r["world"], r["sp"], "floor"))
-        r["vs_floor"] = r["step_ms"] / base
-        dt = next(d["step_ms"] for d in data if (d["world"], d["sp"], d["impl"]) == (r["world"], r["sp"], "dtensor"))
-        r["vs_dtensor"] = r["step_ms"] / dt
+        r["vs_floor"], r["vs_dtensor"] = paired(r, "floor"), paired(r, "dtensor")
         rows.append([r["world"], "on" if r["sp"] else "off", r["impl"], f"{r['step_ms']:.1f}", f"{r['min_ms']:.1f}", f"{r['vs_floor']:.2f}",
                      f"{r['vs_dtensor']:.2f}", f"{r['param_bytes']:,}", f"{r['serial_bytes_over_tp']:,}",
                      f"{r['max_diff_vs_floor']:.1e}"])
@@ -232,8 +236,9 @@ def main() -> None:
     size = (f"h={args.hidden} ffn={args.ffn} batch={args.batch} seq={args.seq} {args.dtype}, fwd+bwd, "
             f"{args.steps} timed steps after {args.warmup} warm-up")
     note = (f"{size}{'' if full else ' (reduced size, not the full h=1024 ffn=4096 8x512 block)'}. "
-            "Ratios use the median (slowest rank); the machine was shared with other jobs, so compare the min column "
-            "too. Floor = local matmuls + one raw collective each way. Param bytes include the replicated LayerNorm "
+            "Step times are the slowest rank's. Ratios are the median over steps of the paired ratio (all three "
+            "implementations run back to back in each step, in rotating order), so drifts of the shared machine "
+            "cancel within a step. Floor = local matmuls + one raw collective each way. Param bytes include the replicated LayerNorm "
             "and row bias, hence slightly above serial/tp.")
     write_results("tp1d", "1D tensor parallelism: MLP block vs DTensor and a raw all_reduce floor", table,
                   {"config": cfg, "rows": data}, note)

@@ -134,6 +134,8 @@ def test_same_script_runs_under_torchrun(tmp_path):
     script.write_text(
         textwrap.dedent(
             """
+            import sys
+
             import torch.distributed as dist
             import shardzoo
 
@@ -142,7 +144,8 @@ def test_same_script_runs_under_torchrun(tmp_path):
                 return x + dist.get_rank() + 10 * mesh.tp_rank
 
             if __name__ == "__main__":
-                print("RESULTS", shardzoo.launch(main, 2, 100))
+                # one write per line: under torchrun both ranks share the output pipe
+                sys.stdout.write(f"RESULTS {shardzoo.launch(main, 2, 100)}\\n")
             """
         )
     )

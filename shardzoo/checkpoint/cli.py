@@ -22,7 +22,8 @@ def _convert(args: argparse.Namespace) -> int:
     from shardzoo.checkpoint import CheckpointError, export_plain
 
     try:
-        written = export_plain(args.ckpt, args.out, max_shard_bytes=args.max_shard_size, progress=not args.no_progress)
+        written = export_plain(args.ckpt, args.out, max_shard_bytes=args.max_shard_size, names=args.names,
+                               progress=not args.no_progress)
     except CheckpointError as e:
         print(f"shardzoo convert: {e}")
         return 1
@@ -37,11 +38,16 @@ def add_convert_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "convert", help="export a sharded checkpoint as plain safetensors (Hugging Face layout)",
         description="Assemble every tensor of a shardzoo checkpoint (any layout) and write model.safetensors "
-                    "(or model-0000i-of-0000N.safetensors + model.safetensors.index.json) and config.json.")
+                    "(or model-0000i-of-0000N.safetensors + model.safetensors.index.json) and config.json. A checkpoint "
+                    "of a shardzoo model family (GPT-2, BERT, ViT, OPT) gets Hugging Face names and config.json, "
+                    "so transformers' from_pretrained(OUT) loads it.")
     parser.add_argument("ckpt", metavar="CKPT", help="checkpoint directory written by shardzoo.checkpoint.save")
     parser.add_argument("out", metavar="OUT", help="output directory (created)")
     parser.add_argument("--max-shard-size", type=parse_size, default=DEFAULT_MAX_SHARD_BYTES,
                         help="largest output file before splitting, e.g. 5GB (default), 500MB, 2GiB")
+    parser.add_argument("--names", choices=("hf", "shardzoo"), default="hf",
+                        help="hf (default): Hugging Face names, layouts and config.json for shardzoo's model families "
+                             "(other checkpoints keep their names); shardzoo: the saved names and config unchanged")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=_convert)
     return parser

@@ -61,7 +61,9 @@ def verify(ckpt_dir: str, index: dict, entries: list[tuple[str, dict]], rank: in
         _check_piece(path, name, dtype, piece, header, data_start)
 
 
-def _check_piece(path: str, name: str, dtype: str, piece: dict, header: dict, data_start: int) -> None:
+def piece_range(path: str, name: str, dtype: str, piece: dict, header: dict) -> tuple[int, int]:
+    """(start, end) of ``piece``'s bytes in the data section of shard file ``path`` (whose
+    ``header`` is given), after checking its header entry against the index."""
     info = header.get(piece["key"])
     if info is None:
         raise CheckpointError(f"{path} has no entry {piece['key']!r} (a piece of tensor {name!r}); the file does not "
@@ -72,6 +74,11 @@ def _check_piece(path: str, name: str, dtype: str, piece: dict, header: dict, da
         raise CheckpointError(f"{path}: piece {piece['key']!r} of tensor {name!r} is {info['dtype']}{info['shape']} "
                               f"({end - start} bytes) in the file but {stored_dtype}{piece['shape']} ({piece['bytes']} bytes) in the "
                               f"index; the file does not belong to this index. {_FIX_SENTENCE}")
+    return start, end
+
+
+def _check_piece(path: str, name: str, dtype: str, piece: dict, header: dict, data_start: int) -> None:
+    start, end = piece_range(path, name, dtype, piece, header)
     crc = crc32_of_range(path, data_start + start, data_start + end)
     if crc != piece["crc32"]:
         raise CheckpointError(f"{path}: piece {piece['key']!r} of tensor {name!r} fails its crc32 check (index "

@@ -5,11 +5,13 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from ckpt_stack import CONFIG, run, save_stack, serial_stack
-from shardzoo.checkpoint import export_plain
+from shardzoo import checkpoint
+from shardzoo.checkpoint import CheckpointError, export_plain
 from shardzoo.checkpoint.cli import parse_size
 
 
@@ -104,3 +106,73 @@ def test_dataclass_config_and_tied_weights(tmp_path):
     fresh.head.weight = fresh.emb.weight
     checkpoint.load(fresh, ckpt)
     assert torch.equal(fresh.head.weight, model.emb.weight)
+
+
+@pytest.mark.parametrize("path", ["copy_file_range", "pwrite", "decode"])
+def test_export_copy_paths_agree(tmp_path, monkeypatch, path):
+    """The byte-copying export (kernel copy, or gathered writes from the memory maps) and the
+    decoding one give the same file: 1d_tp4 cuts fc2.weight along dim 1 (pieces are strided
+    runs of the full tensor), the embedding along dim 0 (one run each)."""
+    from shardzoo.checkpoint import bytecopy
+
+    if path == "pwrite":
+        monkeypatch.setattr(bytecopy, "_copy_file_range_works", False)
+    if path == "decode":
+        monkeypatch.setattr(bytecopy, "MAX_RUNS", 0)
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    run("1d_tp4", save_stack, 12, ckpt)
+    pieces = checkpoint_pieces(ckpt)
+    assert pieces["fc2.weight"] == [([0, 0], [8, 4]), ([0, 4], [8, 4]), ([0, 8], [8, 4]), ([0, 12], [8, 4])]
+    assert pieces["emb.weight"][:2] == [([0, 0], [4, 8]), ([4, 0], [4, 8])]
+    export_plain(ckpt, out, progress=False)
+    ref = serial_stack(12).state_dict()
+    state = read_export(out)
+    assert state.keys() == ref.keys() and all(torch.equal(state[k], v) for k, v in ref.items())
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+
+
+def checkpoint_pieces(ckpt):
+    index = json.load(open(os.path.join(ckpt, "index.json")))
+    return {n: [(p["offsets"], p["shape"]) for p in e["pieces"]] for n, e in index["tensors"].items()}
+
+
+def test_failed_export_leaves_previous_output(tmp_path):
+    """A piece failing its crc32 stops the export before the file is renamed into place: the
+    previous model.safetensors stays, no partial file is left."""
+    from shardzoo.checkpoint.safetensors_io import read_header
+
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    run("serial", save_stack, 13, ckpt)
+    export_plain(ckpt, out, progress=False)
+    before = open(os.path.join(out, "model.safetensors"), "rb").read()
+    piece = checkpoint.read_index(ckpt)["tensors"]["fc2.weight"]["pieces"][0]
+    shard = os.path.join(ckpt, piece["file"])
+    header, data_start = read_header(shard)
+    with open(shard, "r+b") as f:
+        f.seek(data_start + header[piece["key"]]["data_offsets"][0] + 3)
+        f.write(b"\xff\xfe")
+    with pytest.raises(CheckpointError, match=r"piece 'model/fc2.weight@0,0' of tensor 'fc2.weight' fails its crc32"):
+        export_plain(ckpt, out, progress=False)
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    assert open(os.path.join(out, "model.safetensors"), "rb").read() == before
+
+
+def test_byte_runs_of_a_box():
+    """byte_runs: the byte runs a box occupies in its row-major full tensor, against slicing."""
+    import random
+
+    from shardzoo.checkpoint.bytecopy import byte_runs
+
+    rng = random.Random(0)
+    for _ in range(300):
+        full_shape = [rng.randint(1, 5) for _ in range(rng.randint(0, 4))]
+        offsets = [rng.randint(0, g - 1) for g in full_shape]
+        shape = [rng.randint(1, g - o) for g, o in zip(full_shape, offsets)]
+        full = torch.arange(torch.Size(full_shape).numel(), dtype=torch.int32).reshape(full_shape)
+        box = full[tuple(slice(o, o + s) for o, s in zip(offsets, shape))].contiguous()
+        full_bytes, box_bytes = full.numpy().tobytes(), box.numpy().tobytes()
+        runs = byte_runs(offsets, shape, full_shape, 4)
+        assert sum(n for _, _, n in runs) == len(box_bytes)
+        assert [dst for _, dst, _ in runs] == sorted(dst for _, dst, _ in runs)
+        for src, dst, n in runs:
+            assert box_bytes[src:src + n] == full_bytes[dst:dst + n], (full_shape, offsets, shape)
