@@ -56,3 +56,20 @@ def write_results(name: str, title: str, table_md: str, data: dict, note: str = 
     else:
         text = text.rstrip("\n") + "\n\n" + section
     RESULTS_MD.write_text(text)
+
+
+def rss_kib(field: str = "VmRSS") -> int:
+    """This process's ``field`` of /proc/self/status in KiB (VmRSS: now, VmHWM: high-water mark)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def reset_peak_rss() -> int:
+    """Reset the high-water mark (VmHWM) to the current RSS; returns that RSS in KiB."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return rss_kib("VmRSS")
+

@@ -39,24 +39,11 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import markdown_table, write_results  # noqa: E402
+from _results import markdown_table, reset_peak_rss, rss_kib, write_results  # noqa: E402
 from shardzoo.comm.workers import WorkerPool  # noqa: E402
 from shardzoo.layers.ring_attention import ring_attention  # noqa: E402
 
 MIB = 2**20
-
-
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS
 
 
 def _sdpa_step(q, k, v, dout, group):
@@ -95,8 +82,8 @@ def measure(method: str, seq: int, heads: int, head_dim: int, reps: int) -> tupl
     times, peaks = [], []
     for _ in range(reps):
         gc.collect()
-        _reset_peak()
-        base = _rss_kib("VmRSS")
+        reset_peak_rss()
+        base = rss_kib("VmRSS")
         q, k, v = (torch.randn(1, heads, local, head_dim, requires_grad=True) for _ in range(3))
         dout = torch.randn(1, heads, local, head_dim)
         dist.barrier()
@@ -104,7 +91,7 @@ def measure(method: str, seq: int, heads: int, head_dim: int, reps: int) -> tupl
         step(q, k, v, dout, group)
         dist.barrier()
         times.append(time.perf_counter() - start)
-        peaks.append((_rss_kib("VmHWM") - base) / 1024)
+        peaks.append((rss_kib("VmHWM") - base) / 1024)
         del q, k, v, dout
     return statistics.median(times), min(peaks)
 

@@ -20,28 +20,13 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench._results import markdown_table, write_results  # noqa: E402
+from bench._results import markdown_table, reset_peak_rss, rss_kib, write_results  # noqa: E402
 
 MIB = 1 << 20
 
 
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _reset_peak() -> int:
-    """Reset the high-water mark to the current RSS; returns that RSS in KiB."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _rss_kib("VmRSS")
-
-
 def _peak_since(base_kib: int) -> float:
-    return (_rss_kib("VmHWM") - base_kib) * 1024 / MIB
+    return (rss_kib("VmHWM") - base_kib) * 1024 / MIB
 
 
 def write_weights(path: str, layers: int, hidden: int, heads: int, vocab: int) -> int:
@@ -60,7 +45,7 @@ def load_with_transformers(path: str) -> dict:
     import torch  # noqa: F401  (imports before the baseline)
     from transformers import GPT2LMHeadModel
 
-    base = _reset_peak()
+    base = reset_peak_rss()
     start = time.perf_counter()
     model = GPT2LMHeadModel.from_pretrained(path)
     for p in model.parameters():  # weights may still be lazily mapped from the file: touch them all
@@ -82,7 +67,7 @@ def load_with_shardzoo(path: str, layout: dict) -> dict:
     with torch.device("meta"):  # the meta-device machinery is imported on first use: import it before the
         torch.nn.Embedding(2, 2)  # baseline, as transformers' modules are imported before its own
     dist.barrier()
-    base = _reset_peak()
+    base = reset_peak_rss()
     start = time.perf_counter()
     model = GPT2.from_pretrained(path, mesh=mesh)
     for p in model.parameters():  # as for transformers (here every value is already in memory)
