@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from shardzoo.checkpoint.errors import CheckpointError
 from shardzoo.checkpoint.safetensors_io import ST_DTYPES, crc32_of_range, dtype_from_name, read_header
-from shardzoo.checkpoint.tensors import Box, LocalTensor, intersect, relative_slices, volume
+from shardzoo.checkpoint.tensors import Box, LocalTensor, fill_local, intersect, relative_slices, volume
 
 _FIX_SENTENCE = "Restore the file from the original save or re-save the checkpoint"
 
@@ -123,13 +123,7 @@ class PieceReader:
 
     def fill(self, lt: LocalTensor, entry: dict) -> None:
         """Overwrite ``lt.tensor`` with its saved values; padding past the global end becomes zero."""
-        buf = torch.zeros(lt.tensor.shape, dtype=dtype_from_name(entry["dtype"]))
-        box = lt.valid_box()
-        if volume(box[1]) > 0:  # else this rank holds only padding
-            region = lt.spec.valid_local() if lt.spec is not None else ...
-            self.read_box(lt.name, entry, box, out=buf[region])
-        with torch.no_grad():
-            lt.tensor.copy_(buf)
+        fill_local(lt, lambda box, out: self.read_box(lt.name, entry, box, out=out))
 
     def close(self) -> None:
         self._files.clear()

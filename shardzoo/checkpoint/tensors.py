@@ -54,6 +54,18 @@ class LocalTensor:
         return self.tensor if self.spec is None else self.tensor[self.spec.valid_local()]
 
 
+@torch.no_grad()
+def fill_local(lt: LocalTensor, read) -> None:
+    """Overwrite ``lt.tensor`` in place: ``read(box, out)`` writes the values of the valid box
+    into ``out`` (the matching view of the local tensor); padding past the global end is zero."""
+    box = lt.valid_box()
+    region = lt.spec.valid_local() if lt.spec is not None else ...
+    if lt.spec is not None and tuple(s.stop for s in region) != tuple(lt.tensor.shape):
+        lt.tensor.zero_()  # this rank holds padding rows
+    if volume(box[1]) > 0:
+        read(box, lt.tensor[region])
+
+
 def find_mesh(model: nn.Module):
     """The first ``.mesh`` found on ``model`` or its submodules (None for a plain serial model)."""
     for module in model.modules():

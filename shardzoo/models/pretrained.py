@@ -26,7 +26,7 @@ from safetensors import safe_open
 from shardzoo.checkpoint.errors import CheckpointError
 from shardzoo.checkpoint.safetensors_io import read_header
 from shardzoo.checkpoint.sync import Ranks, describe
-from shardzoo.checkpoint.tensors import Box, LocalTensor, find_mesh, model_tensors, volume
+from shardzoo.checkpoint.tensors import Box, LocalTensor, fill_local, find_mesh, model_tensors
 from shardzoo.models.families import FAMILIES, Family, family_of
 
 SINGLE_FILE = "model.safetensors"
@@ -122,15 +122,21 @@ def _meta(shape) -> torch.Tensor:
     return torch.empty(shape, device="meta")
 
 
-def _plan(model, fam: Family, weights: HFWeights, local: list[LocalTensor]):
+def _produced(fam: Family, weights: HFWeights, config) -> dict[str, list[str]]:
+    """Checkpoint key -> the shardzoo names ``hf_to_shardzoo`` makes of it (empty: dropped)."""
+    return {key: [ours for ours, _ in fam.code.hf_to_shardzoo(fam.canonical(key), _meta(weights.shape(key)), config)]
+            for key in weights.entries}
+
+
+def _plan(model, fam: Family, weights: HFWeights, local: list[LocalTensor], produced: dict[str, list[str]]):
     """For this rank: sources of its tensors, missing names (with the checkpoint key each
     would be read from), shape problems."""
     config, code = model.config, fam.code
     by_canonical = {fam.canonical(k): k for k in weights.entries}
     alternates: dict[str, str] = {}  # shardzoo name -> canonical key providing it under another name
-    for canon in by_canonical:
-        for ours, _ in code.hf_to_shardzoo(canon, _meta(weights.shape(by_canonical[canon])), config):
-            alternates.setdefault(ours, canon)
+    for key, names in produced.items():
+        for ours in names:
+            alternates.setdefault(ours, fam.canonical(key))
     sources, missing, problems = {}, {}, []
     for lt in local:
         name = lt.name
@@ -154,14 +160,9 @@ def _plan(model, fam: Family, weights: HFWeights, local: list[LocalTensor]):
     return sources, missing, problems
 
 
-def _unexpected(fam: Family, model, weights: HFWeights, covered: set[str]) -> list[str]:
-    """Checkpoint keys that feed none of the names any rank holds (dropped ones excluded)."""
-    out = []
-    for key in weights.entries:
-        produced = fam.code.hf_to_shardzoo(fam.canonical(key), _meta(weights.shape(key)), model.config)
-        if any(name not in covered for name, _ in produced):
-            out.append(key)
-    return out
+def _unexpected(produced: dict[str, list[str]], covered: set[str]) -> list[str]:
+    """Checkpoint keys that feed a name no rank holds (dropped ones excluded)."""
+    return [key for key, names in produced.items() if any(name not in covered for name in names)]
 
 
 def load_pretrained(model, hf_dir: str, *, strict: bool = True) -> PretrainedLoadResult:
@@ -178,11 +179,12 @@ def load_pretrained(model, hf_dir: str, *, strict: bool = True) -> PretrainedLoa
     mesh = find_mesh(model)
     ranks = Ranks(getattr(mesh, "timeout", None) or datetime.timedelta(minutes=10))
     what = f"loading Hugging Face weights from {hf_dir}"
-    error, payload, weights, local, sources = None, None, None, [], {}
+    error, payload, local, sources, produced = None, None, [], {}, {}
     try:
         weights = HFWeights(hf_dir)
         local, aliases = model_tensors(model)
-        sources, missing, problems = _plan(model, fam, weights, local)
+        produced = _produced(fam, weights, model.config)
+        sources, missing, problems = _plan(model, fam, weights, local, produced)
         payload = (missing, problems, [lt.name for lt in local] + list(aliases))
     except Exception as e:
         error = describe(e)
@@ -192,7 +194,7 @@ def load_pretrained(model, hf_dir: str, *, strict: bool = True) -> PretrainedLoa
         raise CheckpointError(f"{hf_dir} does not fit the model:\n" + "\n".join(problems))
     wanted = {name: key for ms, _, _ in replies for name, key in ms.items()}  # missing name -> checkpoint key
     missing = sorted(wanted)
-    unexpected = _unexpected(fam, model, weights, {n for _, _, names in replies for n in names})
+    unexpected = _unexpected(produced, {n for _, _, names in replies for n in names})
     required = [m for m in missing if not m.startswith(fam.optional_prefixes)]
     if strict and (required or unexpected):
         # name the key the file lacks too where it differs from ours (GPT-2's c_attn -> attn.qkv)
@@ -206,23 +208,13 @@ def load_pretrained(model, hf_dir: str, *, strict: bool = True) -> PretrainedLoa
     error = None
     try:
         for lt in local:
-            if lt.name in sources:
-                _fill(lt, weights, sources[lt.name])
+            src = sources.get(lt.name)
+            if src is not None:
+                fill_local(lt, lambda box, out, src=src: out.copy_(weights.read(src.key, box, src.transposed, src.row)))
     except Exception as e:
         error = describe(e)
     ranks.agree(error, what)
     return PretrainedLoadResult(missing, unexpected)
-
-
-@torch.no_grad()
-def _fill(lt: LocalTensor, weights: HFWeights, src: _Source) -> None:
-    """Copy this rank's box of the tensor into ``lt.tensor``; padding past the end stays zero."""
-    box = lt.valid_box()
-    region = lt.spec.valid_local() if lt.spec is not None else ...
-    if lt.spec is not None and tuple(s.stop for s in region) != tuple(lt.tensor.shape):
-        lt.tensor.zero_()  # vocabulary padding past the end
-    if volume(box[1]) > 0:
-        lt.tensor[region] = weights.read(src.key, box, src.transposed, src.row)
 
 
 def config_from_dir(fam: Family, hf_dir: str):
