@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from shardzoo.testing import assert_close, run_on_ranks
-from test_model_gpt2 import LAYOUTS, converted, grads_vs_reference, mesh_of
+from test_model_gpt2 import LAYOUTS, converted, grads_vs_reference, mesh_of, shardzoo_twin
 
 
 def hf_bert(seed, **overrides):
@@ -21,14 +21,11 @@ def hf_bert(seed, **overrides):
 
 
 def check_bert(layout, case):
-    from shardzoo.models import BERT, BERTConfig
     from shardzoo.models.bert import hf_to_shardzoo
 
     mesh = mesh_of(layout)
     hf = hf_bert(case["seed"])
-    config = BERTConfig.from_json(hf.config.to_dict())
-    model = BERT(config, mesh=mesh, sp_mode=case.get("sp_mode", "ring")).eval()
-    model.load_full_state_dict(converted(hf.state_dict(), hf_to_shardzoo, config))
+    model, config = shardzoo_twin("bert", hf, mesh, sp_mode=case.get("sp_mode", "ring"))
     gen = torch.Generator().manual_seed(case["seed"] + 1)
     batch, seq = case["batch"], case["seq"]
     ids = torch.randint(1, config.vocab_size, (batch, seq), generator=gen)

@@ -66,15 +66,24 @@ def converted(hf, convert, config):
     return out
 
 
+def shardzoo_twin(family: str, hf, mesh, **kwargs):
+    """(model, config): the shardzoo ``family`` model with ``hf``'s config and weights (copied in
+    memory through ``hf_to_shardzoo``), in eval mode; ``kwargs`` go to the constructor."""
+    from shardzoo.models.families import family_named
+
+    fam = family_named(family)
+    config = fam.config.from_json(hf.config.to_dict())
+    model = fam.model(config, mesh=mesh, **kwargs).eval()
+    model.load_full_state_dict(converted(hf.state_dict(), fam.code.hf_to_shardzoo, config))
+    return model, config
+
+
 def check_gpt2(layout, case):
-    from shardzoo.models import GPT2, GPT2Config
     from shardzoo.models.gpt2 import hf_to_shardzoo
 
     mesh = mesh_of(layout)
     hf = hf_gpt2(case["seed"], **case.get("config", {}))
-    config = GPT2Config.from_json(hf.config.to_dict())
-    model = GPT2(config, mesh=mesh, sp_mode=case.get("sp_mode", "ring")).eval()
-    model.load_full_state_dict(converted(hf.state_dict(), hf_to_shardzoo, config))
+    model, config = shardzoo_twin("gpt2", hf, mesh, sp_mode=case.get("sp_mode", "ring"))
     gen = torch.Generator().manual_seed(case["seed"] + 1)
     batch, seq = case["batch"], case["seq"]
     ids_all = torch.randint(0, config.vocab_size, (batch, seq + 1), generator=gen)

@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from shardzoo.testing import assert_close, run_on_ranks
-from test_model_gpt2 import LAYOUTS, converted, dp_rows, grads_vs_reference, mesh_of
+from test_model_gpt2 import LAYOUTS, converted, dp_rows, grads_vs_reference, mesh_of, shardzoo_twin
 
 
 def hf_opt(seed, **overrides):
@@ -23,14 +23,11 @@ def hf_opt(seed, **overrides):
 
 
 def check_opt(layout, case):
-    from shardzoo.models import OPT, OPTConfig
     from shardzoo.models.opt import hf_to_shardzoo
 
     mesh = mesh_of(layout)
     hf = hf_opt(case["seed"], **case.get("config", {}))
-    config = OPTConfig.from_json(hf.config.to_dict())
-    model = OPT(config, mesh=mesh).eval()
-    model.load_full_state_dict(converted(hf.state_dict(), hf_to_shardzoo, config))
+    model, config = shardzoo_twin("opt", hf, mesh)
     gen = torch.Generator().manual_seed(case["seed"] + 1)
     ids_all = torch.randint(0, config.vocab_size, (case["batch"], case["seq"] + 1), generator=gen)
     ids_all[0, :3] = config.pad_token_id  # the padding row gets no gradient, as in HF

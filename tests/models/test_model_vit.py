@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from shardzoo.testing import assert_close, run_on_ranks
-from test_model_gpt2 import LAYOUTS, converted, grads_vs_reference, mesh_of
+from test_model_gpt2 import LAYOUTS, converted, grads_vs_reference, mesh_of, shardzoo_twin
 
 
 def hf_vit(seed, **overrides):
@@ -21,15 +21,12 @@ def hf_vit(seed, **overrides):
 
 
 def check_vit(layout, case):
-    from shardzoo.models import ViT, ViTConfig
     from shardzoo.models.vit import hf_to_shardzoo
 
     mesh = mesh_of(layout)
     hf = hf_vit(case["seed"])
-    config = ViTConfig.from_json(hf.config.to_dict())
+    model, config = shardzoo_twin("vit", hf, mesh, sp_mode=case.get("sp_mode", "ring"))
     assert config.num_labels == 5
-    model = ViT(config, mesh=mesh, sp_mode=case.get("sp_mode", "ring")).eval()
-    model.load_full_state_dict(converted(hf.state_dict(), hf_to_shardzoo, config))
     gen = torch.Generator().manual_seed(case["seed"] + 1)
     pixels = torch.randn(case["batch"], 3, 8, 8, generator=gen)
     labels = torch.randint(0, 5, (case["batch"],), generator=gen)
