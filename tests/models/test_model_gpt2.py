@@ -78,15 +78,18 @@ def shardzoo_twin(family: str, hf, mesh, **kwargs):
     return model, config
 
 
-def check_gpt2(layout, case):
-    from shardzoo.models.gpt2 import hf_to_shardzoo
+def check_causal_lm(family: str, hf, layout, case, table: str, pad_id: int | None = None):
+    """A causal LM (GPT-2, OPT) against transformers' ``hf``: logits, each replica's loss and every
+    gradient. ``table``: the tied embedding, whose gradient an untied ``lm_head`` copy gets;
+    ``pad_id``: the first row starts with padding tokens (they get no gradient, as in HF)."""
+    from shardzoo.models.families import family_named
 
     mesh = mesh_of(layout)
-    hf = hf_gpt2(case["seed"], **case.get("config", {}))
-    model, config = shardzoo_twin("gpt2", hf, mesh, sp_mode=case.get("sp_mode", "ring"))
+    model, config = shardzoo_twin(family, hf, mesh, sp_mode=case.get("sp_mode", "ring"))
     gen = torch.Generator().manual_seed(case["seed"] + 1)
-    batch, seq = case["batch"], case["seq"]
-    ids_all = torch.randint(0, config.vocab_size, (batch, seq + 1), generator=gen)
+    ids_all = torch.randint(0, config.vocab_size, (case["batch"], case["seq"] + 1), generator=gen)
+    if pad_id is not None:
+        ids_all[0, :3] = pad_id
     ids, target = dp_rows(ids_all[:, :-1], mesh), dp_rows(ids_all[:, 1:], mesh)
     ref = hf(ids).logits
     ref_loss = F.cross_entropy(ref.flatten(0, 1), target.flatten())
@@ -102,10 +105,15 @@ def check_gpt2(layout, case):
     # the global batch's mean loss: its gradient is the dp average of the replicas' gradients
     full_loss = F.cross_entropy(hf(ids_all[:, :-1]).logits.flatten(0, 1), ids_all[:, 1:].flatten())
     full_loss.backward()
-    grads = converted({n: p.grad for n, p in hf.named_parameters()}, hf_to_shardzoo, config)
-    grads.setdefault("lm_head.weight", grads["transformer.wte.weight"])
+    grads = converted({n: p.grad for n, p in hf.named_parameters()}, family_named(family).code.hf_to_shardzoo, config)
+    grads.setdefault("lm_head.weight", grads[table])
     grads_vs_reference(model, mesh, grads, layout)
     return float(loss)
+
+
+def check_gpt2(layout, case):
+    hf = hf_gpt2(case["seed"], **case.get("config", {}))
+    return check_causal_lm("gpt2", hf, layout, case, "transformer.wte.weight")
 
 
 BASE = dict(seed=0, batch=4, seq=8)

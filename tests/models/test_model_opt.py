@@ -4,11 +4,9 @@ every tp_mode and with sp=2, pre-LN (opt-125m style) and post-LN with project_in
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
-from shardzoo.testing import assert_close, run_on_ranks
-from test_model_gpt2 import LAYOUTS, converted, dp_rows, grads_vs_reference, mesh_of, shardzoo_twin
+from shardzoo.testing import run_on_ranks
+from test_model_gpt2 import LAYOUTS, check_causal_lm
 
 
 def hf_opt(seed, **overrides):
@@ -23,29 +21,8 @@ def hf_opt(seed, **overrides):
 
 
 def check_opt(layout, case):
-    from shardzoo.models.opt import hf_to_shardzoo
-
-    mesh = mesh_of(layout)
     hf = hf_opt(case["seed"], **case.get("config", {}))
-    model, config = shardzoo_twin("opt", hf, mesh)
-    gen = torch.Generator().manual_seed(case["seed"] + 1)
-    ids_all = torch.randint(0, config.vocab_size, (case["batch"], case["seq"] + 1), generator=gen)
-    ids_all[0, :3] = config.pad_token_id  # the padding row gets no gradient, as in HF
-    ids, target = dp_rows(ids_all[:, :-1], mesh), dp_rows(ids_all[:, 1:], mesh)
-    ref = hf(ids).logits
-    logits = model(model.shard_input(ids))
-    assert_close(model.gather_output(logits), ref, f"{layout} logits", scale=5)
-    loss = model.loss(logits, model.shard_target(target))
-    loss.backward()
-    sp_mean = loss.detach().clone()
-    dist.all_reduce(sp_mean, group=mesh.sp_group)
-    assert_close(sp_mean / mesh.sp_size, F.cross_entropy(ref.flatten(0, 1), target.flatten()).detach(),
-                 f"{layout} loss", scale=5)
-    hf.zero_grad()
-    F.cross_entropy(hf(ids_all[:, :-1]).logits.flatten(0, 1), ids_all[:, 1:].flatten()).backward()
-    grads = converted({n: p.grad for n, p in hf.named_parameters()}, hf_to_shardzoo, config)
-    grads.setdefault("lm_head.weight", grads["model.decoder.embed_tokens.weight"])
-    grads_vs_reference(model, mesh, grads, layout)
+    check_causal_lm("opt", hf, layout, case, "model.decoder.embed_tokens.weight", pad_id=hf.config.pad_token_id)
     return True
 
 
