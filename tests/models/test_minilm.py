@@ -59,9 +59,11 @@ def batch():
 
 
 def mean_pooled_pair_cosine(hidden: torch.Tensor, mask: torch.Tensor) -> float:
-    m = mask.to(hidden.dtype)[..., None]
-    emb = (hidden * m).sum(1) / m.sum(1)
-    return torch.nn.functional.cosine_similarity(emb[0], emb[1], dim=0).item()
+    """Cosine of the first two sentences' embeddings (the demo's mean pooling, unit length)."""
+    from shardzoo.demo import mean_pool
+
+    emb = mean_pool(hidden, mask)
+    return float(emb[0] @ emb[1])
 
 
 def embed_in_layouts(layouts, ids, mask, reference):

@@ -143,12 +143,6 @@ def ckpt(tmp_path_factory):
 
 
 # -- helpers run on the ranks -------------------------------------------------------------------
-def _family(name):
-    from shardzoo.models import BERT, GPT2, OPT, ViT
-
-    return {"gpt2": GPT2, "bert": BERT, "vit": ViT, "opt": OPT}[name]
-
-
 def _forward(model, family, inputs):
     """The full output (logits, or BERT's final hidden states without the MLM head) on every rank."""
     if family == "vit":
@@ -211,7 +205,9 @@ LOAD_RESULTS = {"bert": (["bert.pooler.dense.bias", "bert.pooler.dense.weight"],
 
 
 def check_family(family, world, dirs, refs, inputs):
-    cls = _family(family)
+    from shardzoo.models.families import family_named
+
+    cls = family_named(family).model
     padding = 0
     for layout in LAYOUTS_OF_WORLD[world]:
         mesh = cached_mesh(**LAYOUTS[layout][0])
