@@ -1,7 +1,8 @@
 """Attention block kernel: the building block of ring attention.
 
-Layering: Triton kernels (``flash_attention_triton``) -> launch functions with the same
-signature as the torch reference (``flash_attention_ref``) -> :func:`attention_block_forward`
+Layering: Triton kernels (``flash_attention_triton``) and torch's fused CPU kernel
+(``flash_attention_cpu``) -> launch functions with the same signature as the pure-torch
+reference (``flash_attention_ref``) -> :func:`attention_block_forward`
 / :func:`attention_block_backward` (checks + dispatch) -> :class:`FlashAttentionFunction`
 -> :func:`flash_attention`.
 
@@ -16,10 +17,29 @@ import math
 
 import torch
 
+from . import flash_attention_cpu as _cpu
 from . import flash_attention_ref as _ref
 from ._dispatch import HALF_AND_SINGLE, check_same_device, check_tensor, check_triton_float, resolve_backend
 
 _FLOATS = HALF_AND_SINGLE + (torch.float64,)
+ATTENTION_BACKENDS = ("auto", "triton", "aten", "torch")
+
+
+def _resolve_attention_backend(backend, device, op) -> str:
+    """"auto": Triton for CUDA tensors, torch's fused CPU flash kernel ("aten") for CPU tensors
+    where this torch has it, else the pure-torch reference ("torch")."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"{op}: backend={backend!r} is not one of {ATTENTION_BACKENDS}; pass 'auto' or one of "
+                         "the others")
+    if backend == "aten":
+        if device.type != "cpu" or not _cpu.available():
+            raise ValueError(f"{op}: backend='aten' runs CPU tensors with torch's CPU flash attention ops; got "
+                             f"{device.type} tensors (ops available: {_cpu.available()}). Pass backend='auto'")
+        return "aten"
+    resolved = resolve_backend(backend, device, op)
+    if backend == "auto" and resolved == "torch" and device.type == "cpu" and _cpu.available():
+        return "aten"
+    return resolved
 
 
 def _triton_module():
@@ -47,7 +67,7 @@ def _check_inputs(op, q, k, v, key_padding_mask, softmax_scale, backend):
             raise ValueError(f"{op}: key_padding_mask shape {tuple(key_padding_mask.shape)} must be [B, Sk] = "
                              f"{(b, k.shape[2])} (True = attend)")
     check_same_device(op, q=q, k=k, v=v, key_padding_mask=key_padding_mask)
-    backend = resolve_backend(backend, q.device, op)
+    backend = _resolve_attention_backend(backend, q.device, op)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(d)
     softmax_scale = float(softmax_scale)
@@ -68,7 +88,8 @@ def attention_block_forward(q, k, v, *, causal=False, key_padding_mask=None, sof
         causal: query i sees key j iff j <= i (top-left aligned, like SDPA ``is_causal``).
         key_padding_mask: optional bool [B, Sk], True = attend.
         softmax_scale: defaults to 1 / sqrt(D).
-        backend: "auto" (Triton for CUDA, torch for CPU), "triton" or "torch".
+        backend: "auto" (Triton for CUDA; torch's fused CPU flash kernel for CPU, when this
+            torch has it), "triton", "aten" (CPU) or "torch" (the pure-torch reference).
 
     Returns:
         out [B, H, Sq, D] in q's dtype (accumulated in fp32) and lse [B, H, Sq] fp32.
@@ -78,6 +99,8 @@ def attention_block_forward(q, k, v, *, causal=False, key_padding_mask=None, sof
     backend, scale = _check_inputs(op, q, k, v, key_padding_mask, softmax_scale, backend)
     if backend == "triton":
         return _triton_module().attention_forward_triton(q, k, v, causal, key_padding_mask, scale)
+    if backend == "aten":
+        return _cpu.attention_forward_aten(q, k, v, causal, key_padding_mask, scale)
     return _ref.attention_forward_torch(q, k, v, causal, key_padding_mask, scale)
 
 
@@ -106,6 +129,8 @@ def attention_block_backward(dout, q, k, v, out, lse, *, causal=False, key_paddi
     check_same_device(op, q=q, dout=dout, out=out, lse=lse)
     if backend == "triton":
         return _triton_module().attention_backward_triton(dout, q, k, v, out, lse, causal, key_padding_mask, scale)
+    if backend == "aten":
+        return _cpu.attention_backward_aten(dout, q, k, v, out, lse, causal, key_padding_mask, scale)
     return _ref.attention_backward_torch(dout, q, k, v, out, lse, causal, key_padding_mask, scale)
 
 

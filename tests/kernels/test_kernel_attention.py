@@ -19,7 +19,7 @@ from ._helpers import (
     sdpa_attention,
 )
 
-BACKENDS = [pytest.param("triton", marks=needs_triton), "torch"]
+BACKENDS = [pytest.param("triton", marks=needs_triton), "aten", "torch"]
 LSE_TOL = (1e-4, 1e-5)  # lse is fp32 from exactly upcast inputs, whatever the input dtype
 
 
@@ -85,6 +85,13 @@ def test_reference_attention_matches_sdpa(b, h, sq, sk, d, dtype, causal, mask_k
     check_attention("torch", b, h, sq, sk, d, dtype, causal, mask_kind, seed)
 
 
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the aten backend runs CPU tensors")
+@settings(max_examples=30, deadline=None)
+@given(**attention_cases)
+def test_cpu_fused_attention_matches_sdpa(b, h, sq, sk, d, dtype, causal, mask_kind, seed):
+    check_attention("aten", b, h, sq, sk, d, dtype, causal, mask_kind, seed)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("d,sq,sk", [(32, 45, 70), (48, 33, 17), (64, 31, 40), (128, 17, 24)])
 @pytest.mark.parametrize("causal", [False, True])
@@ -120,25 +127,27 @@ def test_triton_larger_fixed_case(backend):
     check_attention(backend, 1, 2, 128, 128, 64, torch.bfloat16, True, "random", seed=11)
 
 
-def test_reference_large_fixed_case():
-    # several key chunks (256) and query chunks (1024) with the default sizes
-    check_attention("torch", 1, 2, 1100, 600, 64, torch.float32, True, "random", seed=5)
+@pytest.mark.parametrize("backend", ["aten", "torch"])
+def test_large_fixed_case(backend):
+    # the reference: several key chunks (256) and query chunks (1024) with the default sizes
+    check_attention(backend, 1, 2, 1100, 600, 64, torch.float32, True, "random", seed=5)
 
 
 def test_explicit_softmax_scale():
     gen = torch.Generator().manual_seed(1)
     q, k, v = (randn(gen, 1, 2, 9, 32) for _ in range(3))
     want, want_lse = sdpa_attention(q, k, v, softmax_scale=0.3)
-    for backend in ("torch", "triton") if TRITON_RUNNABLE else ("torch",):
+    for backend in ("torch", "aten", "triton") if TRITON_RUNNABLE else ("torch", "aten"):
         out, lse = attention_block_forward(q, k, v, softmax_scale=0.3, backend=backend)
         assert_close(out, want, OUT_TOL[torch.float32], scale_atol=False)
         assert_close(lse, want_lse, LSE_TOL, scale_atol=False)
 
 
-def test_float64_on_torch_backend():
+@pytest.mark.parametrize("backend", ["aten", "torch"])
+def test_float64_on_cpu_backends(backend):
     gen = torch.Generator().manual_seed(2)
     q, k, v = (randn(gen, 1, 2, 9, 8, dtype=torch.float64) for _ in range(3))
-    out, lse = attention_block_forward(q, k, v, causal=True, backend="torch")
+    out, lse = attention_block_forward(q, k, v, causal=True, backend=backend)
     want, want_lse = sdpa_attention(q.double(), k.double(), v.double(), causal=True)
     assert out.dtype == torch.float64 and lse.dtype == torch.float64
     torch.testing.assert_close(lse, want_lse, atol=1e-10, rtol=1e-10)

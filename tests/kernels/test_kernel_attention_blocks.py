@@ -10,7 +10,7 @@ from shardzoo.kernels import flash_attention_ref
 
 from ._helpers import GRAD_TOL, OUT_TOL, assert_close, needs_triton, random_padding_mask, randn, sdpa_attention
 
-BACKENDS = [pytest.param("triton", marks=needs_triton), "torch"]
+BACKENDS = [pytest.param("triton", marks=needs_triton), "aten", "torch"]
 
 
 def merge(o1, lse1, o2, lse2):

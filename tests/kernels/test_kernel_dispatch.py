@@ -46,6 +46,44 @@ def test_auto_uses_triton_exactly_for_cuda_tensors(monkeypatch):
     assert len(calls) <= 1
 
 
+def test_auto_uses_the_fused_cpu_kernel_for_cpu_tensors(monkeypatch):
+    cpu = flash_attention_module._cpu
+    calls = []
+    real = cpu.attention_forward_aten
+    monkeypatch.setattr(cpu, "attention_forward_aten", lambda *a: calls.append("aten") or real(*a))
+    q, k, v = (t.cpu() for t in qkv())
+    attention_block_forward(q, k, v, backend="auto")
+    assert calls == (["aten"] if cpu.available() else [])
+    attention_block_forward(q, k, v, backend="torch")
+    assert len(calls) <= 1
+
+
+def test_aten_backend_on_a_cuda_tensor_is_a_clear_error(monkeypatch):
+    q, k, v = qkv()
+    monkeypatch.setattr(flash_attention_module._cpu, "available", lambda: False)
+    with pytest.raises(ValueError, match="backend='aten' runs CPU tensors"):
+        attention_block_forward(q, k, v, backend="aten")
+
+
+def test_cpu_backends_accept_non_contiguous_inputs():
+    # [B, S, H, D] storage viewed as [B, H, S, D], as attention layers produce it
+    q, k, v = (torch.randn(2, s, 3, 48).transpose(1, 2) for s in (13, 21, 21))
+    kpm = torch.rand(2, 21) > 0.2
+    dout = torch.randn(2, 13, 3, 48).transpose(1, 2)
+    for causal in (False, True):
+        got = attention_block_forward(q, k, v, causal=causal, key_padding_mask=kpm, backend="aten")
+        want = attention_block_forward(q.contiguous(), k.contiguous(), v.contiguous(), causal=causal,
+                                       key_padding_mask=kpm, backend="torch")
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, atol=2e-5, rtol=2e-5)
+        out, lse = want
+        got = attention_block_backward(dout, q, k, v, out, lse, causal=causal, key_padding_mask=kpm, backend="aten")
+        want = attention_block_backward(dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out, lse,
+                                        causal=causal, key_padding_mask=kpm, backend="torch")
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
 def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
     if not HAS_TRITON:
         pytest.skip("triton not installed: the missing package is the error here (see the no-triton test)")
