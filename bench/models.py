@@ -5,9 +5,12 @@ ideal (p-1)/(m+p-1), and per-rank parameter memory.
     python bench/models.py --steps 3 --layers 4 --hidden 128
 
 Tokens/s counts the global batch per step (median step time after a warm-up step). The bubble
-of a pipelined layout is measured as 1 - (T_1 / p) / T_p: T_1 the step time of the same layout
-without pipelining on one pp rank's share of ranks, T_p the pipelined step time, so transfers
-and schedule overheads count as bubble too.
+of a pipelined layout is measured on each rank as 1 - busy / T_schedule: T_schedule the time
+of ``schedule.step`` alone (no optimizer), busy the time the same rank takes to run the forward
+and backward of its stage on all m microbatches back to back (the inputs the schedule fed it,
+captured in the warm-up step), with every rank doing so at once so the cores are shared as in
+the schedule. Transfers and schedule overheads count as bubble, as in the ideal formula's
+pipeline the stages only wait. Reported: the mean over ranks.
 """
 
 from __future__ import annotations
@@ -37,8 +40,6 @@ LAYOUTS = {
     "3d tp8": dict(tp=8, tp_mode="3d"),
     "pp2 x 2d tp4": dict(pp=2, tp=4, tp_mode="2d"),
 }
-# the unpipelined layout each pipelined one is compared with for the bubble
-BUBBLE_BASE = {"pp2 x 1d tp2": "1d tp2", "pp2 x 2d tp4": "2d tp4"}
 
 
 def world(kwargs) -> int:
@@ -58,19 +59,31 @@ def run_layout(kwargs, args):
     model.init_weights(0)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    schedule = build_schedule([(mesh.pp_rank, model)], mesh, n_microbatches=args.microbatches,
-                              loss_fn=model.loss) if stage else None
+    captured = {}  # the first microbatch a stage sees in the warm-up step, for the busy time
+
+    def loss_fn(out, target):
+        captured.setdefault("target", target)
+        return model.loss(out, target)
+
+    def remember_input(module, call_args, call_kwargs):
+        captured.setdefault("input", (call_args, call_kwargs))
+
+    schedule = None
+    if stage:
+        model.register_forward_pre_hook(remember_input, with_kwargs=True)
+        schedule = build_schedule([(mesh.pp_rank, model)], mesh, n_microbatches=args.microbatches, loss_fn=loss_fn)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
     inputs, target = model.shard_input(ids[:, :-1]) if model.is_first else None, None
     if model.is_last:
         target = model.shard_target(ids[:, 1:])
-    times = []
+    times, schedule_times = [], []
     for _ in range(args.steps + 1):
         dist.barrier()
         start = time.perf_counter()
         opt.zero_grad()
         if schedule is not None:
             schedule.step(*((inputs,) if model.is_first else ()), **({"target": target} if model.is_last else {}))
+            schedule_times.append(time.perf_counter() - start)
             sync_tied_grads([model], mesh)
         else:
             model.loss(model(inputs), target).backward()
@@ -79,7 +92,32 @@ def run_layout(kwargs, args):
         times.append(time.perf_counter() - start)
     peak = torch.tensor([float(param_bytes)])
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return {"step_s": statistics.median(times[1:]), "param_mib": peak.item() / 2**20}
+    result = {"step_s": statistics.median(times[1:]), "param_mib": peak.item() / 2**20}
+    if schedule is not None:
+        busy = [stage_busy(model, captured, args.microbatches) for _ in range(args.steps)]
+        bubble = torch.tensor([1 - statistics.median(busy) / statistics.median(schedule_times[1:])])
+        dist.all_reduce(bubble)
+        result["bubble"] = bubble.item() / dist.get_world_size()
+    opt.zero_grad()
+    return result
+
+
+def stage_busy(model, captured, microbatches: int) -> float:
+    """Seconds this rank's stage computes forward + backward of ``microbatches`` microbatches
+    with no pipeline around it (every rank measures at once, sharing the cores as in a step)."""
+    call_args, call_kwargs = captured["input"]
+    call_args = [a.detach().requires_grad_(a.is_floating_point()) if torch.is_tensor(a) else a for a in call_args]
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(microbatches):
+        out = model(*call_args, **call_kwargs)
+        if model.is_last:
+            model.loss(out, captured["target"]).backward()
+        else:
+            out.backward(torch.ones_like(out))
+    busy = time.perf_counter() - start
+    dist.barrier()
+    return busy
 
 
 def main():
@@ -106,9 +144,9 @@ def main():
     rows = []
     for name, r in results.items():
         bubble, ideal = "", ""
-        if name in BUBBLE_BASE and BUBBLE_BASE[name] in results:
-            pp, m = 2, args.microbatches
-            bubble = f"{1 - (results[BUBBLE_BASE[name]]['step_s'] / pp) / r['step_s']:.2f}"
+        if "bubble" in r:
+            pp, m = layouts[name]["pp"], args.microbatches
+            bubble = f"{r['bubble']:.2f}"
             ideal = f"{(pp - 1) / (m + pp - 1):.2f}"
         rows.append([name, world(layouts[name]), f"{tokens / r['step_s']:,.0f}", f"{serial / r['step_s']:.2f}",
                      bubble, ideal, f"{r['param_mib']:.2f}"])
@@ -118,7 +156,9 @@ def main():
     note = (f"GPT-2 n_layer={args.layers}, n_embd={args.hidden}, n_head={args.heads}, vocab={args.vocab}, "
             f"seq={args.seq}, batch={args.batch}, {args.microbatches} microbatches (1F1B); fp32 AdamW steps. "
             "On a CPU host with fewer cores than ranks the ranks time-share cores, so the ratios say "
-            "nothing about scaling; run on GPUs for that.")
+            "nothing about scaling; run on GPUs for that. Bubble: 1 - busy / schedule.step time per rank (mean "
+            "over ranks), busy = the same rank's stage forward + backward over the m microbatches without the "
+            "pipeline, every rank at once (see the module docstring); ideal = (p-1)/(m+p-1).")
     write_results("models", "Models: GPT-2 training per layout", table, {"args": vars(args), "results": results},
                   note)
 
