@@ -150,3 +150,32 @@ def reduce(x: torch.Tensor, group, dst: int) -> torch.Tensor:
     if group_rank(group) != dst:
         out.zero_()
     return out
+
+
+def all_reduce_start(x: torch.Tensor, group):
+    """Start summing ``x`` (contiguous) over the group in place; returns the work handle
+    (``.wait()`` it before reading ``x``), or None on a group of size 1."""
+    p = group_size(group)
+    if p == 1:
+        return None
+    record("all_reduce", _nbytes(x), p)
+    return dist.all_reduce(x, group=group, async_op=True)
+
+
+def reduce_scatter_start(x: torch.Tensor, group, dim: int):
+    """Start :func:`reduce_scatter`; returns ``(finish, work)`` where ``finish()`` waits and
+    returns this rank's chunk (shape[dim] / p). On a group of size 1: ``(lambda: x, None)``."""
+    p = group_size(group)
+    if p == 1:
+        return (lambda: x), None
+    check_divisible(x, dim, p, "reduce_scatter")
+    moved = x.movedim(dim, 0).contiguous()
+    out = moved.new_empty((moved.shape[0] // p,) + tuple(moved.shape[1:]))
+    record("reduce_scatter", _nbytes(moved), p)
+    work = _REDUCE_SCATTER(out, moved, group=group, async_op=True)
+
+    def finish() -> torch.Tensor:
+        work.wait()
+        return out.movedim(0, dim)
+
+    return finish, work

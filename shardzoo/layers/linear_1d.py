@@ -13,8 +13,9 @@ row         W[out, in/p], b[out] replicated  reduce_from (all_reduce); SP:      
             (input_is_parallel=False: scatter_to of the full input on the last dim)
 =========== ================================ ======================================= =========================
 
-A column layer followed by a row layer (an MLP, attention) costs one all-reduce forward and one
-backward; with sequence parallelism the all-reduce becomes an all-gather + a reduce-scatter of
+The column layer starts its backward all-reduce (reduce-scatter) of dX before computing dW, so
+the two overlap (``column_linear.py``). A column layer followed by a row layer (an MLP,
+attention) costs one all-reduce forward and one backward; with sequence parallelism the all-reduce becomes an all-gather + a reduce-scatter of
 the same total volume, and everything between two such pairs holds ``seq/p`` tokens.
 """
 
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardzoo.comm import collectives as comm
+from shardzoo.layers.column_linear import column_linear
 from shardzoo.layers.common_1d import (
     SEQ_DIM,
     enter_sequence_parallel,
@@ -113,16 +115,15 @@ class ParallelLinear1D(nn.Module):
         if self.sequence_parallel:
             require_sequence_layout("ParallelLinear1D", x)
         if self.style == "column":
-            x = comm.all_gather(x, group, SEQ_DIM) if self.sequence_parallel else comm.copy_to(x, group)
-            y = F.linear(x, self.weight, self.bias)
+            y = column_linear(x, self.weight, self.bias, group, self.sequence_parallel)
             return comm.gather_from(y, group, -1) if self.output_gathered else y
         if not self.input_is_parallel:
             x = comm.scatter_to(x, group, -1)
         y = F.linear(x, self.weight)
         # y is this matmul's fresh output, read by nothing else: sum it in place
         y = comm.reduce_scatter(y, group, SEQ_DIM) if self.sequence_parallel else comm.reduce_from(y, group, inplace=True)
-        if self.bias is not None:  # added once, after the sum
-            y = y + tp_sum_grad(self.bias, self.mesh, self.sequence_parallel)
+        if self.bias is not None:  # added once, after the sum; in y's dtype, as nn.Linear under autocast
+            y = y + tp_sum_grad(self.bias, self.mesh, self.sequence_parallel).to(y.dtype)
         return y
 
     def shard_input(self, x_full: torch.Tensor) -> torch.Tensor:

@@ -148,3 +148,35 @@ def test_options_of_the_other_style_raise_clear_errors():
         ParallelLinear1D(4, 4, mesh=None, style="row", gather_output=True)
     with pytest.raises(ValueError, match="input_is_parallel=False is for style='row'"):
         ParallelLinear1D(4, 4, mesh=None, style="column", input_is_parallel=False)
+
+
+def autocast_column_row(tp: int, sp: bool):
+    """Column -> row pair under CPU bf16 autocast against the serial pair under autocast:
+    same output dtype, fp32 gradients, equal to the serial values at bf16 tolerance."""
+    mesh = cached_mesh(tp=tp)
+    torch.manual_seed(3)
+    fc1, fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
+    col = ParallelLinear1D.from_serial(fc1, mesh, style="column", sequence_parallel=sp)
+    row = ParallelLinear1D.from_serial(fc2, mesh, style="row", sequence_parallel=sp)
+    x = _randn(4, (2, 8, 16), torch.float32).requires_grad_(True)
+    x_par = x.detach().clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_ref = fc2(torch.relu(fc1(x)))
+        y = row.gather_output(row(torch.relu(col(col.shard_input(x_par)))))
+    assert y.dtype == y_ref.dtype == torch.bfloat16
+    y_ref.float().square().sum().backward()
+    y.float().square().sum().backward()
+    tol = dict(atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(y.float(), y_ref.float(), **tol)
+    torch.testing.assert_close(x_par.grad, x.grad, **tol)
+    assert x_par.grad.dtype == torch.float32
+    for par, ser in ((col, fc1), (row, fc2)):
+        grads = full_grads(par, mesh)
+        for n, p in ser.named_parameters():
+            assert grads[n].dtype == torch.float32
+            torch.testing.assert_close(grads[n], p.grad, atol=5e-2 * max(1.0, p.grad.abs().max().item()), rtol=5e-2)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_bf16_autocast_matches_serial(sp):
+    run_on_ranks(autocast_column_row, 2, 2, sp)
