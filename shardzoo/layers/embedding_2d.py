@@ -86,8 +86,10 @@ class GridEmbedding(_GridEmbeddingBase):
         self.weight = layouts.hidden_param(weight, 1, self.mesh, self.layout, device)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [B/parts, ...] (this rank's batch block, ``shard_input``) -> [B/parts, ..., H/q]
+        in ``self.layout``: rows of the gathered hidden block [V, H/q] of the table."""
         weight = layouts.gather_hidden_param(self.weight, -1, self.mesh, self.layout)  # [V, H/q]
-        return F.embedding(ids, weight, self.padding_idx)
+        return self._tag_output(F.embedding(ids, weight, self.padding_idx))
 
 
 class GridVocabParallelEmbedding(_GridEmbeddingBase):
@@ -115,6 +117,10 @@ class GridVocabParallelEmbedding(_GridEmbeddingBase):
         return weight
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [B/parts, ...] (this rank's batch block, ``shard_input``) -> [B/parts, ..., H/q]
+        in ``self.layout``. Inside: ids gathered over ``vocab_axis`` [B/parts * size(vocab_axis),
+        ...], lookup in the local vocabulary block [vocab_block, H/q] (other ids give zeros),
+        reduce-scatter over ``vocab_axis`` back to [B/parts, ..., H/q]."""
         group = self.mesh.group(self.vocab_axis)
         all_ids = ops.all_gather(ids.contiguous(), group, 0)  # ids of every vocab block's rank
         local = all_ids - self.vocab_start
@@ -124,7 +130,7 @@ class GridVocabParallelEmbedding(_GridEmbeddingBase):
         if self.padding_idx is not None and 0 <= self.padding_idx - self.vocab_start < self.vocab_block:
             pad = self.padding_idx - self.vocab_start
         out = F.embedding(local, self.gathered_weight(), pad).masked_fill(elsewhere.unsqueeze(-1), 0.0)
-        return comm.reduce_scatter(out, group, 0)
+        return self._tag_output(comm.reduce_scatter(out, group, 0))
 
 
 class Embedding2D(GridEmbedding):

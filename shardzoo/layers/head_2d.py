@@ -35,6 +35,7 @@ def grid_cross_entropy(logits, target, *, mesh, layout: ActivationLayout, vocab_
     this rank's block of per-token losses."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"cross entropy reduction={reduction!r} is not one of 'mean', 'sum', 'none'")
+    layouts.check_layout_tag("the LM head loss", logits, layout, "pass the logits of this head's own forward")
     per_token = vocab_parallel_cross_entropy(
         logits, target, group=mesh.group(layout.hidden_axis), vocab_start=vocab_start, vocab_size=vocab_size,
         ignore_index=ignore_index, label_smoothing=label_smoothing, reduction="none")
@@ -43,8 +44,10 @@ def grid_cross_entropy(logits, target, *, mesh, layout: ActivationLayout, vocab_
     batch_group = mesh.group(*layout.batch_axes)
     total = per_token.sum()
     if reduction == "mean":
-        count = ops.all_reduce((target != ignore_index).sum().to(total.dtype), batch_group)
-        total = total / count
+        # the count in at least fp32: bf16 holds integers exactly only up to 256
+        stat = torch.promote_types(total.dtype, torch.float32)
+        count = ops.all_reduce((target != ignore_index).sum().to(stat), batch_group)
+        total = (total.to(stat) / count).to(total.dtype)
     # every rank continues with the same scalar: sum forward, identity backward
     return comm.reduce_from(total, batch_group)
 
@@ -80,6 +83,7 @@ class GridClassifier(layouts.GridModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B/parts, ..., H/q] -> logits [B/parts, ..., C] (same on the hidden group)."""
+        self._check_input(x)  # logits are full over C, not in a layout: left untagged
         weight = layouts.gather_hidden_param(self.weight, -1, self.mesh, self.layout)  # [C, H/q]
         logits = comm.reduce_from(torch.matmul(x, weight.t()), self.mesh.group(self.layout.hidden_axis))
         if self.bias is not None:
@@ -97,6 +101,8 @@ class GridClassifier(layouts.GridModule):
 class SummaLMHead(layouts.GridModule):
     """Base of LMHead2D / LMHead2p5D: vocabulary-parallel logits by SUMMA x E^T.
     x [B/parts, ..., H/q] -> logits [B/parts, ..., V_pad/q]."""
+
+    layout_arg = None
 
     def __init__(self, in_features: int, vocab_size: int, bias: bool = False, *, mesh, tie_to=None, dtype=None,
                  device=None):
@@ -147,13 +153,14 @@ class SummaLMHead(layouts.GridModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B/parts, ..., H/q] -> vocab-parallel logits [B/parts, ..., V_pad/q]."""
+        self._check_input(x)
         weight = self.weight
         if self.layout.replica_axes:
             weight = comm.copy_to(weight, self.mesh.group(*self.layout.replica_axes))
         logits = summa_linear_t(x, weight, self.grid)
         if self.bias is not None:
             logits = logits + layouts.use_block_param(self.bias, self.mesh, self.layout)
-        return logits
+        return self._tag_output(logits)
 
     def loss(self, logits: torch.Tensor, target: torch.Tensor, **kwargs) -> torch.Tensor:
         """Cross entropy of this head's logits against target ids [B/parts, ...] (this rank's

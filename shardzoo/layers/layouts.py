@@ -15,6 +15,9 @@ mode   batch split over               hidden over  local block            replic
 
 In 3D a linear layer consuming layout (I, J | L) produces (I, L | J): the input and output roles
 of the last two axes swap, so the second layer of an MLP takes ``fc1.output_layout``.
+A block in the wrong layout has the right shape, so grid modules tag their outputs with their
+``output_layout`` and refuse an input tagged with another one (``check_layout_tag``); tags do
+not survive elementwise ops, so this guard catches direct chaining only.
 
 Parameters of the layers follow the layout: a tensor indexed by the hidden size is split over
 ``hidden_axis`` and, where the layer says so, further over ``param_axes`` (the batch axes except
@@ -88,6 +91,37 @@ def swapped_3d(layout: ActivationLayout) -> ActivationLayout:
     return ActivationLayout("3d", (i_axis, l_axis), j_axis)
 
 
+# -- layout tags: catch a block fed to a module that expects another layout ------------------
+# Grid modules set this plain attribute on their outputs (and shard_activation on its result);
+# a module refuses an input tagged with a different layout. Elementwise ops, views and user code
+# return fresh tensors without it, so untagged inputs are trusted as before: the guard catches
+# direct chaining, not every mistake.
+_TAG = "_shardzoo_layout"
+
+
+def tag_layout(t: torch.Tensor, layout: ActivationLayout) -> torch.Tensor:
+    """Mark ``t`` as a block in ``layout`` (returns ``t``)."""
+    setattr(t, _TAG, layout)
+    return t
+
+
+def layout_tag(t: torch.Tensor) -> ActivationLayout | None:
+    """The layout ``t`` was tagged with by a grid module, or None."""
+    return getattr(t, _TAG, None)
+
+
+def check_layout_tag(who: str, t: torch.Tensor, expected: ActivationLayout, fix: str) -> None:
+    """Raise if ``t`` carries a layout tag other than ``expected`` (untagged tensors pass)."""
+    got = getattr(t, _TAG, None)
+    if got is None or got is expected or got == expected:
+        return
+    raise ValueError(
+        f"{who} expects a block in layout ({expected}); got one in layout ({got}). Each module consumes the "
+        f"layout it was built for, and in 3D a linear layer maps (I, J | L) to (I, L | J); the shapes agree, "
+        f"so the result would be silently wrong. Fix: {fix}"
+    )
+
+
 def check_mesh(mesh, mode: str, who: str) -> None:
     """Raise unless ``mesh`` is a ParallelMesh of ``mode``."""
     if getattr(mesh, "tp_mode", None) != mode:
@@ -138,13 +172,15 @@ def shard_activation(x_full: torch.Tensor, mesh, layout: ActivationLayout | None
     q = mesh.size(layout.hidden_axis)
     check_divisible(who, "the hidden size (last dim)", x_full.shape[-1], q, f"q={q}")
     x = _scatter_batch(x_full, mesh, layout, who)
-    return comm.scatter_to(x, mesh.group(layout.hidden_axis), -1)
+    return tag_layout(comm.scatter_to(x, mesh.group(layout.hidden_axis), -1), layout)
 
 
 def gather_activation(y_local: torch.Tensor, mesh, layout: ActivationLayout | None = None) -> torch.Tensor:
     """The full activation from every rank's block: [B/batch_parts, ..., H/q] -> [B, ..., H]
     on every rank. Differentiable (each rank keeps its block of the gradient)."""
     layout = layout or canonical_layout(mesh)
+    check_layout_tag("gather_activation", y_local, layout,
+                     "pass layout=producer.output_layout, or call producer.gather_output(y_local)")
     y = comm.gather_from(y_local, mesh.group(layout.hidden_axis), -1)
     return _gather_batch(y, mesh, layout)
 
@@ -220,17 +256,34 @@ class GridModule(nn.Module):
     ``output_layout``, and ``shard_input`` / ``gather_output`` for them."""
 
     mode = "2d"
+    layout_arg = "layout"  # the constructor argument that sets the input layout (None: canonical only)
 
     def _bind(self, mesh, layout: ActivationLayout | None) -> None:
         check_mesh(mesh, self.mode, type(self).__name__)
         layout = layout or canonical_layout(mesh)
         if layout.mode != mesh.tp_mode:
-            raise ValueError(f"{type(self).__name__}: layout for tp_mode={layout.mode!r} on a {mesh.tp_mode!r} mesh")
+            raise ValueError(
+                f"{type(self).__name__} got a layout for tp_mode={layout.mode!r} on a tp_mode={mesh.tp_mode!r} mesh; "
+                f"a layout must belong to the module's mesh mode. Pass the output_layout of a module on the same "
+                f"mesh, canonical_layout(mesh), or no layout (the canonical one)")
         self.mesh, self.layout = mesh, layout
 
     @property
     def output_layout(self) -> ActivationLayout:
         return self.layout
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        """Refuse a block tagged with another layout than ``self.layout`` (see ``_TAG``)."""
+        who = type(self).__name__
+        if self.layout_arg:
+            fix = f"build {who} with {self.layout_arg}=previous.output_layout"
+        else:
+            fix = f"{who} takes only the canonical layout; build the previous module on it (no layout= argument)"
+        check_layout_tag(who, x, self.layout, fix)
+
+    def _tag_output(self, y: torch.Tensor) -> torch.Tensor:
+        """Tag ``y`` with ``self.output_layout`` so the next grid module can check it."""
+        return tag_layout(y, self.output_layout)
 
     def shard_input(self, x_full: torch.Tensor) -> torch.Tensor:
         """[B, ..., H] (replicated) -> this rank's block in ``self.layout``."""

@@ -29,6 +29,7 @@ class SummaLinearBase(layouts.GridModule):
     layout); d = 1 in 2D."""
 
     mode = "2d"
+    layout_arg = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, mesh, dtype=None, device=None):
         super().__init__()
@@ -75,13 +76,14 @@ class SummaLinearBase(layouts.GridModule):
         """x: [B/(d*q), ..., in/q] -> [B/(d*q), ..., out/q]."""
         q = self.mesh.q
         layouts.check_local_input(type(self).__name__, x, self.in_features, q)
+        self._check_input(x)
         weight = self.weight
         if self.layout.replica_axes:  # 2.5D: replicated over depth, so the gradient is summed there
             weight = comm.copy_to(weight, self.mesh.group(*self.layout.replica_axes))
         y = summa_linear(x, weight.t(), self.grid)
         if self.bias is not None:
             y = y + comm.copy_to(self.bias, self.mesh.group(*self.layout.batch_axes))
-        return y
+        return self._tag_output(y)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

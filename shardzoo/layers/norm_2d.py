@@ -96,12 +96,13 @@ class GridLayerNorm(layouts.GridModule):
                 f"{type(self).__name__} expects the local block [..., H/q={hidden // q}]; "
                 f"got shape {tuple(x.shape)}. Enter the parallel region with module.shard_input(x_full)"
             )
+        self._check_input(x)
         y = _SplitNormalize.apply(x, group, hidden, self.eps)
         if self.weight is not None:
             y = y * layouts.use_block_param(self.weight, self.mesh, self.layout)
         if self.bias is not None:
             y = y + layouts.use_block_param(self.bias, self.mesh, self.layout)
-        return y
+        return self._tag_output(y)
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}, layout=({self.layout})"

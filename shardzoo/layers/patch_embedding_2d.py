@@ -71,9 +71,11 @@ class GridPatchEmbedding(layouts.GridModule):
         name = type(self).__name__
         self.patch_size, self.in_channels, self.hidden_size = proj.kernel_size[0], proj.in_channels, proj.out_channels
         self.image_size, self.dropout = image_size, dropout
-        if proj.kernel_size != proj.stride or image_size % self.patch_size != 0:
-            raise ValueError(f"{name} needs kernel_size == stride == patch_size dividing image_size; got kernel "
-                             f"{proj.kernel_size}, stride {proj.stride}, image_size {image_size}")
+        if proj.kernel_size != proj.stride or proj.kernel_size[0] != proj.kernel_size[1]:
+            raise ValueError(f"{name} needs a square projection with kernel_size == stride (non-overlapping "
+                             f"patches); got kernel_size={proj.kernel_size}, stride={proj.stride}. Build the "
+                             f"Conv2d with kernel_size=stride=patch_size")
+        layouts.check_divisible(name, "image_size", image_size, self.patch_size, f"patch_size={self.patch_size}")
         layouts.check_hidden_parts(name, "hidden_size", self.hidden_size, mesh, self.layout)
         self.patch_embeddings = _Holder(mesh)
         self.patch_embeddings.projection = _Holder(mesh)
@@ -90,13 +92,14 @@ class GridPatchEmbedding(layouts.GridModule):
         """pixels [B/parts, C, img, img] -> [B/parts, N+1, H/q]."""
         if tuple(pixels.shape[1:]) != (self.in_channels, self.image_size, self.image_size):
             raise ValueError(f"{type(self).__name__} expects pixels [batch, {self.in_channels}, {self.image_size}, "
-                             f"{self.image_size}]; got {tuple(pixels.shape)}")
+                             f"{self.image_size}] (in_channels, image_size of the layer); got {tuple(pixels.shape)}. "
+                             f"Resize the images, or build the layer with image_size / in_channels of the data")
         weight, bias, cls_token, positions = (self._gathered(o, n, d) for o, n, d in _PARAMS)
         # every rank of the hidden group projects the same pixels onto its own channels
         pixels = comm.copy_to(pixels, self.mesh.group(self.layout.hidden_axis))
         patches = F.conv2d(pixels, weight, bias, stride=self.patch_size).flatten(2).transpose(1, 2)
         x = torch.cat([cls_token.expand(patches.shape[0], -1, -1), patches], 1) + positions
-        return random.dropout(x, self.dropout, mesh=self.mesh, training=self.training)
+        return self._tag_output(random.dropout(x, self.dropout, mesh=self.mesh, training=self.training))
 
     def shard_input(self, pixels_full: torch.Tensor) -> torch.Tensor:
         """Pixels [B, C, img, img] (replicated) -> this rank's batch block [B/parts, C, img, img]."""

@@ -5,10 +5,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardzoo.layers.patch_embedding_2d import PatchEmbedding2D
 from shardzoo.testing import run_on_ranks
-from test_layouts import (check_default_init, check_linear, check_lm, check_mlp_training, check_module, check_patch,
-                          construction_error, linear_case, lm_case, mlp_case, module_case, patch_case, world_of)
+from test_layouts import (check_default_init, check_layout_guard, check_linear, check_lm, check_mlp_training,
+                          check_module, check_patch, construction_error, linear_case, lm_case, mlp_case, module_case,
+                          patch_case, world_of)
 
 
 @pytest.mark.parametrize("name", ["2d", "2d_dp2"])
@@ -42,10 +42,24 @@ def test_module_2d_matches_serial(kind, data):
     run_on_ranks(check_module, 4, module_case(data.draw, "2d", kind))
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @given(data=st.data())
-@settings(max_examples=8)
-def test_lm_head_2d_with_cross_entropy(data):
-    run_on_ranks(check_lm, 4, lm_case(data.draw, "2d"))
+@settings(max_examples=2)
+def test_module_2d_dp2_matches_serial(kind, data):
+    run_on_ranks(check_module, 8, module_case(data.draw, "2d_dp2", kind))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@given(data=st.data())
+@settings(max_examples=3)
+def test_lm_head_2d_with_cross_entropy(reduction, data):
+    run_on_ranks(check_lm, 4, lm_case(data.draw, "2d", reduction))
+
+
+@given(data=st.data())
+@settings(max_examples=2)
+def test_lm_head_2d_dp2_with_cross_entropy(data):
+    run_on_ranks(check_lm, 8, lm_case(data.draw, "2d_dp2", data.draw(st.sampled_from(["mean", "none"]))))
 
 
 @given(data=st.data())
@@ -77,37 +91,13 @@ def test_default_init_2d_equals_serial(kind, args):
     ("vocab_embedding", (10, 5), "VocabParallelEmbedding2D needs embedding_dim divisible by q=2; got 5"),
     ("classifier", (6, 3), "Classifier2D needs in_features divisible by q*q=4; got 6"),
     ("lm_head", (5, 10), "LMHead2D needs in_features divisible by q=2; got 5"),
+    ("patch", (4, 2, 3, 6), "PatchEmbedding2D needs hidden_size divisible by q*q=4; got 6"),
+    ("patch", (5, 2, 3, 8), "PatchEmbedding2D needs image_size divisible by patch_size=2; got 5"),
 ])
 def test_divisibility_errors_2d(kind, args, rule):
     for m in run_on_ranks(construction_error, 4, "2d", kind, args, {}):
-        assert m is not None and rule in m
+        assert m is not None and rule in m and "Choose" in m  # value, rule and fix
 
 
-def check_patch_dropout(seed):
-    """Dropout draws from the per-tp-rank stream: reproducible from the seed, different masks on
-    different ranks, and off in eval mode."""
-    import torch
-    import torch.distributed as dist
-
-    from shardzoo.layers import random
-    from test_layouts import mesh_of
-
-    mesh = mesh_of("2d")
-    torch.manual_seed(seed)
-    layer = PatchEmbedding2D(4, 2, 1, 8, mesh=mesh, dropout=0.5)
-    pixels = layer.shard_input(torch.ones(2, 1, 4, 4))
-    runs = []
-    for _ in range(2):
-        random.manual_seed(mesh, seed)
-        runs.append(layer(pixels).detach())
-    assert torch.equal(runs[0], runs[1]), "dropout is not reproducible from the seed"
-    masks = [torch.zeros_like(runs[0], dtype=torch.bool) for _ in range(dist.get_world_size())]
-    dist.all_gather_object(masks, runs[0] == 0)
-    assert len({tuple(m.flatten().tolist()) for m in masks}) == len(masks), "tp ranks drew the same mask"
-    layer.eval()
-    assert not (layer(pixels) == 0).any()
-    return True
-
-
-def test_patch_embedding_2d_dropout_streams():
-    assert all(run_on_ranks(check_patch_dropout, 4, 3))
+def test_layout_guard_2d():
+    assert all(run_on_ranks(check_layout_guard, 4, "2d", 1))

@@ -6,8 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardzoo.testing import run_on_ranks
-from test_layouts import (check_default_init, check_linear, check_lm, check_mlp_training, check_module, check_patch,
-                          construction_error, linear_case, lm_case, mlp_case, module_case, patch_case, world_of)
+from test_layouts import (check_default_init, check_layout_guard, check_linear, check_lm, check_mlp_training,
+                          check_module, check_patch, construction_error, linear_case, lm_case, mlp_case, module_case,
+                          patch_case, world_of)
 
 
 @given(data=st.data())
@@ -41,11 +42,11 @@ def test_module_3d_matches_serial(name, kind, data):
     run_on_ranks(check_module, world_of(name), module_case(data.draw, name, kind))
 
 
-@pytest.mark.parametrize("name", ["3d"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @given(data=st.data())
-@settings(max_examples=6)
-def test_lm_head_3d_with_cross_entropy(name, data):
-    run_on_ranks(check_lm, world_of(name), lm_case(data.draw, name))
+@settings(max_examples=2)
+def test_lm_head_3d_with_cross_entropy(reduction, data):
+    run_on_ranks(check_lm, 8, lm_case(data.draw, "3d", reduction))
 
 
 @given(data=st.data())
@@ -77,7 +78,14 @@ def test_default_init_3d_equals_serial(kind, args):
     ("vocab_embedding", (10, 5), "VocabParallelEmbedding3D needs embedding_dim divisible by q=2; got 5"),
     ("classifier", (12, 3), "Classifier3D needs in_features divisible by q*q*q=8; got 12"),
     ("lm_head", (5, 10), "LMHead3D needs in_features divisible by q=2; got 5"),
+    ("patch", (4, 2, 3, 12), "PatchEmbedding3D needs hidden_size divisible by q*q*q=8; got 12"),
+    ("patch", (5, 2, 3, 8), "PatchEmbedding3D needs image_size divisible by patch_size=2; got 5"),
 ])
 def test_divisibility_errors_3d(kind, args, rule):
     for m in run_on_ranks(construction_error, 8, "3d", kind, args, {}):
-        assert m is not None and rule in m
+        assert m is not None and rule in m and "Choose" in m  # value, rule and fix
+
+
+def test_layout_guard_3d():
+    """fc2 built for the canonical layout, fed fc1's swapped output, raises; input_layout fixes it."""
+    assert all(run_on_ranks(check_layout_guard, 8, "3d", 1))

@@ -266,7 +266,7 @@ def check_default_init(name, kind, args, seed):
 def check_lm(case):
     """ids -> VocabParallelEmbedding -> LM head (tied or not) -> vocab-parallel cross entropy,
     against nn.Embedding / nn.Linear / F.cross_entropy. case: name, vocab, hidden, batch, seq,
-    tied, bias, label_smoothing, dtype, seed."""
+    tied, bias, label_smoothing, reduction ("mean", "sum", "none"), dtype, seed."""
     mesh = mesh_of(case["name"])
     kinds = classes(mesh.tp_mode)
     dtype, seed, v, h = DTYPES[case["dtype"]], case["seed"], case["vocab"], case["hidden"]
@@ -284,19 +284,26 @@ def check_lm(case):
     ids = torch.randint(0, v, (case["batch"], case["seq"]), generator=gen)
     target = torch.randint(0, v, (case["batch"], case["seq"]), generator=gen)
     target[0, 0] = -100  # an ignored position
-    ls = case["label_smoothing"]
+    ls, reduction = case["label_smoothing"], case["reduction"]
     logits = head(emb(ids))
-    loss = F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-100, label_smoothing=ls)
-    loss.backward()
+    loss = F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-100, label_smoothing=ls,
+                           reduction=reduction)
     logits_p = head_p(emb_p(emb_p.shard_input(ids)))
-    loss_p = head_p.loss(logits_p, head_p.shard_target(target), label_smoothing=ls)
-    loss_p.backward()
+    loss_p = head_p.loss(logits_p, head_p.shard_target(target), label_smoothing=ls, reduction=reduction)
+    if reduction == "none":  # this rank's block of per-token losses, batch split as the targets
+        assert loss_p.shape == head_p.shard_target(target).shape
+        loss_p = layouts.gather_batch(loss_p, mesh, head_p.output_layout).flatten()
+    else:
+        assert loss_p.dim() == 0
+    w = randn(dseed + 1, loss.shape, loss.dtype)  # weights every per-token loss differently
+    (loss * w).sum().backward()
+    (loss_p * w).sum().backward()
     assert_close(head_p.gather_output(logits_p.detach()), logits.detach(), "logits", SCALE)
-    assert_close(loss_p.detach(), loss.detach(), "loss", SCALE)
+    assert_close(loss_p.detach(), loss.detach(), f"loss ({reduction})", SCALE)
     check_grads_match(emb_p, emb, mesh, "embedding")
     if not case["tied"]:
         check_grads_match(head_p, head, mesh, "head")
-    return float(loss_p)
+    return float(loss_p.detach().sum())
 
 
 # -- ViT patch embedding against a copy of HF ViTEmbeddings ---------------------------------
@@ -333,6 +340,81 @@ def check_patch(case):
     check_state_matches(par, serial, cls.__name__)
     x = randn(data_seed(seed, mesh), (case["batch"], case["channels"], case["image"], case["image"]), dtype)
     return compare_module(par, serial, mesh, x, cls.__name__, data_seed(seed, mesh) + 1)
+
+
+def check_patch_dropout(name, seed):
+    """PatchEmbedding dropout draws from the per-tp-rank stream: reproducible from the seed,
+    a different mask on every tp rank, and off in eval mode."""
+    import torch.distributed as dist
+
+    from shardzoo.layers import random
+
+    mesh = mesh_of(name)
+    torch.manual_seed(seed)
+    layer = classes(mesh.tp_mode)["patch"](4, 2, 1, 4 * hidden_parts_of(name), mesh=mesh, dropout=0.5)
+    pixels = layer.shard_input(torch.ones(2 * BATCH_PARTS[name], 1, 4, 4))
+    runs = []
+    for _ in range(2):
+        random.manual_seed(mesh, seed)
+        runs.append(layer(pixels).detach())
+    assert torch.equal(runs[0], runs[1]), "dropout is not reproducible from the seed"
+    assert (runs[0] == 0).any() and (runs[0] != 0).any(), "p=0.5 dropped nothing or everything"
+    masks = [None] * dist.get_world_size()
+    dist.all_gather_object(masks, runs[0] == 0)
+    assert len({tuple(m.flatten().tolist()) for m in masks}) == len(masks), "tp ranks drew the same mask"
+    layer.eval()
+    assert not (layer(pixels) == 0).any()
+    return True
+
+
+@pytest.mark.parametrize("name", ["2d", "2.5d", "3d"])
+def test_patch_embedding_dropout_streams(name):
+    assert all(run_on_ranks(check_patch_dropout, world_of(name), name, 3))
+
+
+# -- the layout tag guard: a block in another layout is refused, not silently misread -------
+def guard_error(fn, *args):
+    try:
+        fn(*args)
+    except ValueError as e:
+        return str(e)
+    raise AssertionError(f"{fn} accepted a block in the wrong layout")
+
+
+def check_layout_guard(name, seed):
+    """Chaining a module whose input layout differs from the previous output layout raises;
+    correct chaining still matches serial; untagged tensors (after elementwise ops) pass."""
+    mesh = mesh_of(name)
+    kinds = classes(mesh.tp_mode)
+    canonical = layouts.canonical_layout(mesh)
+    torch.manual_seed(seed)
+    s1, s2 = nn.Linear(8, 16, dtype=torch.float64), nn.Linear(16, 8, dtype=torch.float64)
+    x_full = randn(seed, (2 * BATCH_PARTS[name], 3, 8), torch.float64)
+    fc1 = kinds["linear"].from_serial(s1, mesh)
+    x = fc1.shard_input(x_full)
+    assert layouts.layout_tag(x) == fc1.layout == canonical  # shard_input tags its result
+    h = fc1(x)
+    assert layouts.layout_tag(h) == fc1.output_layout
+    if mesh.tp_mode == "3d":  # fc1 produced (x, z | y); a second layer built for (x, y | z) is wrong
+        wrong = kinds["linear"].from_serial(s2, mesh)
+        right = kinds["linear"].from_serial(s2, mesh, input_layout=fc1.output_layout)
+        assert fc1.output_layout != canonical
+    else:  # every 2D module works in one layout; a LayerNorm built for the transposed one is wrong
+        wrong = kinds["norm"](16, mesh=mesh, layout=layouts.ActivationLayout("2d", ("tp_col",), "tp_row"))
+        right = kinds["linear"].from_serial(s2, mesh)
+    m = guard_error(wrong, h)
+    who, arg = type(wrong).__name__, "input_layout" if mesh.tp_mode == "3d" else "layout"
+    for part in (f"{who} expects a block in layout ({wrong.layout})", f"got one in layout ({fc1.output_layout})",
+                 "the result would be silently wrong", f"Fix: build {who} with {arg}=previous.output_layout"):
+        assert part in m, f"{part!r} not in {m!r}"
+    m = guard_error(layouts.gather_activation, h, mesh, layouts.ActivationLayout("2d", ("tp_col",), "tp_row")
+                    if mesh.tp_mode == "2d" else canonical)
+    assert "gather_activation expects a block in layout" in m and "producer.gather_output" in m
+    wrong(torch.relu(h))  # the limit: an elementwise op drops the tag, so nothing is checked
+    y = right(h)
+    assert layouts.layout_tag(y) == right.output_layout == canonical
+    assert_close(right.gather_output(y).detach(), s2(s1(x_full)).detach(), "correctly chained", SCALE)
+    return True
 
 
 # -- a transformer MLP block trained for three AdamW steps ----------------------------------
@@ -416,8 +498,8 @@ def module_case(draw, name, kind, q=2):
                 seed=draw(st.integers(0, 10**6)))
 
 
-def lm_case(draw, name, q=2):
-    return dict(name=name, vocab=draw(st.integers(2, 19)), hidden=q * draw(st.integers(1, 3)),
+def lm_case(draw, name, reduction="mean", q=2):
+    return dict(name=name, reduction=reduction, vocab=draw(st.integers(2, 19)), hidden=q * draw(st.integers(1, 3)),
                 batch=BATCH_PARTS[name] * draw(st.integers(1, 2)), seq=draw(st.integers(1, 3)),
                 tied=draw(st.booleans()), bias=draw(st.booleans()), label_smoothing=draw(st.sampled_from([0.0, 0.1])),
                 dtype=draw(st.sampled_from(list(DTYPES))), seed=draw(st.integers(0, 10**6)))

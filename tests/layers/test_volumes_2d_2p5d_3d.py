@@ -3,13 +3,18 @@ docs/tp_modes.md (implemented in bench/tp_modes.py): the bytes ``shardzoo.comm.c
 for a forward + backward must equal the formula exactly. Also: 2.5D with depth 1 is 2D, bit for
 bit and byte for byte."""
 
+from fractions import Fraction
+
 import pytest
 import torch
 from torch import nn
 
 from shardzoo.layers import layouts
 from shardzoo.testing import run_on_ranks
-from test_layouts import BATCH_PARTS, DTYPES, classes, mesh_of, randn, world_of
+from test_layouts import BATCH_PARTS, classes, mesh_of, randn, world_of
+from test_layouts import DTYPES as _DTYPES
+
+DTYPES = {**_DTYPES, "bf16": torch.bfloat16}
 
 
 # -- communication volume: counted bytes equal the closed forms of docs/tp_modes.md ---------
@@ -110,3 +115,113 @@ def check_layer_volumes(name, vocab, hidden, classes_, batch, seq):
 @pytest.mark.parametrize("name", ["2d", "2.5d", "3d"])
 def test_layer_volumes_match_docs_formulas(name):
     assert all(run_on_ranks(check_layer_volumes, world_of(name), name, 13, 8, 3, BATCH_PARTS[name] * 2, 3))
+
+
+# -- forward and backward bytes, parameter and saved-activation bytes per layer (docs/tp_modes.md) --
+def ar(p, n):
+    return Fraction(2 * (p - 1), p) * n
+
+
+def ring(p, n):
+    """all_gather / reduce_scatter of full size n (also one broadcast or reduce of n)."""
+    return Fraction(p - 1, p) * n
+
+
+def split_formulas(mode, q, d, batch, seq, vocab, hidden, classes_, image, patch, channels, e):
+    """kind -> (forward bytes, backward bytes, parameter bytes, saved-activation bytes) as in
+    docs/tp_modes.md (bias on everywhere, dropout off, inputs of float layers need a gradient)."""
+    three = mode == "3d"
+    g, p = (q * q, q * q) if three else (q, d * q)  # parameter-axes size G, batch parts P
+    rows, e_s, e_id = batch // p * seq, max(e, 4), 8
+    v_pad = -(-vocab // (q * q if three else q)) * (q * q if three else q)
+    hq = hidden // q
+    table = vocab * hq * e  # gathered [V, h/q] block of an Embedding table
+    vb = v_pad // q * hq * e  # VocabParallelEmbedding: this rank's [V_pad/q, h/q] block (3D: after the gather)
+    conv = hq * channels * patch * patch * e  # gathered conv weight block
+    numel = hidden * channels * patch * patch + 2 * hidden + ((image // patch) ** 2 + 1) * hidden
+    f = {
+        "norm": (2 * ar(q, rows * e_s), ar(q, 2 * rows * e_s) + 2 * ar(p, hq * e), 2 * hq * e,
+                 rows * (hq + 1) * e_s + (rows * hq * e if e < e_s else 0)),
+        "embedding": (ring(g, table), ring(g, table) + ar(d, table // g), table // g, rows * e_id),
+        "vocab_embedding": ((q - 1) * rows * (e_id + hq * e) + (ring(q, vb) if three else 0),
+                            (q - 1) * rows * hq * e + (ring(q, vb) if three else ar(d, vb)),
+                            vb // q if three else vb, q * rows * (e_id + 1)),
+        "patch": (ring(g, numel // q * e), ring(g, numel // q * e) + ar(d, numel // (q * g) * e), numel // (q * g) * e,
+                  batch // p * channels * image * image * e + conv),
+        "classifier": (ring(g, classes_ * hq * e) + ar(q, rows * classes_ * e),
+                       ring(g, classes_ * hq * e) + ar(d, classes_ * hq // g * e) + ar(p, classes_ * e),
+                       (classes_ * hq // g + classes_) * e, (rows + classes_) * hq * e),
+    }
+    y = rows * v_pad // q * e  # logits block
+    if three:  # the 3D linear product with n = V_pad, bias on
+        x, w = rows * hq * e, v_pad * hq // (q * q) * e
+        f["lm_head"] = ((q - 1) * (x + w + y), (q - 1) * (x + w + y) + ar(q * q, v_pad // q * e), w + v_pad // q * e,
+                        q * (x + w))
+    else:  # SUMMA nt forward, nn + tn backward, bias on
+        w = v_pad * hq // q * e
+        f["lm_head"] = ((q - 1) * (w + y), 2 * (q - 1) * (w + y) + ar(d, w) + ar(p, v_pad // q * e), w + v_pad // q * e,
+                        rows * hq * e)
+    stats = ar(q, rows * e_s) + ar(q, 3 * rows * e_s)  # max, then [sum_exp, target logit, sum of logits]
+    saved = y + rows * (e_id + e_s) + e_id  # logits, flat targets, lse, the count of targets
+    f["loss_mean"] = (stats + ar(p, e_s) + ar(p, e), 0, 0, saved + e_s)  # count (>= fp32) and the loss
+    f["loss_sum"] = (stats + ar(p, e), 0, 0, saved)
+    f["loss_none"] = (stats, 0, 0, saved)
+    return f
+
+
+def saved_bytes(fn, inp, params):
+    """Bytes of the tensors autograd keeps for backward of ``fn(inp)`` (parameters excluded,
+    storages counted once), and the output."""
+    params = {p.untyped_storage().data_ptr() for p in params}
+    seen = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(inp)
+    return sum(seen.values()), out
+
+
+def check_forward_backward_volumes(name, dtype_name):
+    """Bytes counted in forward and in backward, parameter and saved bytes, each == the docs formula."""
+    from shardzoo import comm
+
+    mesh = mesh_of(name)
+    kinds, dtype = classes(mesh.tp_mode), DTYPES[dtype_name]
+    vocab, hidden, classes_, batch, seq = 13, 8, 3, BATCH_PARTS[name] * 2, 3
+    f = split_formulas(mesh.tp_mode, mesh.q, mesh.tp_depth, batch, seq, vocab, hidden, classes_, 4, 2, 3, dtype.itemsize)
+    torch.manual_seed(0)
+    # clones: shard_batch may return a view of the full batch, whose storage would count as saved
+    ids = layouts.shard_batch(torch.randint(0, vocab, (batch, seq)), mesh).clone()
+    x = layouts.shard_activation(torch.randn(batch, seq, hidden, dtype=dtype), mesh).requires_grad_(True)
+    pixels = layouts.shard_batch(torch.randn(batch, 3, 4, 4, dtype=dtype), mesh).clone()
+    head = kinds["lm_head"](hidden, vocab, True, mesh=mesh, dtype=dtype)
+    layers = {"norm": (kinds["norm"](hidden, mesh=mesh, dtype=dtype), x),
+              "embedding": (kinds["embedding"](vocab, hidden, mesh=mesh, dtype=dtype), ids),
+              "vocab_embedding": (kinds["vocab_embedding"](vocab, hidden, mesh=mesh, dtype=dtype), ids),
+              "patch": (kinds["patch"](4, 2, 3, hidden, mesh=mesh, dtype=dtype), pixels),
+              "classifier": (kinds["classifier"](hidden, classes_, mesh=mesh, dtype=dtype), x),
+              "lm_head": (head, x)}
+    target = head.shard_target(torch.randint(0, vocab, (batch, seq)))
+    logits = head(x).detach().requires_grad_(True)
+    for r in ("mean", "sum", "none"):
+        layers[f"loss_{r}"] = (lambda z, r=r: head.loss(z, target, reduction=r), logits)
+    for kind, (layer, inp) in layers.items():
+        params = list(getattr(layer, "parameters", list)())
+        with comm.count() as fwd:
+            saved, out = saved_bytes(layer, inp, params)
+        with comm.count() as bwd:
+            out.sum().backward()
+        got = (fwd.total_bytes, bwd.total_bytes, sum(p.numel() * p.element_size() for p in params), saved)
+        assert got == f[kind], f"{name} {dtype_name} {kind}: counted (fwd, bwd, params, saved) {got} != {f[kind]}"
+    return True
+
+
+@pytest.mark.parametrize("name", ["2d", "2.5d", "3d"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_forward_backward_volumes_match_docs(name, dtype):
+    """bf16 tells e (payload) from e_s (statistics kept in fp32) apart."""
+    assert all(run_on_ranks(check_forward_backward_volumes, world_of(name), name, dtype))
