@@ -1,8 +1,10 @@
-"""Shared by the example scripts: command-line layout, mesh, one training step per schedule."""
+"""Shared by the example scripts: command-line layout, mesh, stages, one training loop for
+every schedule, and a one-line progress display."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import torch
@@ -10,7 +12,7 @@ import torch.distributed as dist
 
 
 def layout_args(description: str) -> argparse.ArgumentParser:
-    """--tp --tp-mode --tp-depth --pp --sp --dp --sp-mode --schedule --microbatches --steps ..."""
+    """--tp --tp-mode --tp-depth --pp --sp --dp --sp-mode --schedule --virtual --microbatches ..."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--tp-mode", default="1d", choices=["1d", "2d", "2.5d", "3d"])
@@ -19,7 +21,8 @@ def layout_args(description: str) -> argparse.ArgumentParser:
     p.add_argument("--sp", type=int, default=1)
     p.add_argument("--dp", type=int, default=1)
     p.add_argument("--sp-mode", default="ring", choices=["ring", "ulysses"])
-    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"])
+    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"])
+    p.add_argument("--virtual", type=int, default=2, help="stages per rank with --schedule interleaved")
     p.add_argument("--microbatches", type=int, default=2)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--batch", type=int, default=8, help="global batch size")
@@ -42,46 +45,81 @@ def make_mesh(args):
                         tp_depth=args.tp_depth)
 
 
-def train(args, mesh, model, batches, units_per_batch: int, unit: str) -> list[float]:
-    """``args.steps`` AdamW steps of ``model`` (whole or this rank's stage) on ``batches(step)``
-    -> (inputs [B, ...], targets), printing loss and throughput on rank 0. Returns the losses."""
-    from shardzoo.models.pipeline import build_schedule, sync_tied_grads
-    from shardzoo.models.training import autocast, average_grads, clip_grad_norm_, data_parallel
+def stages_of(args, mesh) -> list[tuple[int, tuple[int, int] | None]]:
+    """(stage index, ``stage=`` argument) of each model this rank builds: the whole model, one
+    stage, or ``--virtual`` stages ``pp_rank + i * pp`` for the interleaved schedule."""
+    if mesh.pp_size == 1:
+        return [(0, None)]
+    virtual = args.virtual if args.schedule == "interleaved" else 1
+    total = virtual * mesh.pp_size
+    return [(mesh.pp_rank + i * mesh.pp_size, (mesh.pp_rank + i * mesh.pp_size, total)) for i in range(virtual)]
 
-    pipelined = mesh.pp_size > 1
-    wrapped = model if pipelined else data_parallel(model, mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    schedule = build_schedule([(mesh.pp_rank, model)], mesh, n_microbatches=args.microbatches,
-                              schedule=args.schedule, loss_fn=model.loss) if pipelined else None
+
+class Progress:
+    """``step i/N  loss  grad-norm  rate`` on one line: rewritten in place on a terminal, one
+    plain line per step otherwise (logs, pipes)."""
+
+    def __init__(self, total: int, unit: str, stream=sys.stdout):
+        self.total, self.unit, self.stream = total, unit, stream
+        self.tty = stream.isatty()
+
+    def update(self, step: int, loss: float, norm: float, rate: float) -> None:
+        done = (step + 1) * 20 // self.total
+        line = (f"step {step + 1:>{len(str(self.total))}}/{self.total} [{'#' * done}{'.' * (20 - done)}] "
+                f"loss {loss:.4f}  grad-norm {norm:.3f}  {rate:,.0f} {self.unit}/s")
+        end = "\n" if not self.tty or step + 1 == self.total else ""
+        self.stream.write(("\r\x1b[2K" if self.tty else "") + line + end)
+        self.stream.flush()
+
+
+def train(args, mesh, build, batches, units_per_batch: int, unit: str) -> list[float]:
+    """``args.steps`` AdamW steps of the models ``build(stage)`` makes for this rank (whole, one
+    stage or interleaved virtual stages) on ``batches(step)`` -> (inputs [B, ...], targets),
+    with a progress line on rank 0. Data parallelism (dp x sp) goes through torch DDP, also
+    for pipeline stages. Returns the losses."""
+    from shardzoo.comm.mesh import default_device
+    from shardzoo.models.pipeline import build_schedule, sync_tied_grads
+    from shardzoo.models.training import autocast, clip_grad_norm_, data_parallel
+
+    device = default_device(mesh)  # this rank's GPU under NCCL, else CPU
+    stages = stages_of(args, mesh)
+    models = [build(stage, device) for _, stage in stages]
+    wrapped = [data_parallel(m, mesh) for m in models]
+    first, last = models[0], models[-1]
+    opt = torch.optim.AdamW([p for m in models for p in m.parameters()], lr=args.lr)
+    schedule = None
+    if mesh.pp_size > 1:
+        schedule = build_schedule([(i, w) for (i, _), w in zip(stages, wrapped)], mesh,
+                                  n_microbatches=args.microbatches, schedule=args.schedule, loss_fn=last.loss,
+                                  device=device)
+    progress = Progress(args.steps, unit) if dist.get_rank() == 0 else None
     losses = []
     for step in range(args.steps):
         inputs, targets = batches(step)
-        inputs, targets = inputs.chunk(mesh.dp_size)[mesh.dp_rank], targets.chunk(mesh.dp_size)[mesh.dp_rank]
+        inputs = inputs.chunk(mesh.dp_size)[mesh.dp_rank].to(device)
+        targets = targets.chunk(mesh.dp_size)[mesh.dp_rank].to(device)
         start = time.perf_counter()
         opt.zero_grad()
         with autocast(args.bf16):
-            if pipelined:
+            if schedule is not None:
                 mb: list[torch.Tensor] = []
-                call = (model.shard_input(inputs),) if model.is_first else ()
-                kwargs = dict(target=model.shard_target(targets), losses=mb) if model.is_last else {}
+                call = (first.shard_input(inputs),) if first.is_first else ()
+                kwargs = dict(target=last.shard_target(targets), losses=mb) if last.is_last else {}
                 schedule.step(*call, **kwargs)
-                loss = torch.stack(mb).mean().float() if model.is_last else torch.zeros(())
+                loss = torch.stack(mb).mean().float() if last.is_last else torch.zeros((), device=device)
             else:
-                loss = model.loss(wrapped(model.shard_input(inputs)), model.shard_target(targets))
+                loss = first.loss(wrapped[0](first.shard_input(inputs)), first.shard_target(targets))
                 loss.backward()
-        if pipelined:
-            sync_tied_grads([model], mesh)
-            average_grads(model, mesh)
-        norm = clip_grad_norm_(model, args.clip, mesh)
+        sync_tied_grads(models, mesh)
+        norm = clip_grad_norm_(models, args.clip, mesh)
         opt.step()
-        elapsed = time.perf_counter() - start
         value = loss.detach().float().clone()
         dist.all_reduce(value, group=mesh.group("dp", "sp"))
-        if pipelined:  # the last stage holds the loss: send it to rank 0's printout
+        if schedule is not None:  # the last stage holds the loss: send it to rank 0's display
             dist.all_reduce(value, group=mesh.pp_group)
+        elapsed = time.perf_counter() - start  # after the loss reduction: the step is done on every rank
         value = value.item() / mesh.size("dp", "sp")
         losses.append(value)
-        if dist.get_rank() == 0:
-            rate = units_per_batch / elapsed
-            print(f"step {step:3d}  loss {value:.4f}  grad-norm {norm.item():.3f}  {rate:,.0f} {unit}/s", flush=True)
+        if progress is not None:
+            progress.update(step, value, norm.item(), units_per_batch / elapsed)
     return losses

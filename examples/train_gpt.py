@@ -3,7 +3,8 @@
     python examples/train_gpt.py --tp 4 --tp-mode 2d --pp 2 --steps 5         # 8 local ranks
     torchrun --nproc-per-node 8 examples/train_gpt.py --tp 2 --sp 2 --dp 2
 
-Prints the loss, the global gradient norm and tokens/s per step on rank 0. The data is a fixed
+Shows step i/N, the loss, the global gradient norm and tokens/s per step on rank 0 (one line
+updated in place on a terminal). `--schedule interleaved --virtual 2` runs two stages per rank. The data is a fixed
 random sequence repeated with a shift, so the loss falls quickly when training works.
 """
 
@@ -36,10 +37,12 @@ def main(args):
     mesh = make_mesh(args)
     config = GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=args.heads, vocab_size=args.vocab,
                         n_positions=max(args.seq, 64), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    stage = (mesh.pp_rank, mesh.pp_size) if mesh.pp_size > 1 else None
-    model = GPT2(config, mesh=mesh, stage=stage, sp_mode=args.sp_mode, checkpointing=args.checkpointing)
-    model.init_weights(args.seed)
-    return train(args, mesh, model, batches_for(args, args.vocab), args.batch * args.seq, "tokens")
+
+    def build(stage, device):  # on meta, then only this rank's shards on device, seeded
+        return GPT2(config, mesh=mesh, stage=stage, sp_mode=args.sp_mode, checkpointing=args.checkpointing,
+                    device=device, seed=args.seed)
+
+    return train(args, mesh, build, batches_for(args, args.vocab), args.batch * args.seq, "tokens")
 
 
 if __name__ == "__main__":

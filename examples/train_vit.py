@@ -4,7 +4,7 @@
     python examples/train_vit.py --tp 2 --sp 2 --pp 2
 
 Each class is a fixed random image plus noise, so the loss falls quickly when training works.
-Prints the loss, the global gradient norm and images/s per step on rank 0.
+Shows step i/N, the loss, the global gradient norm and images/s per step on rank 0.
 """
 
 from __future__ import annotations
@@ -38,10 +38,12 @@ def main(args):
     config = ViTConfig(num_hidden_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                        intermediate_size=4 * args.hidden, image_size=args.image, patch_size=args.patch,
                        num_labels=args.classes)
-    stage = (mesh.pp_rank, mesh.pp_size) if mesh.pp_size > 1 else None
-    model = ViT(config, mesh=mesh, stage=stage, sp_mode=args.sp_mode, checkpointing=args.checkpointing)
-    model.init_weights(args.seed)
-    return train(args, mesh, model, batches_for(args), args.batch, "images")
+
+    def build(stage, device):  # on meta, then only this rank's shards on device, seeded
+        return ViT(config, mesh=mesh, stage=stage, sp_mode=args.sp_mode, checkpointing=args.checkpointing,
+                   device=device, seed=args.seed)
+
+    return train(args, mesh, build, batches_for(args), args.batch, "images")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from shardzoo.layers.attention import SelfAttention, check_heads
 from shardzoo.layers.attention_core import local_positions
 from shardzoo.layers.mlp import MLP, activation
 from shardzoo.models import common
-from shardzoo.models.config import HFConfig
+from shardzoo.models.config import ACTIVATION_NAMES, HFConfig
 from shardzoo.models.pipeline import StagedModel
 
 
@@ -52,6 +52,9 @@ class BERTConfig(HFConfig):
     layer_norm_eps: float = 1e-12
     pad_token_id: int = 0
     tie_word_embeddings: bool = True
+
+    SUPPORTED = {"hidden_act": ACTIVATION_NAMES, "position_embedding_type": ("absolute",), "is_decoder": (False,),
+                 "add_cross_attention": (False,)}
 
 
 class BertLayer(nn.Module):
@@ -90,46 +93,50 @@ class BERT(StagedModel):
     head_name = "cls.predictions.decoder"
 
     def __init__(self, config: BERTConfig, *, mesh, stage=None, stage_layers=None, sp_mode: str = "ring",
-                 checkpointing: bool = False, mlm_head: bool = True, device=None):
+                 checkpointing: bool = False, mlm_head: bool = True, device=None, seed: int | None = None):
         super().__init__()
-        check_heads("BERT", config.hidden_size, config.num_attention_heads, mesh, sp_mode)
-        self.config, self.mesh, self.checkpointing = config, mesh, checkpointing
-        self.layout = layout = tpl.input_layout(mesh)
-        self.tied_names = ({"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight"}
-                           if config.tie_word_embeddings and mlm_head else {})
-        self.head_name = "cls.predictions.decoder" if mlm_head else None
-        blocks, self.is_first, self.is_last = common.stage_blocks("BERT", config.num_hidden_layers, stage,
-                                                                  stage_layers)
-        h, eps = config.hidden_size, config.layer_norm_eps
-        self.bert = nn.Module()
-        if self.is_first:
-            self.bert.embeddings = emb = nn.Module()
-            emb.word_embeddings = common.vocab_embedding(nn.Embedding(config.vocab_size, h, config.pad_token_id),
-                                                         mesh, layout, device)
-            emb.position_embeddings = common.hidden_embedding(nn.Embedding(config.max_position_embeddings, h), mesh,
-                                                              layout, device)
-            emb.token_type_embeddings = common.hidden_embedding(nn.Embedding(config.type_vocab_size, h), mesh,
-                                                                layout, device)
-            emb.LayerNorm = tpl.tp_layer_norm(nn.LayerNorm(h, eps), mesh, layout, device)
-        self.bert.encoder = nn.Module()
-        self.bert.encoder.layer = nn.ModuleDict({str(i): BertLayer(config, mesh, sp_mode, device, layout)
-                                                 for i in blocks})
-        if self.is_last:
-            self.bert.pooler = nn.Module()
-            self.bert.pooler.dense = common.dense(nn.Linear(h, h), mesh, layout, device)
-            self.target_layout = layout
-        if self.is_last and mlm_head:
-            self.cls = nn.Module()
-            self.cls.predictions = pred = nn.Module()
-            pred.transform = nn.Module()
-            pred.transform.dense = common.dense(nn.Linear(h, h), mesh, layout, device)
-            pred.transform.LayerNorm = tpl.tp_layer_norm(nn.LayerNorm(h, eps), mesh, layout, device)
-            tie = self.bert.embeddings.word_embeddings if self.is_first and config.tie_word_embeddings else None
-            serial = None if tie is not None else nn.Linear(h, config.vocab_size, bias=False)
-            pred.decoder = common.lm_head(h, config.vocab_size, mesh, layout, tie_to=tie, serial=serial, device=device)
-            pred.bias = common.vocab_bias(pred.decoder, config.vocab_size, mesh, layout, device)
-            pred.mesh = mesh  # the axes of the bias's ShardSpec (checkpointing and loading need them)
-            self.target_layout = common.head_output_layout(pred.decoder, layout)
+        target_device, device = device, "meta"  # shapes only: no storage, no full-size serial twins
+        with torch.device("meta"):
+            check_heads("BERT", config.hidden_size, config.num_attention_heads, mesh, sp_mode)
+            self.config, self.mesh, self.checkpointing = config, mesh, checkpointing
+            self.layout = layout = tpl.input_layout(mesh)
+            self.tied_names = ({"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight"}
+                               if config.tie_word_embeddings and mlm_head else {})
+            self.head_name = "cls.predictions.decoder" if mlm_head else None
+            blocks, self.is_first, self.is_last = common.stage_blocks("BERT", config.num_hidden_layers, stage,
+                                                                      stage_layers)
+            h, eps = config.hidden_size, config.layer_norm_eps
+            self.bert = nn.Module()
+            if self.is_first:
+                self.bert.embeddings = emb = nn.Module()
+                emb.word_embeddings = common.vocab_embedding(nn.Embedding(config.vocab_size, h, config.pad_token_id),
+                                                             mesh, layout, device)
+                emb.position_embeddings = common.hidden_embedding(nn.Embedding(config.max_position_embeddings, h), mesh,
+                                                                  layout, device)
+                emb.token_type_embeddings = common.hidden_embedding(nn.Embedding(config.type_vocab_size, h), mesh,
+                                                                    layout, device)
+                emb.LayerNorm = tpl.tp_layer_norm(nn.LayerNorm(h, eps), mesh, layout, device)
+            self.bert.encoder = nn.Module()
+            self.bert.encoder.layer = nn.ModuleDict({str(i): BertLayer(config, mesh, sp_mode, device, layout)
+                                                     for i in blocks})
+            if self.is_last:
+                self.bert.pooler = nn.Module()
+                self.bert.pooler.dense = common.dense(nn.Linear(h, h), mesh, layout, device)
+                self.target_layout = layout
+            if self.is_last and mlm_head:
+                self.cls = nn.Module()
+                self.cls.predictions = pred = nn.Module()
+                pred.transform = nn.Module()
+                pred.transform.dense = common.dense(nn.Linear(h, h), mesh, layout, device)
+                pred.transform.LayerNorm = tpl.tp_layer_norm(nn.LayerNorm(h, eps), mesh, layout, device)
+                tie = self.bert.embeddings.word_embeddings if self.is_first and config.tie_word_embeddings else None
+                serial = None if tie is not None else nn.Linear(h, config.vocab_size, bias=False)
+                pred.decoder = common.lm_head(h, config.vocab_size, mesh, layout, tie_to=tie, serial=serial,
+                                              device=device)
+                pred.bias = common.vocab_bias(pred.decoder, config.vocab_size, mesh, layout, device)
+                pred.mesh = mesh  # the axes of the bias's ShardSpec (checkpointing and loading need them)
+                self.target_layout = common.head_output_layout(pred.decoder, layout)
+        self.allocate(target_device, seed)  # storage for this rank's shards, seeded init
 
     def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -25,7 +25,7 @@ from shardzoo.layers.attention import SelfAttention, check_heads, fuse_qkv, spli
 from shardzoo.layers.attention_core import local_positions
 from shardzoo.layers.mlp import MLP
 from shardzoo.models import common
-from shardzoo.models.config import HFConfig
+from shardzoo.models.config import ACTIVATION_NAMES, HFConfig
 from shardzoo.models.pipeline import StagedModel
 
 
@@ -46,6 +46,11 @@ class GPT2Config(HFConfig):
     layer_norm_epsilon: float = 1e-5
     initializer_range: float = 0.02
     tie_word_embeddings: bool = True
+
+    # HF options shardzoo implements only with these values (config.py)
+    SUPPORTED = {"activation_function": ACTIVATION_NAMES, "scale_attn_weights": (True,),
+                 "scale_attn_by_inverse_layer_idx": (False,), "reorder_and_upcast_attn": (False,),
+                 "add_cross_attention": (False,)}
 
 
 class GPT2Block(nn.Module):
@@ -91,28 +96,32 @@ class GPT2(StagedModel):
     causal = True
 
     def __init__(self, config: GPT2Config, *, mesh, stage=None, stage_layers=None, sp_mode: str = "ring",
-                 checkpointing: bool = False, device=None):
+                 checkpointing: bool = False, device=None, seed: int | None = None):
         super().__init__()
-        check_heads("GPT2", config.n_embd, config.n_head, mesh, sp_mode)
-        self.config, self.mesh, self.checkpointing = config, mesh, checkpointing
-        self.tied_names = {"lm_head.weight": "transformer.wte.weight"} if config.tie_word_embeddings else {}
-        self.layout = tpl.input_layout(mesh)
-        blocks, self.is_first, self.is_last = common.stage_blocks("GPT2", config.n_layer, stage, stage_layers)
-        h = config.n_embd
-        self.transformer = nn.Module()
-        if self.is_first:
-            self.transformer.wte = common.vocab_embedding(nn.Embedding(config.vocab_size, h), mesh, self.layout, device)
-            self.transformer.wpe = common.hidden_embedding(nn.Embedding(config.n_positions, h), mesh, self.layout,
-                                                           device)
-        self.transformer.h = nn.ModuleDict({str(i): GPT2Block(config, mesh, sp_mode, device) for i in blocks})
-        if self.is_last:
-            self.transformer.ln_f = tpl.tp_layer_norm(nn.LayerNorm(h, config.layer_norm_epsilon), mesh, self.layout,
-                                                      device)
-            tie = self.transformer.wte if self.is_first and config.tie_word_embeddings else None
-            serial = None if tie is not None else nn.Linear(h, config.vocab_size, bias=False)
-            self.lm_head = common.lm_head(h, config.vocab_size, mesh, self.layout, tie_to=tie, serial=serial,
-                                          device=device)
-            self.target_layout = common.head_output_layout(self.lm_head, self.layout)
+        target_device, device = device, "meta"  # shapes only: no storage, no full-size serial twins
+        with torch.device("meta"):
+            check_heads("GPT2", config.n_embd, config.n_head, mesh, sp_mode)
+            self.config, self.mesh, self.checkpointing = config, mesh, checkpointing
+            self.tied_names = {"lm_head.weight": "transformer.wte.weight"} if config.tie_word_embeddings else {}
+            self.layout = tpl.input_layout(mesh)
+            blocks, self.is_first, self.is_last = common.stage_blocks("GPT2", config.n_layer, stage, stage_layers)
+            h = config.n_embd
+            self.transformer = nn.Module()
+            if self.is_first:
+                self.transformer.wte = common.vocab_embedding(nn.Embedding(config.vocab_size, h), mesh, self.layout,
+                                                              device)
+                self.transformer.wpe = common.hidden_embedding(nn.Embedding(config.n_positions, h), mesh, self.layout,
+                                                               device)
+            self.transformer.h = nn.ModuleDict({str(i): GPT2Block(config, mesh, sp_mode, device) for i in blocks})
+            if self.is_last:
+                self.transformer.ln_f = tpl.tp_layer_norm(nn.LayerNorm(h, config.layer_norm_epsilon), mesh, self.layout,
+                                                          device)
+                tie = self.transformer.wte if self.is_first and config.tie_word_embeddings else None
+                serial = None if tie is not None else nn.Linear(h, config.vocab_size, bias=False)
+                self.lm_head = common.lm_head(h, config.vocab_size, mesh, self.layout, tie_to=tie, serial=serial,
+                                              device=device)
+                self.target_layout = common.head_output_layout(self.lm_head, self.layout)
+        self.allocate(target_device, seed)  # storage for this rank's shards, seeded init
 
     def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """ids [b, s] (first stage) or hidden [b, s, H_l] -> hidden, or logits [b, s, V_local] (last)."""

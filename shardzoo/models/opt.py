@@ -20,7 +20,7 @@ from shardzoo.layers.attention import SelfAttention, check_heads
 from shardzoo.layers.attention_core import local_positions
 from shardzoo.layers.mlp import activation
 from shardzoo.models import common
-from shardzoo.models.config import HFConfig
+from shardzoo.models.config import ACTIVATION_NAMES, HFConfig
 from shardzoo.models.pipeline import StagedModel
 
 POSITION_OFFSET = 2
@@ -46,6 +46,8 @@ class OPTConfig(HFConfig):
     layer_norm_elementwise_affine: bool = True
     pad_token_id: int = 1
     tie_word_embeddings: bool = True
+
+    SUPPORTED = {"activation_function": ACTIVATION_NAMES}
 
     @property
     def embed_dim(self) -> int:
@@ -91,35 +93,41 @@ class OPT(StagedModel):
     causal = True
 
     def __init__(self, config: OPTConfig, *, mesh, stage=None, stage_layers=None, sp_mode: str = "ring",
-                 checkpointing: bool = False, device=None):
+                 checkpointing: bool = False, device=None, seed: int | None = None):
         super().__init__()
-        check_heads("OPT", config.hidden_size, config.num_attention_heads, mesh, sp_mode)
-        self.config, self.mesh, self.checkpointing = config, mesh, checkpointing
-        self.layout = tpl.input_layout(mesh)
-        self.tied_names = {"lm_head.weight": "model.decoder.embed_tokens.weight"} if config.tie_word_embeddings else {}
-        blocks, self.is_first, self.is_last = common.stage_blocks("OPT", config.num_hidden_layers, stage, stage_layers)
-        h, e = config.hidden_size, config.embed_dim
-        self.model = nn.Module()
-        self.model.decoder = dec = nn.Module()
-        if self.is_first:
-            dec.embed_tokens = common.vocab_embedding(nn.Embedding(config.vocab_size, e, config.pad_token_id), mesh,
-                                                      self.layout, device)
-            dec.embed_positions = common.hidden_embedding(
-                nn.Embedding(config.max_position_embeddings + POSITION_OFFSET, h), mesh, self.layout, device)
-            if e != h:
-                dec.project_in = common.dense(nn.Linear(e, h, bias=False), mesh, self.layout, device)
-        dec.layers = nn.ModuleDict({str(i): OPTDecoderLayer(config, mesh, sp_mode, device) for i in blocks})
-        if self.is_last:
-            if config.do_layer_norm_before and not config._remove_final_layer_norm:
-                dec.final_layer_norm = tpl.tp_layer_norm(
-                    nn.LayerNorm(h, elementwise_affine=config.layer_norm_elementwise_affine), mesh, self.layout, device)
-            if e != h:
-                dec.project_out = common.dense(nn.Linear(h, e, bias=False), mesh, self.layout, device)
-            tie = dec.embed_tokens if self.is_first and config.tie_word_embeddings else None
-            serial = None if tie is not None else nn.Linear(e, config.vocab_size, bias=False)
-            self.lm_head = common.lm_head(e, config.vocab_size, mesh, self.layout, tie_to=tie, serial=serial,
-                                          device=device)
-            self.target_layout = common.head_output_layout(self.lm_head, self.layout)
+        target_device, device = device, "meta"  # shapes only: no storage, no full-size serial twins
+        with torch.device("meta"):
+            check_heads("OPT", config.hidden_size, config.num_attention_heads, mesh, sp_mode)
+            self.config, self.mesh, self.checkpointing = config, mesh, checkpointing
+            self.layout = tpl.input_layout(mesh)
+            tied = {"lm_head.weight": "model.decoder.embed_tokens.weight"}
+            self.tied_names = tied if config.tie_word_embeddings else {}
+            blocks, self.is_first, self.is_last = common.stage_blocks("OPT", config.num_hidden_layers, stage,
+                                                                      stage_layers)
+            h, e = config.hidden_size, config.embed_dim
+            self.model = nn.Module()
+            self.model.decoder = dec = nn.Module()
+            if self.is_first:
+                dec.embed_tokens = common.vocab_embedding(nn.Embedding(config.vocab_size, e, config.pad_token_id), mesh,
+                                                          self.layout, device)
+                dec.embed_positions = common.hidden_embedding(
+                    nn.Embedding(config.max_position_embeddings + POSITION_OFFSET, h), mesh, self.layout, device)
+                if e != h:
+                    dec.project_in = common.dense(nn.Linear(e, h, bias=False), mesh, self.layout, device)
+            dec.layers = nn.ModuleDict({str(i): OPTDecoderLayer(config, mesh, sp_mode, device) for i in blocks})
+            if self.is_last:
+                if config.do_layer_norm_before and not config._remove_final_layer_norm:
+                    dec.final_layer_norm = tpl.tp_layer_norm(
+                        nn.LayerNorm(h, elementwise_affine=config.layer_norm_elementwise_affine), mesh, self.layout,
+                        device)
+                if e != h:
+                    dec.project_out = common.dense(nn.Linear(h, e, bias=False), mesh, self.layout, device)
+                tie = dec.embed_tokens if self.is_first and config.tie_word_embeddings else None
+                serial = None if tie is not None else nn.Linear(e, config.vocab_size, bias=False)
+                self.lm_head = common.lm_head(e, config.vocab_size, mesh, self.layout, tie_to=tie, serial=serial,
+                                              device=device)
+                self.target_layout = common.head_output_layout(self.lm_head, self.layout)
+        self.allocate(target_device, seed)  # storage for this rank's shards, seeded init
 
     def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """ids [b, s] (first stage) or hidden [b, s, H_l] -> hidden, or logits [b, s, V_local] (last)."""

@@ -15,17 +15,19 @@ last stage after backward, so both copies step identically (Megatron's embedding
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
-import zlib
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from shardzoo.comm.mesh import default_device
 from shardzoo.layers import attention_tp as tpl
 from shardzoo.layers import layouts
+from shardzoo.layers import random as tp_random
 from shardzoo.layers.shard_spec import get_shard_spec
 from shardzoo.models import common
 
@@ -57,8 +59,7 @@ class StagedModel(nn.Module):
         config = config_from_dir(fam, hf_dir)
         kwargs = cls.pretrained_kwargs(hf_dir, kwargs)
         device = kwargs.pop("device", None) or "cpu"
-        with torch.device("meta"):  # no random init, no full-size serial twins: only the local shards get storage
-            model = cls(config, mesh=mesh, device="meta", **kwargs)
+        model = cls(config, mesh=mesh, device="meta", **kwargs)  # shapes only: no random init
         materialize(model, device)
         model.load_result = load_pretrained(model, hf_dir, strict=strict)
         missing = set(model.load_result.missing_keys)
@@ -74,7 +75,9 @@ class StagedModel(nn.Module):
 
     def run_block(self, block: nn.Module, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         if self.checkpointing and self.training:
-            return checkpoint(block, x, mask, use_reentrant=False)
+            # checkpoint restores torch's RNG; the tp dropout stream needs restoring too
+            return checkpoint(block, x, mask, use_reentrant=False,
+                              context_fn=lambda: stream_contexts(self.mesh))
         return block(x, mask)
 
     @property
@@ -128,26 +131,72 @@ class StagedModel(nn.Module):
         return common.load_full_state_dict(self, state, strict)
 
 
+    def allocate(self, device=None, seed: int | None = None) -> None:
+        """Give the meta-built model storage for this rank's shards only, on ``device``
+        (default: torch's default device), and fill it with :meth:`init_weights` (``seed``;
+        default ``torch.initial_seed()``, so ranks seeded alike build identical full weights).
+        ``device="meta"`` leaves the model on meta (e.g. for :meth:`from_pretrained`).
+        The family constructors end with this call."""
+        from shardzoo.models.meta import materialize
+
+        device = torch.device(device) if device is not None else torch.get_default_device()
+        if device.type == "meta":
+            return
+        materialize(self, device)
+        self.init_weights(torch.initial_seed() if seed is None else seed, std=self.init_std)
+
+    @property
+    def init_std(self) -> float:
+        """Standard deviation of the random init (the config's ``initializer_range`` when set)."""
+        return getattr(self.config, "initializer_range", 0.02)
+
     @torch.no_grad()
     def init_weights(self, seed: int = 0, std: float = 0.02, names=None) -> None:
         """Hugging Face-style init, the same for every layout and stage split: each full
-        tensor is drawn from a generator seeded by ``seed`` and the parameter's global name,
-        and this rank keeps its piece. Matrices / tables ~ N(0, std), biases 0, 1-D weights
-        (LayerNorm) 1. ``names``: only these parameters (default all)."""
+        tensor is determined by ``seed`` and the parameter's global name, and this rank draws
+        only the rows its piece touches (``meta.seeded_normal_piece``). Matrices / tables ~
+        N(0, std), biases 0, 1-D weights (LayerNorm) 1. ``names``: only these parameters
+        (default all)."""
+        from shardzoo.layers.shard_spec import ShardSpec
+        from shardzoo.models.meta import seeded_normal_piece
+
         for name, p in self.named_parameters():
             if names is not None and name not in names:
                 continue
-            spec = get_shard_spec(p)
-            shape = spec.global_shape if spec is not None else tuple(p.shape)
+            spec = get_shard_spec(p) or ShardSpec(tuple(p.shape), (0,) * p.dim(), tuple(p.shape))
             key = self.tied_names.get(name, name)  # an untied copy of a tied table draws the table
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
-            if name.endswith("bias"):
-                full = torch.zeros(shape)
-            elif len(shape) == 1:
-                full = torch.ones(shape)
+            if name.endswith("bias") or len(spec.global_shape) == 1:
+                piece = torch.zeros(spec.local_shape)
+                piece[spec.valid_local()] = 0.0 if name.endswith("bias") else 1.0
             else:
-                full = torch.randn(shape, generator=gen) * std
-            p.copy_(spec.take(full) if spec is not None else full)
+                piece = seeded_normal_piece(seed, key, spec, std)
+            p.copy_(piece)
+
+
+def stream_contexts(mesh):
+    """(forward, recompute) context managers for ``torch.utils.checkpoint``'s ``context_fn``:
+    the forward one saves the mesh's dropout streams (layers/random.py), the recompute one
+    replays from those states and then puts back the states it found, so the recomputed block
+    draws the same dropout masks (Megatron's ``CheckpointFunction`` does the same with its
+    tracker) and later draws are unaffected."""
+    saved = {}
+
+    @contextlib.contextmanager
+    def forward():
+        saved.update(tp_random.rng_streams(mesh).get_states())
+        yield
+
+    @contextlib.contextmanager
+    def recompute():
+        streams = tp_random.rng_streams(mesh)
+        current = streams.get_states()
+        streams.set_states(saved)
+        try:
+            yield
+        finally:
+            streams.set_states(current)
+
+    return forward(), recompute()
 
 
 def build_schedule(stages: list[tuple[int, nn.Module]], mesh, *, n_microbatches: int, schedule: str = "1f1b",
@@ -155,7 +204,9 @@ def build_schedule(stages: list[tuple[int, nn.Module]], mesh, *, n_microbatches:
     """A ``torch.distributed.pipelining`` schedule over ``mesh.pp_group`` for this rank's stages.
 
     ``stages``: (global stage index, stage module) pairs held by this rank; one pair for GPipe /
-    1F1B, v pairs (indices ``pp_rank + i * pp``) for the interleaved schedule.
+    1F1B, v pairs (indices ``pp_rank + i * pp``) for the interleaved schedule. A stage may be
+    wrapped in DDP (``training.data_parallel``): gradients are then averaged over dp x sp in
+    the last microbatch's backward.
     ``loss_fn(output, target)``: the loss on the last stage (e.g. ``model.loss``). Pass it on
     every rank: a schedule built without one skips backward on that rank (and the others wait)."""
     if loss_fn is None:
@@ -166,7 +217,7 @@ def build_schedule(stages: list[tuple[int, nn.Module]], mesh, *, n_microbatches:
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES}")
     pp = mesh.pp_size
-    device = device or torch.device("cpu")
+    device = device or default_device(mesh)  # where the stages' p2p buffers live (CUDA under NCCL)
     total = pp * len(stages)
     wrapped = [PipelineStage(m, index, total, device, group=mesh.pp_group) for index, m in stages]
     if schedule == "interleaved":
@@ -207,6 +258,7 @@ def sync_tied_grads(stages: list[nn.Module], mesh) -> None:
         return
     group = tied_group(mesh)
     for model in stages:
+        model = getattr(model, "module", model)  # DDP-wrapped stage
         if model.is_first == model.is_last:  # a middle stage, or one holding both ends (one table)
             continue
         params = dict(model.named_parameters())

@@ -3,8 +3,10 @@ parallelism through torch DDP, and bf16 autocast.
 
 Gradient convention: every rank's loss is the mean over its own tokens (and the tp group's
 rows), so the gradient of the global mean is the *average* of the ranks' gradients over the dp
-and sp axes; ``data_parallel`` wraps a model in DDP over ``mesh.group("dp", "sp")``, which does
-exactly that. Pipeline stages with tied embeddings also need ``pipeline.sync_tied_grads``.
+and sp axes; ``data_parallel`` wraps a model or a pipeline stage in DDP over
+``mesh.group("dp", "sp")``, which does exactly that (``torch.distributed.pipelining`` runs a
+DDP-wrapped stage's microbatches under ``no_sync`` and reduces in the last backward). Pipeline
+stages with tied embeddings also need ``pipeline.sync_tied_grads``.
 """
 
 from __future__ import annotations
@@ -71,21 +73,24 @@ def clip_grad_norm_(models: nn.Module | list[nn.Module], max_norm: float, mesh,
 
 
 def data_parallel(model: nn.Module, mesh) -> nn.Module:
-    """``model`` wrapped in torch DDP over the dp x sp group (gradients averaged there); the
-    model itself when that group has one rank. Use ``wrapped.module`` for ``loss``,
-    ``shard_input`` and friends. For pipeline stages, whose schedules run backward per
-    microbatch, average after the step instead (``average_grads``)."""
+    """``model`` (a whole model or a pipeline stage) wrapped in torch DDP over the dp x sp group
+    (gradients averaged there); the model itself when that group has one rank. Use
+    ``wrapped.module`` for ``loss``, ``shard_input`` and friends. Give a wrapped stage to
+    ``build_schedule``: the pipelining schedules skip DDP's reduction for all but the last
+    microbatch's backward."""
     if mesh.size("dp", "sp") == 1:
         return model
     from torch.nn.parallel import DistributedDataParallel
 
-    return DistributedDataParallel(model, process_group=mesh.group("dp", "sp"), broadcast_buffers=False)
+    # a stage's microbatches all run backward before the reduction; DDP's bucket rebuild after
+    # the first step counts every microbatch's hooks and fails, which find_unused_parameters skips
+    return DistributedDataParallel(model, process_group=mesh.group("dp", "sp"), find_unused_parameters=mesh.pp_size > 1)
 
 
 @torch.no_grad()
 def average_grads(models: nn.Module | list[nn.Module], mesh) -> None:
-    """Average gradients over the dp x sp group in place (for pipeline stages, where DDP's
-    per-backward hooks do not fit the schedules' microbatch loop)."""
+    """Average gradients over the dp x sp group in place, one all-reduce per parameter: for
+    custom loops that neither wrap in DDP (:func:`data_parallel`) nor run a schedule."""
     if mesh.size("dp", "sp") == 1:
         return
     group, n = mesh.group("dp", "sp"), mesh.size("dp", "sp")

@@ -30,7 +30,7 @@ from shardzoo.layers.patch_embedding_2d import PatchEmbedding2D
 from shardzoo.layers.embedding_2p5d import PatchEmbedding2p5D
 from shardzoo.layers.embedding_3d import PatchEmbedding3D
 from shardzoo.models import common
-from shardzoo.models.config import HFConfig
+from shardzoo.models.config import ACTIVATION_NAMES, HFConfig
 from shardzoo.models.pipeline import StagedModel
 
 _PATCH = {"2d": PatchEmbedding2D, "2.5d": PatchEmbedding2p5D, "3d": PatchEmbedding3D}
@@ -56,13 +56,15 @@ class ViTConfig(HFConfig):
     qkv_bias: bool = True
     num_labels: int = 2
 
+    SUPPORTED = {"hidden_act": ACTIVATION_NAMES}
+
     @classmethod
-    def from_json(cls, path_or_dict):
-        config = super().from_json(path_or_dict)
-        data = path_or_dict if isinstance(path_or_dict, dict) else None
-        if data is not None and "id2label" in data and "num_labels" not in data:
-            config.num_labels = len(data["id2label"])
-        return config
+    def fields_from(cls, data):
+        # config.json stores the labels, not their count (transformers derives num_labels from id2label)
+        fields = super().fields_from(data)
+        if data.get("id2label"):
+            fields["num_labels"] = len(data["id2label"])
+        return fields
 
     @property
     def num_tokens(self) -> int:
@@ -119,29 +121,32 @@ class ViT(StagedModel):
     head_name = "classifier"
 
     def __init__(self, config: ViTConfig, *, mesh, stage=None, stage_layers=None, sp_mode: str = "ring",
-                 checkpointing: bool = False, device=None):
+                 checkpointing: bool = False, device=None, seed: int | None = None):
         super().__init__()
-        check_heads("ViT", config.hidden_size, config.num_attention_heads, mesh, sp_mode)
-        self.config, self.mesh, self.checkpointing = config, mesh, checkpointing
-        self.layout = layout = tpl.input_layout(mesh)
-        self.tied_names = {}
-        blocks, self.is_first, self.is_last = common.stage_blocks("ViT", config.num_hidden_layers, stage,
-                                                                  stage_layers)
-        self.local_tokens = math.ceil(config.num_tokens / mesh.sp_size)
-        h = config.hidden_size
-        self.vit = nn.Module()
-        if self.is_first:
-            emb = ViTEmbeddings(config)
-            self.vit.embeddings = emb if layout is None else _PATCH[mesh.tp_mode].from_serial(
-                emb, mesh, device=device, layout=layout, image_size=config.image_size)
-        self.vit.encoder = nn.Module()
-        self.vit.encoder.layer = nn.ModuleDict({str(i): ViTLayer(config, mesh, sp_mode, device) for i in blocks})
-        if self.is_last:
-            self.vit.layernorm = tpl.tp_layer_norm(nn.LayerNorm(h, config.layer_norm_eps), mesh, layout, device)
-            serial = nn.Linear(h, config.num_labels)
-            self.classifier = serial if layout is None else _CLASSIFIER[mesh.tp_mode].from_serial(
-                serial, mesh, device=device, layout=layout)
-            self.target_layout = layout
+        target_device, device = device, "meta"  # shapes only: no storage, no full-size serial twins
+        with torch.device("meta"):
+            check_heads("ViT", config.hidden_size, config.num_attention_heads, mesh, sp_mode)
+            self.config, self.mesh, self.checkpointing = config, mesh, checkpointing
+            self.layout = layout = tpl.input_layout(mesh)
+            self.tied_names = {}
+            blocks, self.is_first, self.is_last = common.stage_blocks("ViT", config.num_hidden_layers, stage,
+                                                                      stage_layers)
+            self.local_tokens = math.ceil(config.num_tokens / mesh.sp_size)
+            h = config.hidden_size
+            self.vit = nn.Module()
+            if self.is_first:
+                emb = ViTEmbeddings(config)
+                self.vit.embeddings = emb if layout is None else _PATCH[mesh.tp_mode].from_serial(
+                    emb, mesh, device=device, layout=layout, image_size=config.image_size)
+            self.vit.encoder = nn.Module()
+            self.vit.encoder.layer = nn.ModuleDict({str(i): ViTLayer(config, mesh, sp_mode, device) for i in blocks})
+            if self.is_last:
+                self.vit.layernorm = tpl.tp_layer_norm(nn.LayerNorm(h, config.layer_norm_eps), mesh, layout, device)
+                serial = nn.Linear(h, config.num_labels)
+                self.classifier = serial if layout is None else _CLASSIFIER[mesh.tp_mode].from_serial(
+                    serial, mesh, device=device, layout=layout)
+                self.target_layout = layout
+        self.allocate(target_device, seed)  # storage for this rank's shards, seeded init
 
     def token_mask(self, rows: int, device=None) -> torch.Tensor | None:
         """Bool [rows, s] key mask of this sp rank's tokens (False on the sequence padding)."""
