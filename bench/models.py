@@ -48,15 +48,16 @@ def world(kwargs) -> int:
 
 def run_layout(kwargs, args):
     from shardzoo import ParallelMesh
+    from shardzoo.comm.mesh import default_device
     from shardzoo.models import GPT2, GPT2Config
     from shardzoo.models.pipeline import build_schedule, sync_tied_grads
 
     mesh = ParallelMesh(**kwargs)
+    device = default_device(mesh)  # CUDA under NCCL, else CPU
     config = GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=args.heads, vocab_size=args.vocab,
                         n_positions=args.seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     stage = (mesh.pp_rank, mesh.pp_size) if mesh.pp_size > 1 else None
-    model = GPT2(config, mesh=mesh, stage=stage)
-    model.init_weights(0)
+    model = GPT2(config, mesh=mesh, stage=stage, seed=0, device=device)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     captured = {}  # the first microbatch a stage sees in the warm-up step, for the busy time
@@ -73,6 +74,7 @@ def run_layout(kwargs, args):
         model.register_forward_pre_hook(remember_input, with_kwargs=True)
         schedule = build_schedule([(mesh.pp_rank, model)], mesh, n_microbatches=args.microbatches, loss_fn=loss_fn)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(device)
     inputs, target = model.shard_input(ids[:, :-1]) if model.is_first else None, None
     if model.is_last:
         target = model.shard_target(ids[:, 1:])
