@@ -10,6 +10,13 @@ Contract: ``forward`` returns ``(out, lse)`` with ``lse`` the fp32 natural-log s
 ``exp(scale * q.k)`` over visible keys (``-inf`` and ``out = 0`` for a row that sees no
 key). ``backward`` accepts a *global* ``lse`` (merged over several key blocks), so the
 gradients of one block are its exact share of the full-attention gradients.
+
+Dropout on the probabilities (``dropout_p > 0``) happens inside the kernel with the stateless
+mask of :mod:`.dropout_mask`, a hash of (seed, global batch index, global head, global query
+position, global key position): ``lse`` stays the undropped normaliser (blocks merge as without
+dropout) and ``out = (P * Z / (1-p)) V``; backward redraws the same mask from the same seed.
+torch's fused CPU op cannot take a given mask, so "auto" runs CPU tensors with dropout on the
+torch reference.
 """
 from __future__ import annotations
 
@@ -19,15 +26,16 @@ import torch
 
 from . import flash_attention_cpu as _cpu
 from . import flash_attention_ref as _ref
+from .dropout_mask import dropout_keys
 from ._dispatch import HALF_AND_SINGLE, check_same_device, check_tensor, check_triton_float, resolve_backend
 
 _FLOATS = HALF_AND_SINGLE + (torch.float64,)
 ATTENTION_BACKENDS = ("auto", "triton", "aten", "torch")
 
 
-def _resolve_attention_backend(backend, device, op) -> str:
+def _resolve_attention_backend(backend, device, op, dropout=False) -> str:
     """"auto": Triton for CUDA tensors, torch's fused CPU flash kernel ("aten") for CPU tensors
-    where this torch has it, else the pure-torch reference ("torch")."""
+    where this torch has it and there is no dropout, else the pure-torch reference ("torch")."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"{op}: backend={backend!r} is not one of {ATTENTION_BACKENDS}; pass 'auto' or one of "
                          "the others")
@@ -35,9 +43,13 @@ def _resolve_attention_backend(backend, device, op) -> str:
         if device.type != "cpu" or not _cpu.available():
             raise ValueError(f"{op}: backend='aten' runs CPU tensors with torch's CPU flash attention ops; got "
                              f"{device.type} tensors (ops available: {_cpu.available()}). Pass backend='auto'")
+        if dropout:
+            raise ValueError(f"{op}: backend='aten' (torch's fused CPU flash kernel) cannot apply the stateless "
+                             "dropout mask, so dropout_p must be 0 there; pass backend='auto' or 'torch' for "
+                             "dropout on CPU")
         return "aten"
     resolved = resolve_backend(backend, device, op)
-    if backend == "auto" and resolved == "torch" and device.type == "cpu" and _cpu.available():
+    if backend == "auto" and resolved == "torch" and device.type == "cpu" and _cpu.available() and not dropout:
         return "aten"
     return resolved
 
@@ -48,7 +60,7 @@ def _triton_module():
     return flash_attention_triton
 
 
-def _check_inputs(op, q, k, v, key_padding_mask, softmax_scale, backend):
+def _check_inputs(op, q, k, v, key_padding_mask, softmax_scale, backend, dropout=False):
     """Validate shapes / dtypes and return (backend, softmax_scale)."""
     for name, t, layout in (("q", q, "[B, H, Sq, D]"), ("k", k, "[B, H, Sk, D]"), ("v", v, "[B, H, Sk, D]")):
         check_tensor(op, name, t, ndim=4, dtypes=_FLOATS, layout=layout)
@@ -67,7 +79,7 @@ def _check_inputs(op, q, k, v, key_padding_mask, softmax_scale, backend):
             raise ValueError(f"{op}: key_padding_mask shape {tuple(key_padding_mask.shape)} must be [B, Sk] = "
                              f"{(b, k.shape[2])} (True = attend)")
     check_same_device(op, q=q, k=k, v=v, key_padding_mask=key_padding_mask)
-    backend = _resolve_attention_backend(backend, q.device, op)
+    backend = _resolve_attention_backend(backend, q.device, op, dropout)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(d)
     softmax_scale = float(softmax_scale)
@@ -80,7 +92,45 @@ def _check_inputs(op, q, k, v, key_padding_mask, softmax_scale, backend):
     return backend, softmax_scale
 
 
-def attention_block_forward(q, k, v, *, causal=False, key_padding_mask=None, softmax_scale=None, backend="auto"):
+def _positions(op, name, positions, length, device):
+    if positions is None:
+        return torch.arange(length, device=device)
+    if not isinstance(positions, torch.Tensor) or positions.dtype != torch.int64 or positions.shape != (length,):
+        got = f"{positions.dtype} {tuple(positions.shape)}" if isinstance(positions, torch.Tensor) else type(positions)
+        raise ValueError(f"{op}: {name} must be an int64 tensor [{length}] of global sequence positions, got {got}; "
+                         f"e.g. torch.arange(start, start + {length})")
+    if positions.device != device:
+        raise ValueError(f"{op}: {name} is on {positions.device} but q is on {device}; move it to q's device")
+    return positions
+
+
+def _check_dropout_p(op, dropout_p) -> bool:
+    """True when there is dropout to apply."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"{op}: dropout_p={dropout_p!r} must be a float in [0, 1); pass 0.0 for no dropout")
+    return dropout_p > 0.0
+
+
+def _dropout(op, q, k, dropout_p, dropout_seed, q_positions, k_positions, head_offset, batch_offset):
+    """Validate the dropout arguments -> DropoutKeys, or None without dropout."""
+    if not dropout_p:
+        return None
+    if not isinstance(dropout_seed, int):
+        raise ValueError(f"{op}: dropout_p={dropout_p} needs dropout_seed, a Python int that forward and backward "
+                         f"share (got {dropout_seed!r}); draw one e.g. with torch.randint(2**62, ()).item()")
+    for name, value in (("head_offset", head_offset), ("batch_offset", batch_offset)):
+        if not isinstance(value, int) or value < 0:
+            raise ValueError(f"{op}: {name}={value!r} must be a non-negative int (the global index of this "
+                             "block's first head / batch row)")
+    qp = _positions(op, "q_positions", q_positions, q.shape[2], q.device)
+    kp = _positions(op, "k_positions", k_positions, k.shape[2], q.device)
+    return dropout_keys(float(dropout_p), dropout_seed, q.shape[0], q.shape[1], qp, kp, batch_offset=batch_offset,
+                        head_offset=head_offset)
+
+
+def attention_block_forward(q, k, v, *, causal=False, key_padding_mask=None, softmax_scale=None, backend="auto",
+                            dropout_p=0.0, dropout_seed=None, q_positions=None, k_positions=None, head_offset=0,
+                            batch_offset=0):
     """Attention of one query block against one key block.
 
     Args:
@@ -89,36 +139,50 @@ def attention_block_forward(q, k, v, *, causal=False, key_padding_mask=None, sof
         key_padding_mask: optional bool [B, Sk], True = attend.
         softmax_scale: defaults to 1 / sqrt(D).
         backend: "auto" (Triton for CUDA; torch's fused CPU flash kernel for CPU, when this
-            torch has it), "triton", "aten" (CPU) or "torch" (the pure-torch reference).
+            torch has it and dropout_p is 0, else the reference), "triton", "aten" (CPU, no
+            dropout) or "torch" (the pure-torch reference).
+        dropout_p: drop probability of the attention probabilities, in [0, 1).
+        dropout_seed: Python int, required when dropout_p > 0; pass the same to the backward.
+        q_positions: int64 [Sq], k_positions: int64 [Sk]: global sequence positions of the
+            query rows / key columns (default arange); they only select the dropout mask
+            (``causal`` stays top-left aligned on the local indices).
+        head_offset, batch_offset: global index of this block's first head / batch row.
 
     Returns:
-        out [B, H, Sq, D] in q's dtype (accumulated in fp32) and lse [B, H, Sq] fp32.
-        Rows without a visible key have lse = -inf and out = 0.
+        out [B, H, Sq, D] in q's dtype (accumulated in fp32) and lse [B, H, Sq] fp32, the
+        undropped softmax normaliser. Rows without a visible key have lse = -inf and out = 0.
     """
     op = "attention_block_forward"
-    backend, scale = _check_inputs(op, q, k, v, key_padding_mask, softmax_scale, backend)
+    backend, scale = _check_inputs(op, q, k, v, key_padding_mask, softmax_scale, backend,
+                                   _check_dropout_p(op, dropout_p))
+    drop = _dropout(op, q, k, dropout_p, dropout_seed, q_positions, k_positions, head_offset, batch_offset)
     if backend == "triton":
-        return _triton_module().attention_forward_triton(q, k, v, causal, key_padding_mask, scale)
+        return _triton_module().attention_forward_triton(q, k, v, causal, key_padding_mask, scale, drop)
     if backend == "aten":
         return _cpu.attention_forward_aten(q, k, v, causal, key_padding_mask, scale)
-    return _ref.attention_forward_torch(q, k, v, causal, key_padding_mask, scale)
+    return _ref.attention_forward_torch(q, k, v, causal, key_padding_mask, scale, drop)
 
 
 def attention_block_backward(dout, q, k, v, out, lse, *, causal=False, key_padding_mask=None, softmax_scale=None,
-                             backend="auto"):
+                             backend="auto", dropout_p=0.0, dropout_seed=None, q_positions=None, k_positions=None,
+                             head_offset=0, batch_offset=0):
     """Gradients of one attention block given a (possibly global) lse.
 
     Args:
         dout, out: [B, H, Sq, D] (out is the final, merged attention output when lse is global).
         q: [B, H, Sq, D]; k, v: [B, H, Sk, D]; lse: [B, H, Sq].
-        Other arguments as in :func:`attention_block_forward`.
+        Other arguments as in :func:`attention_block_forward` (the dropout ones equal to the
+        forward's, so the same mask Z is redrawn).
 
     Returns:
         (dq [B, H, Sq, D], dk [B, H, Sk, D], dv [B, H, Sk, D]), all fp32, computed with
-        P = exp(scale * q.k - lse), D_i = rowsum(dout * out), dS = P * (dP - D).
+        P = exp(scale * q.k - lse), D_i = rowsum(dout * out), dS = P * (dP - D), where with
+        dropout dV = (P Z / (1-p))^T dout and dP = (dout V^T) Z / (1-p).
     """
     op = "attention_block_backward"
-    backend, scale = _check_inputs(op, q, k, v, key_padding_mask, softmax_scale, backend)
+    backend, scale = _check_inputs(op, q, k, v, key_padding_mask, softmax_scale, backend,
+                                   _check_dropout_p(op, dropout_p))
+    drop = _dropout(op, q, k, dropout_p, dropout_seed, q_positions, k_positions, head_offset, batch_offset)
     for name, t in (("dout", dout), ("out", out)):
         check_tensor(op, name, t, dtypes=_FLOATS)
         if t.shape != q.shape:
@@ -128,37 +192,50 @@ def attention_block_backward(dout, q, k, v, out, lse, *, causal=False, key_paddi
         raise ValueError(f"{op}: lse shape {tuple(lse.shape)} must be [B, H, Sq] = {tuple(q.shape[:3])}")
     check_same_device(op, q=q, dout=dout, out=out, lse=lse)
     if backend == "triton":
-        return _triton_module().attention_backward_triton(dout, q, k, v, out, lse, causal, key_padding_mask, scale)
+        return _triton_module().attention_backward_triton(dout, q, k, v, out, lse, causal, key_padding_mask, scale,
+                                                          drop)
     if backend == "aten":
         return _cpu.attention_backward_aten(dout, q, k, v, out, lse, causal, key_padding_mask, scale)
-    return _ref.attention_backward_torch(dout, q, k, v, out, lse, causal, key_padding_mask, scale)
+    return _ref.attention_backward_torch(dout, q, k, v, out, lse, causal, key_padding_mask, scale, drop)
 
 
 class FlashAttentionFunction(torch.autograd.Function):
-    """Differentiable single-block attention; returns ``out`` only (lse stays internal)."""
+    """Differentiable single-block attention; returns ``out`` only (lse stays internal).
+    ``options``: the keyword arguments of :func:`attention_block_forward` other than the mask."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, key_padding_mask, softmax_scale, backend):
-        out, lse = attention_block_forward(q, k, v, causal=causal, key_padding_mask=key_padding_mask,
-                                           softmax_scale=softmax_scale, backend=backend)
+    def forward(ctx, q, k, v, key_padding_mask, options):
+        out, lse = attention_block_forward(q, k, v, key_padding_mask=key_padding_mask, **options)
         ctx.save_for_backward(q, k, v, out, lse, key_padding_mask)
-        ctx.settings = (causal, softmax_scale, backend)
+        ctx.options = options
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, key_padding_mask = ctx.saved_tensors
-        causal, softmax_scale, backend = ctx.settings
-        dq, dk, dv = attention_block_backward(dout, q, k, v, out, lse, causal=causal,
-                                              key_padding_mask=key_padding_mask, softmax_scale=softmax_scale,
-                                              backend=backend)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        dq, dk, dv = attention_block_backward(dout, q, k, v, out, lse, key_padding_mask=key_padding_mask,
+                                              **ctx.options)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
-def flash_attention(q, k, v, *, causal=False, key_padding_mask=None, softmax_scale=None, backend="auto"):
+def draw_dropout_seed() -> int:
+    """A seed for the dropout mask from torch's default (CPU) generator: the same on every rank
+    that seeded torch alike, and restored with torch's RNG state by activation checkpointing."""
+    return int(torch.randint(2 ** 62, ()).item())
+
+
+def flash_attention(q, k, v, *, causal=False, key_padding_mask=None, softmax_scale=None, backend="auto",
+                    dropout_p=0.0, dropout_seed=None, q_positions=None, k_positions=None, head_offset=0,
+                    batch_offset=0):
     """Memory-efficient attention, differentiable in q, k, v.
 
     q [B, H, Sq, D], k/v [B, H, Sk, D] -> out [B, H, Sq, D] in q's dtype. Arguments as in
-    :func:`attention_block_forward`.
+    :func:`attention_block_forward`; with ``dropout_p > 0`` and no ``dropout_seed`` the seed
+    is drawn by :func:`draw_dropout_seed`.
     """
-    return FlashAttentionFunction.apply(q, k, v, causal, key_padding_mask, softmax_scale, backend)
+    if dropout_p and dropout_seed is None:
+        dropout_seed = draw_dropout_seed()
+    options = dict(causal=causal, softmax_scale=softmax_scale, backend=backend, dropout_p=dropout_p,
+                   dropout_seed=dropout_seed, q_positions=q_positions, k_positions=k_positions,
+                   head_offset=head_offset, batch_offset=batch_offset)
+    return FlashAttentionFunction.apply(q, k, v, key_padding_mask, options)

@@ -3,10 +3,16 @@
 Never materialises a full Sq x Sk score matrix: queries are processed in chunks of
 ``QUERY_CHUNK`` rows and keys in chunks of ``KEY_CHUNK`` with an online softmax, so the
 largest temporary is [B, H, QUERY_CHUNK, KEY_CHUNK]. Computes in fp32 (fp64 for fp64 input).
+
+``dropout`` (a :class:`~shardzoo.kernels.dropout_mask.DropoutKeys`, or None) drops attention
+probabilities with the stateless mask of ``dropout_mask``, drawn per chunk: lse stays the
+undropped normaliser, ``out = (P * Z / (1-p)) V``.
 """
 from __future__ import annotations
 
 import torch
+
+from .dropout_mask import keep_mask
 
 KEY_CHUNK = 256
 QUERY_CHUNK = 1024
@@ -34,7 +40,12 @@ def _key_end(q1: int, sk: int, causal: bool) -> int:
     return min(sk, q1) if causal else sk
 
 
-def attention_forward_torch(q, k, v, causal, key_padding_mask, softmax_scale):
+def _keep(dropout, q0, q1, k0, k1):
+    """Bool [B, H, q1-q0, k1-k0] keep-mask of one chunk."""
+    return keep_mask(dropout.row_keys[:, :, q0:q1, None], dropout.col_keys[k0:k1], dropout.threshold)
+
+
+def attention_forward_torch(q, k, v, causal, key_padding_mask, softmax_scale, dropout=None):
     """Reference forward. q [B, H, Sq, D], k/v [B, H, Sk, D] -> (out [B, H, Sq, D] q.dtype, lse [B, H, Sq] fp32)."""
     ct = _compute_dtype(q.dtype)
     batch, heads, sq, dim = q.shape
@@ -59,18 +70,24 @@ def attention_forward_torch(q, k, v, causal, key_padding_mask, softmax_scale):
             shift = torch.where(torch.isneginf(new_max), torch.zeros_like(new_max), new_max)
             probs = torch.exp(scores - shift[..., None])
             alpha = torch.exp(row_max - shift)
-            row_sum = row_sum * alpha + probs.sum(-1)
+            row_sum = row_sum * alpha + probs.sum(-1)  # the undropped normaliser
+            if dropout is not None:
+                probs = probs * _keep(dropout, q0, q1, k0, k1)
             acc = acc * alpha[..., None] + probs @ v[:, :, k0:k1].to(ct)
             row_max = new_max
         empty = row_sum == 0
         safe_sum = torch.where(empty, torch.ones_like(row_sum), row_sum)
-        out[:, :, q0:q1] = (acc / safe_sum[..., None]).to(q.dtype)
+        drop_scale = 1.0 if dropout is None else dropout.scale
+        out[:, :, q0:q1] = (acc * (drop_scale / safe_sum[..., None])).to(q.dtype)
         lse[:, :, q0:q1] = torch.where(empty, torch.full_like(row_sum, neg_inf), row_max + torch.log(safe_sum))
     return out, lse
 
 
-def attention_backward_torch(dout, q, k, v, out, lse, causal, key_padding_mask, softmax_scale):
+def attention_backward_torch(dout, q, k, v, out, lse, causal, key_padding_mask, softmax_scale, dropout=None):
     """Reference backward with a possibly global ``lse``: P = exp(scale*S - lse).
+
+    With dropout (mask Z, out the dropped output): dV = (P Z / (1-p))^T dO,
+    dP = (dO V^T) Z / (1-p), dS = P (dP - rowsum(dO * out)).
 
     Returns (dq [B, H, Sq, D], dk, dv [B, H, Sk, D]) in fp32 (fp64 for fp64 input).
     """
@@ -99,8 +116,14 @@ def attention_backward_torch(dout, q, k, v, out, lse, causal, key_padding_mask, 
             if visible is not None:
                 scores = scores.masked_fill(~visible, float("-inf"))
             probs = torch.exp(scores - lse_c)
-            dv[:, :, k0:k1] += probs.transpose(-1, -2) @ doc
-            dscores = probs * (doc @ vc.transpose(-1, -2) - delta_c)
+            dprobs = doc @ vc.transpose(-1, -2)
+            if dropout is None:
+                dv[:, :, k0:k1] += probs.transpose(-1, -2) @ doc
+            else:
+                kept = _keep(dropout, q0, q1, k0, k1).to(ct) * dropout.scale  # Z / (1-p)
+                dv[:, :, k0:k1] += (probs * kept).transpose(-1, -2) @ doc
+                dprobs = dprobs * kept
+            dscores = probs * (dprobs - delta_c)
             dq_c += dscores @ kc
             dk[:, :, k0:k1] += dscores.transpose(-1, -2) @ qc
         dq[:, :, q0:q1] = dq_c * softmax_scale

@@ -3,12 +3,18 @@
 Shapes: q [B, H, Sq, D], k/v [B, H, Sk, D]; lse [B, H, Sq] fp32. Scores are kept in
 log2 units (scale * log2(e) folded in) so the kernels use exp2. head_dim is padded to
 a power of two with masks. Only imported when Triton is installed.
+
+Dropout (``HAS_DROPOUT``): the launcher passes the 32-bit row keys [B, H, Sq] and column keys
+[Sk] of ``dropout_mask`` as int32; each kernel forms ``fmix32(row_key + col_key)`` per score in
+uint32 (the same arithmetic as ``dropout_mask.keep_mask``, inlined because a helper function
+cannot be shared between the compiler and the interpreter the kernels are wrapped for).
 """
 from __future__ import annotations
 
 import torch
 
 from ._triton import cdiv, jit, next_power_of_2, tl
+from .dropout_mask import as_int32
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 128
 _LOG2E = 1.4426950408889634
@@ -16,10 +22,11 @@ _LOG2E = 1.4426950408889634
 
 @jit
 def _attn_fwd_kernel(
-    Q, K, V, KPM, Out, Lse,
+    Q, K, V, KPM, RK, CK, Out, Lse,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod, smb,
-    H, Sq, Sk, D, qk_scale,
-    CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    H, Sq, Sk, D, qk_scale, drop_threshold, drop_scale,
+    CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -34,6 +41,8 @@ def _attn_fwd_kernel(
                 mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     if UPCAST:  # the interpreter computes low-precision dots wrongly; fp32 is exact everywhere
         q = q.to(tl.float32)
+    if HAS_DROPOUT:
+        rk = tl.load(RK + pid_bh * Sq + offs_m, mask=m_ok, other=0).to(tl.uint32, bitcast=True)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -61,13 +70,22 @@ def _attn_fwd_kernel(
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # no visible key yet: avoid inf - inf
         p = tl.exp2(s - shift[:, None])
         alpha = tl.exp2(m_i - shift)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.sum(p, 1)  # the undropped normaliser: lse merges as without dropout
+        if HAS_DROPOUT:
+            ck = tl.load(CK + offs_n, mask=n_ok, other=0).to(tl.uint32, bitcast=True)
+            hsh = rk[:, None] + ck[None, :]
+            hsh ^= hsh >> 16
+            hsh *= 0x85EBCA6B
+            hsh ^= hsh >> 13
+            hsh *= 0xC2B2AE35
+            hsh ^= hsh >> 16
+            p = tl.where((hsh >> 1).to(tl.int32) >= drop_threshold, p, 0.0)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
         m_i = m_new
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
-    out = acc / l_safe[:, None]
+    out = acc * (drop_scale / l_safe[:, None])
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
     tl.store(Out + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod,
              out.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
@@ -94,10 +112,11 @@ def _attn_bwd_delta_kernel(
 
 @jit
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, KPM, DO, Lse, Delta, DK, DV,
+    Q, K, V, KPM, RK, CK, DO, Lse, Delta, DK, DV,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd, smb,
-    H, Sq, Sk, D, qk_scale, sm_scale,
-    CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    H, Sq, Sk, D, qk_scale, sm_scale, drop_threshold, drop_scale,
+    CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # one program per key block; loops over query blocks, accumulating dK, dV in fp32
@@ -118,6 +137,8 @@ def _attn_bwd_dkdv_kernel(
     key_ok = n_ok
     if HAS_KPM:
         key_ok = key_ok & (tl.load(KPM + b * smb + offs_n, mask=n_ok, other=0) != 0)
+    if HAS_DROPOUT:
+        ck = tl.load(CK + offs_n, mask=n_ok, other=0).to(tl.uint32, bitcast=True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     start_m = 0
@@ -140,8 +161,20 @@ def _attn_bwd_dkdv_kernel(
         if CAUSAL:
             visible = visible & (offs_n[:, None] <= offs_m[None, :])
         p_t = tl.where(visible, tl.exp2(s_t - lse2[None, :]), 0.0)
-        dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        pd_t = p_t
+        if HAS_DROPOUT:  # dV = (P Z / (1-p))^T dO, dP = (dO V^T) Z / (1-p)
+            rk = tl.load(RK + pid_bh * Sq + offs_m, mask=m_ok, other=0).to(tl.uint32, bitcast=True)
+            hsh = ck[:, None] + rk[None, :]
+            hsh ^= hsh >> 16
+            hsh *= 0x85EBCA6B
+            hsh ^= hsh >> 13
+            hsh *= 0xC2B2AE35
+            hsh ^= hsh >> 16
+            kept = (hsh >> 1).to(tl.int32) >= drop_threshold
+            pd_t = tl.where(kept, p_t * drop_scale, 0.0)
+            dp_t = tl.where(kept, dp_t * drop_scale, 0.0)
+        dv += tl.dot(pd_t.to(do.dtype), do, input_precision=PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
         dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
     dk = dk * sm_scale
@@ -153,10 +186,11 @@ def _attn_bwd_dkdv_kernel(
 
 @jit
 def _attn_bwd_dq_kernel(
-    Q, K, V, KPM, DO, Lse, Delta, DQ,
+    Q, K, V, KPM, RK, CK, DO, Lse, Delta, DQ,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd, smb,
-    H, Sq, Sk, D, qk_scale, sm_scale,
-    CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    H, Sq, Sk, D, qk_scale, sm_scale, drop_threshold, drop_scale,
+    CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # one program per query block; loops over key blocks (no atomics)
@@ -178,6 +212,8 @@ def _attn_bwd_dq_kernel(
     delta = tl.load(Delta + pid_bh * Sq + offs_m, mask=m_ok, other=0.0)
     row_ok = lse != float("-inf")
     lse2 = tl.where(row_ok, lse * 1.4426950408889634, 0.0)
+    if HAS_DROPOUT:
+        rk = tl.load(RK + pid_bh * Sq + offs_m, mask=m_ok, other=0).to(tl.uint32, bitcast=True)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     end_n = Sk
     if CAUSAL:
@@ -200,6 +236,15 @@ def _attn_bwd_dq_kernel(
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         p = tl.where(visible, tl.exp2(s - lse2[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        if HAS_DROPOUT:  # dP = (dO V^T) Z / (1-p)
+            ck = tl.load(CK + offs_n, mask=n_ok, other=0).to(tl.uint32, bitcast=True)
+            hsh = rk[:, None] + ck[None, :]
+            hsh ^= hsh >> 16
+            hsh *= 0x85EBCA6B
+            hsh ^= hsh >> 13
+            hsh *= 0xC2B2AE35
+            hsh ^= hsh >> 16
+            dp = tl.where((hsh >> 1).to(tl.int32) >= drop_threshold, dp * drop_scale, 0.0)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
     dq = dq * sm_scale
@@ -222,10 +267,11 @@ def _configs(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:
             for name, (m, n, w, s) in tiles.items()}
 
 
-def _flags(q: torch.Tensor, causal: bool, key_padding_mask) -> dict:
+def _flags(q: torch.Tensor, causal: bool, key_padding_mask, dropout) -> dict:
     return dict(
         CAUSAL=bool(causal),
         HAS_KPM=key_padding_mask is not None,
+        HAS_DROPOUT=dropout is not None,
         UPCAST=q.device.type != "cuda",
         # fp32 inputs: exact fp32 products instead of the tf32 default
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
@@ -239,7 +285,14 @@ def _mask_arg(key_padding_mask, q):
     return kpm, kpm.stride(0)
 
 
-def attention_forward_triton(q, k, v, causal, key_padding_mask, softmax_scale):
+def _dropout_args(dropout, q):
+    """(row keys, col keys) as int32 pointers, threshold, scale; placeholders without dropout."""
+    if dropout is None:
+        return q, q, 0, 1.0  # pointers never read when HAS_DROPOUT is False
+    return as_int32(dropout.row_keys), as_int32(dropout.col_keys), dropout.threshold, dropout.scale
+
+
+def attention_forward_triton(q, k, v, causal, key_padding_mask, softmax_scale, dropout=None):
     """Triton forward. q [B, H, Sq, D], k/v [B, H, Sk, D] -> (out [B, H, Sq, D] q.dtype, lse [B, H, Sq] fp32)."""
     batch, heads, sq, dim = q.shape
     sk = k.shape[2]
@@ -249,16 +302,18 @@ def attention_forward_triton(q, k, v, causal, key_padding_mask, softmax_scale):
         lse.fill_(float("-inf"))
         return out, lse
     kpm, smb = _mask_arg(key_padding_mask, q)
+    rk, ck, threshold, drop_scale = _dropout_args(dropout, q)
     cfg = _configs(dim, q.dtype, q.device)["fwd"]
     grid = (cdiv(sq, cfg["BLOCK_M"]), batch * heads)
     _attn_fwd_kernel[grid](
-        q, k, v, kpm, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(), smb,
-        heads, sq, sk, dim, softmax_scale * _LOG2E, **_flags(q, causal, key_padding_mask), **cfg,
+        q, k, v, kpm, rk, ck, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(), smb,
+        heads, sq, sk, dim, softmax_scale * _LOG2E, threshold, drop_scale,
+        **_flags(q, causal, key_padding_mask, dropout), **cfg,
     )
     return out, lse
 
 
-def attention_backward_triton(dout, q, k, v, out, lse, causal, key_padding_mask, softmax_scale):
+def attention_backward_triton(dout, q, k, v, out, lse, causal, key_padding_mask, softmax_scale, dropout=None):
     """Triton backward (FA2): delta pass, dK/dV over key blocks, dQ over query blocks. Grads fp32."""
     batch, heads, sq, dim = q.shape
     sk = k.shape[2]
@@ -276,10 +331,11 @@ def attention_backward_triton(dout, q, k, v, out, lse, causal, key_padding_mask,
         BLOCK_M=fwd["BLOCK_M"], BLOCK_D=fwd["BLOCK_D"],
     )
     kpm, smb = _mask_arg(key_padding_mask, q)
-    args = (q, k, v, kpm, dout, lse, delta)
+    rk, ck, threshold, drop_scale = _dropout_args(dropout, q)
+    args = (q, k, v, kpm, rk, ck, dout, lse, delta)
     strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), smb)
-    scalars = (heads, sq, sk, dim, softmax_scale * _LOG2E, softmax_scale)
-    flags = _flags(q, causal, key_padding_mask)
+    scalars = (heads, sq, sk, dim, softmax_scale * _LOG2E, softmax_scale, threshold, drop_scale)
+    flags = _flags(q, causal, key_padding_mask, dropout)
     cfg = cfgs["dkdv"]
     _attn_bwd_dkdv_kernel[(cdiv(sk, cfg["BLOCK_N"]), batch * heads)](
         *args, dk, dv, *strides, *scalars, **flags, **cfg)

@@ -29,6 +29,8 @@ from shardzoo.layers.ring_attention import RingAttentionFunction, ring_attention
 from shardzoo.layers.sequence import gather_padding_mask, gather_sequence, shard_padding_mask, shard_sequence
 from shardzoo.layers.shard_spec import ShardSpec, full_state_dict, gather_full, get_shard_spec, set_shard_spec
 from shardzoo.layers.ulysses import ulysses_attention
+from shardzoo.layers.attention import SelfAttention  # noqa: E402  (builds on the layers above)
+from shardzoo.layers.mlp import MLP  # noqa: E402
 
 __all__ = [
     # 1D
@@ -44,6 +46,8 @@ __all__ = [
     # sequence parallelism
     "ring_attention", "RingAttentionFunction", "ulysses_attention", "shard_sequence", "gather_sequence",
     "shard_padding_mask", "gather_padding_mask",
+    # blocks
+    "SelfAttention", "MLP",
     # sharding metadata
     "ShardSpec", "full_state_dict", "gather_full", "get_shard_spec", "set_shard_spec",
 ]  # fmt: skip

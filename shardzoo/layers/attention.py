@@ -75,7 +75,9 @@ class SelfAttention(nn.Module):
         mesh: ParallelMesh; tp splits the heads (table above), sp the sequence.
         causal: causal (GPT) or bidirectional (BERT, ViT) attention.
         bias: biases on the projections.
-        attn_dropout: dropout on the attention probabilities (training only).
+        attn_dropout: dropout on the attention probabilities (training only), inside the
+            attention kernel with a mask that does not depend on the mesh: a tp x sp model
+            drops exactly what its serial twin drops (layers/attention_core.py).
         sp_mode: "ring" or "ulysses" (used when sp > 1).
         qkv: "fused" (one ``qkv`` projection) or "separate" (``q_proj``, ``k_proj``, ``v_proj``).
         layout: input activation layout (None: the mode's canonical one).
@@ -145,9 +147,12 @@ class SelfAttention(nn.Module):
             q, k, v = rearrange(self.qkv(x), "b s (h three d) -> three b h s d", three=3, d=d)
         else:
             q, k, v = (rearrange(p(x), "b s (h d) -> b h s d", d=d) for p in (self.q_proj, self.k_proj, self.v_proj))
+        # the dropout mask is a function of the global batch row and head (attention_core.py)
+        batch_offset, head_offset = tpl.block_offsets(self.mesh, self.mask_layout, q.shape[0], q.shape[1])
         out = sequence_attention(q, k, v, mesh=self.mesh, causal=self.causal, key_padding_mask=key_padding_mask,
                                  softmax_scale=self.softmax_scale, sp_mode=self.sp_mode,
-                                 dropout_p=self.attn_dropout, training=self.training)
+                                 dropout_p=self.attn_dropout, training=self.training, head_offset=head_offset,
+                                 batch_offset=batch_offset)
         return self.out_proj(rearrange(out, "b h s d -> b s (h d)"))
 
     # -- entering and leaving the parallel region (tests, users) -----------------------------

@@ -83,3 +83,11 @@ def head_axis(mesh, layout: ActivationLayout | None) -> tuple[str, int]:
     if layout is None:
         return "tp", mesh.tp_size
     return layout.hidden_axis, mesh.size(layout.hidden_axis)
+
+
+def block_offsets(mesh, layout: ActivationLayout | None, local_batch: int, local_heads: int) -> tuple[int, int]:
+    """(global index of this rank's first batch row, of its first head) for activations
+    ``[local_batch, ..., local_heads * head_dim]`` in ``layout`` (1D: batch whole, heads over tp)."""
+    if layout is None:
+        return 0, mesh.tp_rank * local_heads
+    return layout.batch_index(mesh) * local_batch, mesh.rank(layout.hidden_axis) * local_heads

@@ -16,6 +16,11 @@ Causal attention expects zigzag-sharded inputs (``shard_sequence(..., zigzag=Tru
 holds sequence chunks r and 2P-1-r, and :func:`block_schedule` picks per step which part of the
 block is needed, so every rank does the same work. Non-causal attention takes any sharding
 whose K, V and mask agree (contiguous by convention). See docs/sequence_parallel.md.
+
+Dropout on the probabilities runs inside the block kernel with a stateless mask of the global
+(batch, head, query position, key position): each block gets the global positions of its query
+rows and key columns (:func:`shard_positions` of this rank and of the source rank, sliced like
+the block), so the ring draws exactly the mask of single-rank attention with the same seed.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch.nn.functional as F
 from shardzoo.comm import RingExchange
 from shardzoo.comm.ops import group_rank, group_size
 from shardzoo.kernels import attention_block_backward, attention_block_forward
+from shardzoo.kernels.flash_attention import draw_dropout_seed
 
 _ALL = slice(None)
 
@@ -81,6 +87,18 @@ def ring_blocks(group, tensors: list[torch.Tensor]) -> Iterator[tuple[int, int, 
             tensors = pending.wait()
 
 
+def shard_positions(seq_local: int, rank: int, world: int, zigzag: bool, device=None) -> torch.Tensor:
+    """Global positions, int64 [seq_local], of the tokens group rank ``rank`` of ``world`` holds:
+    ``[rank*S/P, (rank+1)*S/P)`` contiguous, chunks ``rank`` and ``2P-1-rank`` (each
+    seq_local/2 long) zigzag."""
+    if not zigzag or world == 1:
+        return torch.arange(rank * seq_local, (rank + 1) * seq_local, device=device)
+    half = seq_local // 2
+    first = torch.arange(rank * half, (rank + 1) * half, device=device)
+    second = torch.arange((2 * world - 1 - rank) * half, (2 * world - rank) * half, device=device)
+    return torch.cat([first, second])
+
+
 def block_schedule(step: int, rank: int, source: int, local_len: int, causal: bool) -> tuple[slice, slice, bool]:
     """(query rows, key rows, causal) this rank computes against the block of ``source``.
 
@@ -112,6 +130,24 @@ class RingSettings:
     causal: bool
     softmax_scale: float | None
     backend: str = "auto"
+    dropout_p: float = 0.0
+    dropout_seed: int | None = None
+    head_offset: int = 0  # global index of the first local head (tensor parallelism)
+    batch_offset: int = 0  # global index of the first local batch row
+    zigzag: bool = False  # shard layout, for the global positions of the dropout mask
+
+    def block_kwargs(self, q_len: int, k_len: int, me: int, source: int, rows, cols, device) -> dict:
+        """Keyword arguments of the block kernel for rows of this rank vs cols of ``source``."""
+        kwargs = dict(softmax_scale=self.softmax_scale, backend=self.backend)
+        if self.dropout_p > 0.0:
+            world = group_size(self.group)
+            kwargs.update(
+                dropout_p=self.dropout_p, dropout_seed=self.dropout_seed, head_offset=self.head_offset,
+                batch_offset=self.batch_offset,
+                q_positions=shard_positions(q_len, me, world, self.zigzag, device)[rows],
+                k_positions=shard_positions(k_len, source, world, self.zigzag, device)[cols],
+            )  # fmt: skip
+        return kwargs
 
 
 def _travelling(k, v, key_padding_mask) -> list[torch.Tensor]:
@@ -133,7 +169,7 @@ def ring_forward(q, k, v, key_padding_mask, settings: RingSettings) -> tuple[tor
         block_out, block_lse = attention_block_forward(
             q[:, :, rows], k_block[:, :, cols], v_block[:, :, cols], causal=causal,
             key_padding_mask=mask[0][:, cols] if mask else None,
-            softmax_scale=settings.softmax_scale, backend=settings.backend,
+            **settings.block_kwargs(seq, k.shape[2], me, source, rows, cols, q.device),
         )  # fmt: skip
         merge_block(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
     return out.to(q.dtype), lse
@@ -153,7 +189,7 @@ def ring_backward(dout, q, k, v, out, lse, key_padding_mask, settings: RingSetti
         dq_block, dk_block, dv_block = attention_block_backward(
             dout[:, :, rows], q[:, :, rows], k_block[:, :, cols], v_block[:, :, cols], out[:, :, rows],
             lse[:, :, rows], causal=causal, key_padding_mask=mask[0][:, cols] if mask else None,
-            softmax_scale=settings.softmax_scale, backend=settings.backend,
+            **settings.block_kwargs(q.shape[2], k.shape[2], me, source, rows, cols, q.device),
         )  # fmt: skip
         if step == 0:  # own block: all rows and keys; its dK / dV start their trip here
             dq, dk_travelling, dv_travelling = dq_block.to(acc), dk_block.to(acc), dv_block.to(acc)
@@ -185,7 +221,7 @@ class RingAttentionFunction(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
-def _check_ring_inputs(q, k, v, key_padding_mask, group, causal) -> None:
+def _check_ring_inputs(q, k, v, key_padding_mask, group, causal, zigzag) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -196,6 +232,11 @@ def _check_ring_inputs(q, k, v, key_padding_mask, group, causal) -> None:
             "heads and head_dim, and k, v must have one shape; repeat k / v heads for grouped-query attention"
         )
     world = group_size(group)
+    if causal and zigzag is False and world > 1:
+        raise ValueError(
+            "ring_attention: causal attention over P > 1 ranks needs zigzag shards, got zigzag=False; shard with "
+            "shard_sequence(x, group, dim=2, zigzag=True), or use ulysses_attention(..., zigzag=False)"
+        )
     if causal and q.shape[2] != k.shape[2]:
         raise ValueError(
             f"ring_attention: causal attention needs equal local query and key lengths, got {q.shape[2]} and "
@@ -217,7 +258,8 @@ def _check_ring_inputs(q, k, v, key_padding_mask, group, causal) -> None:
         )
 
 
-def ring_attention(q, k, v, *, group, causal=False, key_padding_mask=None, softmax_scale=None):
+def ring_attention(q, k, v, *, group, causal=False, key_padding_mask=None, softmax_scale=None, dropout_p=0.0,
+                   dropout_seed=None, head_offset=0, batch_offset=0, zigzag=None):
     """Exact attention over a sequence sharded across ``group`` (ring attention).
 
     Args:
@@ -228,12 +270,25 @@ def ring_attention(q, k, v, *, group, causal=False, key_padding_mask=None, softm
             shards (``shard_sequence(x, group, dim=2, zigzag=True)``).
         key_padding_mask: this rank's bool [batch, seq/P] slice, True = attend.
         softmax_scale: defaults to 1 / sqrt(head_dim).
+        dropout_p: dropout on the attention probabilities, in [0, 1) (inside the block kernel;
+            the caller decides training vs eval).
+        dropout_seed: int seed of the stateless mask, the same on every rank of ``group``;
+            None draws one from torch's default generator (equal on ranks seeded alike).
+        head_offset, batch_offset: global index of the local first head / batch row (for the
+            mask, when heads or batch are split over other mesh axes).
+        zigzag: shard layout, for the mask's global positions; None means zigzag exactly when
+            ``causal`` (the convention; causal over P > 1 ranks requires zigzag).
 
     Returns:
         [batch, heads, seq/P, head_dim] in q's dtype: this rank's rows of the attention output.
         Rows that see no key are 0. Activation memory per rank is O(seq/P); K, V (and the
-        mask) take P-1 hops in forward, dK / dV P hops in backward.
+        mask) take P-1 hops in forward, dK / dV P hops in backward. With dropout the result
+        equals single-rank ``flash_attention`` with the same seed on the gathered sequence.
     """
-    _check_ring_inputs(q, k, v, key_padding_mask, group, causal)
-    settings = RingSettings(group, bool(causal), softmax_scale)
+    _check_ring_inputs(q, k, v, key_padding_mask, group, causal, zigzag)
+    if dropout_p and dropout_seed is None:
+        dropout_seed = draw_dropout_seed()
+    settings = RingSettings(group, bool(causal), softmax_scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                            head_offset=head_offset, batch_offset=batch_offset,
+                            zigzag=bool(causal) if zigzag is None else bool(zigzag))
     return RingAttentionFunction.apply(q, k, v, key_padding_mask, settings)

@@ -13,6 +13,12 @@ zigzag when ``causal`` and contiguous otherwise, so the two are interchangeable 
 gathered sequence is put back into natural order before the kernel and returned to zigzag
 order after it; ``zigzag=False`` takes contiguous causal shards. Non-causal attention does not
 care about token order (the key padding mask is gathered in the same order as the keys).
+
+Dropout on the probabilities runs in the kernel with the stateless mask of the global (batch,
+head, query position, key position): after the all-to-all this rank's heads start at
+``head_offset + rank * heads/P`` and the gathered tokens have the full-sequence positions (in
+natural order, or zigzag order when the shards are zigzag and not reordered), so the mask is
+the one single-rank attention draws with the same seed.
 """
 
 from __future__ import annotations
@@ -20,8 +26,9 @@ from __future__ import annotations
 import torch
 
 from shardzoo.comm import all_to_all
-from shardzoo.comm.ops import group_size
+from shardzoo.comm.ops import group_rank, group_size
 from shardzoo.kernels import flash_attention
+from shardzoo.kernels.flash_attention import draw_dropout_seed
 from shardzoo.layers.sequence import from_zigzag_order, gather_padding_mask, to_zigzag_order
 
 
@@ -49,7 +56,8 @@ def _check_ulysses_inputs(q, k, v, key_padding_mask, world) -> None:
         )
 
 
-def ulysses_attention(q, k, v, *, group, causal=False, key_padding_mask=None, softmax_scale=None, zigzag=None):
+def ulysses_attention(q, k, v, *, group, causal=False, key_padding_mask=None, softmax_scale=None, zigzag=None,
+                      dropout_p=0.0, dropout_seed=None, head_offset=0, batch_offset=0):
     """Exact attention over a sequence sharded across ``group``, by head-parallel all-to-all.
 
     Args:
@@ -60,6 +68,8 @@ def ulysses_attention(q, k, v, *, group, causal=False, key_padding_mask=None, so
         softmax_scale: defaults to 1 / sqrt(head_dim).
         zigzag: whether the shards are zigzag (chunks r and 2P-1-r) rather than contiguous;
             None (default) means zigzag exactly when ``causal``, as ring attention expects.
+        dropout_p, dropout_seed, head_offset, batch_offset: dropout on the probabilities, as
+            in :func:`shardzoo.layers.ring_attention.ring_attention` (the same mask).
 
     Returns:
         [batch, heads, seq/P, head_dim] in q's dtype, this rank's rows (same layout as q).
@@ -81,7 +91,20 @@ def ulysses_attention(q, k, v, *, group, causal=False, key_padding_mask=None, so
         mask = gather_padding_mask(key_padding_mask, group, zigzag=reorder)
     if reorder:
         q_heads, k_heads, v_heads = (from_zigzag_order(t, world, 2) for t in (q_heads, k_heads, v_heads))
-    out = flash_attention(q_heads, k_heads, v_heads, causal=causal, key_padding_mask=mask, softmax_scale=softmax_scale)
+    drop = {}
+    if dropout_p:
+        seq, local_heads = q_heads.shape[2], q_heads.shape[1]
+        positions = torch.arange(seq, device=q.device)
+        if not reorder and world > 1 and (causal if zigzag is None else zigzag):
+            if seq % (2 * world) != 0:
+                raise ValueError(f"ulysses_attention: zigzag shards hold two equal chunks, but the local sequence "
+                                 f"length {seq // world} is odd; pad the sequence to a multiple of {2 * world}")
+            positions = to_zigzag_order(positions, world, 0)  # the gathered shards' token order
+        drop = dict(dropout_p=dropout_p, dropout_seed=draw_dropout_seed() if dropout_seed is None else dropout_seed,
+                    q_positions=positions, k_positions=positions, batch_offset=batch_offset,
+                    head_offset=head_offset + group_rank(group) * local_heads)
+    out = flash_attention(q_heads, k_heads, v_heads, causal=causal, key_padding_mask=mask, softmax_scale=softmax_scale,
+                          **drop)
     if reorder:
         out = to_zigzag_order(out, world, 2)
     # [B, H/P, S, D] -> [B, H, S/P, D]

@@ -168,3 +168,29 @@ def test_package_imports_and_runs_without_triton():
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_auto_runs_cpu_dropout_on_the_reference(monkeypatch):
+    """torch's fused CPU op cannot take the stateless mask: "auto" must not pick it."""
+    cpu = flash_attention_module._cpu
+    calls = []
+    real = cpu.attention_forward_aten
+    monkeypatch.setattr(cpu, "attention_forward_aten", lambda *a: calls.append("aten") or real(*a))
+    q, k, v = (t.cpu() for t in qkv())
+    got = attention_block_forward(q, k, v, backend="auto", dropout_p=0.5, dropout_seed=1)
+    want = attention_block_forward(q, k, v, backend="torch", dropout_p=0.5, dropout_seed=1)
+    assert calls == [] and all(torch.equal(g, w) for g, w in zip(got, want))
+    with pytest.raises(ValueError, match="backend='aten'.*cannot apply the stateless dropout mask"):
+        attention_block_forward(q, k, v, backend="aten", dropout_p=0.5, dropout_seed=1)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(dropout_p=1.0, dropout_seed=1), r"dropout_p=1.0 must be a float in \[0, 1\)"),
+    (dict(dropout_p=0.1), "needs dropout_seed"),
+    (dict(dropout_p=0.1, dropout_seed=1, q_positions=torch.arange(4)), r"q_positions must be an int64 tensor \[5\]"),
+    (dict(dropout_p=0.1, dropout_seed=1, head_offset=-1), "head_offset=-1 must be a non-negative int"),
+])
+def test_bad_dropout_arguments_are_clear_errors(kwargs, message):
+    q, k, v = (t.cpu() for t in qkv())
+    with pytest.raises(ValueError, match=message):
+        attention_block_forward(q, k, v, backend="torch", **kwargs)

@@ -235,14 +235,17 @@ def check_ring_triton_kernels(causal):
     mask = make_mask("rank_padded", 1, 16 * world, world, causal, 1)
     local = [shard_sequence(t, group, dim=2, zigzag=causal) for t in (q, k, v, dout)]
     local_mask = shard_padding_mask(mask, group, zigzag=causal)
-    results = {}
-    for backend in ("torch", "triton"):
-        leaves = [t.clone().requires_grad_(True) for t in local[:3]]
-        out = RingAttentionFunction.apply(*leaves, local_mask, RingSettings(group, causal, None, backend))
-        out.backward(local[3])
-        results[backend] = (out.detach(), *(t.grad for t in leaves))
-    for name, a, e in zip(("out", "dq", "dk", "dv"), results["triton"], results["torch"]):
-        assert_close(a, e, f"triton vs torch block kernel in the ring: {name}", scale=4.0)
+    for dropout_p in (0.0, DROP_P):  # with dropout: the same mask from both kernels
+        results = {}
+        for backend in ("torch", "triton"):
+            leaves = [t.clone().requires_grad_(True) for t in local[:3]]
+            settings = RingSettings(group, causal, None, backend, dropout_p=dropout_p, dropout_seed=DROP_SEED,
+                                    zigzag=causal)
+            out = RingAttentionFunction.apply(*leaves, local_mask, settings)
+            out.backward(local[3])
+            results[backend] = (out.detach(), *(t.grad for t in leaves))
+        for name, a, e in zip(("out", "dq", "dk", "dv"), results["triton"], results["torch"]):
+            assert_close(a, e, f"triton vs torch block kernel in the ring (p={dropout_p}): {name}", scale=4.0)
 
 
 def test_ring_attention_with_triton_block_kernels():
@@ -262,3 +265,52 @@ def test_ring_attention_with_triton_block_kernels():
             os.environ["TRITON_INTERPRET"] = previous
     with pool:
         pool.run(check_ring_triton_kernels, True)  # causal: diagonal, full and half blocks
+
+
+DROP_P, DROP_SEED = 0.25, 2**35 + 7
+
+
+def single_rank_dropout(q, k, v, dout, mask, causal, heads=slice(None)):
+    """Single-rank flash_attention with dropout on the full sequence (all heads), then ``heads``:
+    out, dq, dk, dv."""
+    from shardzoo.kernels import flash_attention
+
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    out = flash_attention(*leaves, causal=causal, key_padding_mask=mask, dropout_p=DROP_P, dropout_seed=DROP_SEED)
+    out.backward(dout)
+    return tuple(t[:, heads] for t in (out.detach(), *(x.grad for x in leaves)))
+
+
+def check_ring_dropout(causal):
+    """Ring attention with dropout equals single-rank attention with the same seed (same mask)."""
+    world = torch.distributed.get_world_size()
+    group = cached_mesh(sp=world).sp_group
+    q, k, v, dout = full_inputs(2, 3, 8 * world, 16, torch.float64, 5)
+    mask = make_mask("random", 2, 8 * world, world, causal, 5)
+    expected = single_rank_dropout(q, k, v, dout, mask, causal)
+    actual = parallel_attention(ring_attention, q, k, v, dout, mask, causal, group, dropout_p=DROP_P,
+                                dropout_seed=DROP_SEED)
+    compare(actual, expected, torch.float64, f"ring dropout sp={world} causal={causal}")
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_attention_dropout_matches_single_rank(world, causal):
+    run_on_ranks(check_ring_dropout, world, causal)
+
+
+def check_ring_dropout_with_tp(causal):
+    """tp=2 x sp=2: a tp rank's heads start at head_offset, so its mask is the serial one."""
+    mesh = cached_mesh(sp=2, tp=2)
+    q, k, v, dout = full_inputs(2, 4, 16, 16, torch.float64, 9)
+    mask = make_mask("random", 2, 16, 2, causal, 9)
+    mine = slice(mesh.tp_rank * 2, mesh.tp_rank * 2 + 2)
+    expected = single_rank_dropout(q, k, v, dout, mask, causal, heads=mine)
+    q, k, v, dout = (t[:, mine].contiguous() for t in (q, k, v, dout))
+    actual = parallel_attention(ring_attention, q, k, v, dout, mask, causal, mesh.sp_group, dropout_p=DROP_P,
+                                dropout_seed=DROP_SEED, head_offset=mine.start)
+    compare(actual, expected, torch.float64, f"ring dropout tp=2 sp=2 rank {mesh.rank()}")
+
+
+def test_ring_attention_dropout_with_tensor_parallel_heads():
+    run_on_ranks(check_ring_dropout_with_tp, 4, True)

@@ -108,3 +108,28 @@ def test_ulysses_attention_indivisible_heads_raises_clear_error():
     for message in run_on_ranks(indivisible_heads, 2):
         assert message is not None
         assert "heads=3" in message and "P=2" in message and "multiple of 2" in message
+
+
+def check_ulysses_dropout(causal, zigzag, tp):
+    """Ulysses with dropout equals single-rank attention with the same seed; with tp=2 each tp
+    rank passes the global index of its first head."""
+    from test_ring_attention import DROP_P, DROP_SEED, single_rank_dropout
+
+    mesh = cached_mesh(sp=torch.distributed.get_world_size() // tp, tp=tp)
+    world, seq = mesh.sp_size, 8 * mesh.sp_size
+    q, k, v, dout = full_inputs(2, 8, seq, 16, torch.float64, 4)
+    shard_zigzag = causal if zigzag is None else zigzag
+    mask = make_mask("random", 2, seq, world, shard_zigzag, 4)
+    mine = slice(mesh.tp_rank * 8 // tp, (mesh.tp_rank + 1) * 8 // tp)
+    expected = single_rank_dropout(q, k, v, dout, mask, causal, heads=mine)
+    q, k, v, dout = (t[:, mine].contiguous() for t in (q, k, v, dout))
+    actual = parallel_attention(ulysses_attention, q, k, v, dout, mask, causal, mesh.sp_group, shard_zigzag,
+                                zigzag=zigzag, dropout_p=DROP_P, dropout_seed=DROP_SEED, head_offset=mine.start)
+    compare(actual, expected, torch.float64, f"ulysses dropout sp={world} tp={tp} causal={causal} zigzag={zigzag}")
+
+
+@pytest.mark.parametrize("world,causal,zigzag,tp", [
+    (2, True, None, 1), (4, False, None, 1), (4, True, False, 1), (4, False, True, 1), (4, True, None, 2),
+])
+def test_ulysses_attention_dropout_matches_single_rank(world, causal, zigzag, tp):
+    run_on_ranks(check_ulysses_dropout, world, causal, zigzag, tp)

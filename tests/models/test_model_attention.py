@@ -109,8 +109,8 @@ def test_self_attention_matches_serial(layout, changes):
 
 
 def check_dropout(layout):
-    """Dropout on the probabilities: reproducible from the seed, off in eval (equal to the
-    fused path), and a real change in training."""
+    """Dropout on the probabilities: reproducible from the seed, off in eval, and a real change
+    in training."""
     from shardzoo.layers import random
 
     mesh = cached_mesh(**LAYOUTS[layout][0])
@@ -129,8 +129,47 @@ def check_dropout(layout):
 
 
 @pytest.mark.parametrize("layout", ["serial", "1d_tp2_sp2"])
-def test_attention_dropout_reference_path(layout):
+def test_attention_dropout_is_reproducible(layout):
     assert all(run_on_ranks(check_dropout, LAYOUTS[layout][1], layout))
+
+
+def check_dropout_twin(layout, case):
+    """In training with attention dropout, the tp x sp model equals its serial twin (the same
+    module on a tp=1, sp=1 mesh) for the same torch seed: outputs, input and parameter grads."""
+    world = LAYOUTS[layout][1]
+    hidden, heads, batch, seq = 32, case.get("heads", 4), 4, 8
+    torch.manual_seed(0)
+    lin = {n: nn.Linear(hidden, hidden) for n in ("q", "k", "v", "o")}
+    x, weight = torch.randn(batch, seq, hidden), torch.randn(batch, seq, hidden)
+    mask = torch.arange(seq)[None, :] < torch.tensor([seq, 3, 6, 1])[:, None]
+    common = dict(num_heads=heads, causal=case["causal"], sp_mode=case["sp_mode"], attn_dropout=0.3)
+    results = []
+    for mesh in (cached_mesh(dp=world), cached_mesh(**LAYOUTS[layout][0])):  # serial twin, then parallel
+        attn = SelfAttention.from_serial(q=lin["q"], k=lin["k"], v=lin["v"], o=lin["o"], mesh=mesh, **common)
+        x_in = x.clone().requires_grad_()
+        torch.manual_seed(5)  # the dropout seed comes from torch's default generator
+        y = attn.gather_output(attn(attn.shard_input(x_in), attn.shard_mask(mask)))
+        (y * mask[..., None] * weight).sum().backward()
+        grads = {}
+        for name, p in attn.named_parameters():
+            torch.distributed.all_reduce(p.grad, group=mesh.sp_group)
+            grads[name] = gather_full(p.grad, get_shard_spec(p), mesh)
+        results.append((y.detach() * mask[..., None], x_in.grad, grads))
+    (y_ser, dx_ser, g_ser), (y_par, dx_par, g_par) = results
+    assert_close(y_par, y_ser, f"{layout} output with dropout", scale=5)
+    assert_close(dx_par, dx_ser, f"{layout} input grad with dropout", scale=5)
+    for name in g_ser:
+        assert_close(g_par[name], g_ser[name], f"{layout} grad {name} with dropout", scale=5)
+    return True
+
+
+@pytest.mark.parametrize("layout,case", [
+    ("1d_tp2_sp2", dict(causal=True, sp_mode="ring")),
+    ("2d_tp4_sp2", dict(causal=False, sp_mode="ulysses", heads=8)),
+    ("3d_tp8", dict(causal=True, sp_mode="ring")),
+])
+def test_attention_dropout_matches_serial_twin(layout, case):
+    assert all(run_on_ranks(check_dropout_twin, LAYOUTS[layout][1], layout, case))
 
 
 def check_error(layout, kwargs):

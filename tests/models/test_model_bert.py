@@ -1,12 +1,12 @@
 """BERT against transformers' BertForPreTraining (same weights): MLM logits, pooler output and
-every gradient, with key padding masks and token types, in every tp_mode and with sp=2."""
+every gradient, with key padding masks and token types, in every tp_mode, with sp=2 and dp=2."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from shardzoo.testing import assert_close, run_on_ranks
-from test_model_gpt2 import LAYOUTS, converted, grads_vs_reference, mesh_of, shardzoo_twin
+from test_model_gpt2 import LAYOUTS, converted, dp_rows, grads_vs_reference, mesh_of, shardzoo_twin
 
 
 def hf_bert(seed, **overrides):
@@ -36,18 +36,23 @@ def check_bert(layout, case):
     weight = torch.randn(batch, config.hidden_size, generator=gen)
     out = hf(ids, attention_mask=mask.long(), token_type_ids=types)
     pooled_ref = hf.bert(ids, attention_mask=mask.long(), token_type_ids=types).pooler_output
+    # each dp replica feeds its own rows of the global batch
+    full_target, full_weight = target, weight
+    ids, types, target, mask, weight = (dp_rows(t, mesh) for t in (ids, types, target, mask, weight))
     hidden = model.embed(model.shard_input(ids), model.shard_input(types))
     local_mask = model.shard_mask(mask)
     for block in model.bert.encoder.layer.values():
         hidden = block(hidden, local_mask)
     logits = model.mlm_logits(hidden)
     pooled = model.gather_pooled(model.pool(hidden))
-    assert_close(model.gather_output(logits), out.prediction_logits, f"{layout} MLM logits", scale=5)
-    assert_close(pooled, pooled_ref, f"{layout} pooled", scale=5)
+    assert_close(model.gather_output(logits), dp_rows(out.prediction_logits, mesh), f"{layout} MLM logits")
+    assert_close(pooled, dp_rows(pooled_ref, mesh), f"{layout} pooled")
     loss = model.loss(logits, model.shard_target(target)) + (pooled * weight).sum()
     loss.backward()
     hf.zero_grad()
-    (F.cross_entropy(out.prediction_logits.flatten(0, 1), target.flatten()) + (pooled_ref * weight).sum()).backward()
+    # the replicas' gradients are averaged: the mean MLM loss of the global batch plus 1/dp of the pooled sum
+    (F.cross_entropy(out.prediction_logits.flatten(0, 1), full_target.flatten())
+     + (pooled_ref * full_weight).sum() / mesh.dp_size).backward()
     grads = converted({n: p.grad for n, p in hf.named_parameters()}, hf_to_shardzoo, config)
     grads.setdefault("cls.predictions.decoder.weight", grads["bert.embeddings.word_embeddings.weight"])
     grads_vs_reference(model, mesh, grads, layout)
@@ -57,6 +62,8 @@ def check_bert(layout, case):
 CASES = [
     ("serial", {}),
     ("1d_tp2", {}),
+    ("1d_tp4", {}),
+    ("1d_tp2_dp2", {}),
     ("1d_tp2_sp2", {}),
     ("1d_tp2_sp2", {"sp_mode": "ulysses"}),
     ("2d_tp4", {}),

@@ -33,11 +33,24 @@ def dp_rows(t, mesh):
     return t.chunk(mesh.dp_size, 0)[mesh.dp_rank]
 
 
-def grads_vs_reference(model, mesh, expected: dict, what: str, scale: float = 20):
+# Outputs and losses are compared at the fp32 tolerance itself (|a - e| <= 1e-6 + 1e-5 |e|): the
+# largest error measured over every family and layout here is 0.18x that allowance (max abs
+# error 2.7e-7 on logits up to 1.0). Gradients get 4x it: BERT's gradients (up to 25 in size,
+# from the pooled term) reach 1.63x (abs 6.7e-6, embedding gradient, 2D tp4), and 0.90x already
+# in serial (tp=1: transformers' math in another fp32 summation order), so that is the rounding
+# of fp32 accumulation at this gradient size rather than the tp split; the other families stay
+# below 0.21x.
+GRAD_SCALE = 4
+
+
+def grads_vs_reference(model, mesh, expected: dict, what: str, scale: float = GRAD_SCALE):
     """Average this rank's gradients over dp and sp (what DDP on group("dp", "sp") does), gather
-    them to full size and compare with ``expected`` (shardzoo names)."""
+    them to full size and compare with ``expected`` (shardzoo names; None: no gradient)."""
     group_size = mesh.size("dp", "sp")
     for name, p in model.named_parameters():
+        if expected[name] is None:  # outside the reference's loss (e.g. BERT's pooler under an MLM loss)
+            assert p.grad is None, f"{what} grad {name}: the reference has none"
+            continue
         g = p.grad
         if group_size > 1:
             g = g.clone()
@@ -94,13 +107,13 @@ def check_causal_lm(family: str, hf, layout, case, table: str, pad_id: int | Non
     ref = hf(ids).logits
     ref_loss = F.cross_entropy(ref.flatten(0, 1), target.flatten())
     logits = model(model.shard_input(ids))
-    assert_close(model.gather_output(logits), ref, f"{layout} logits", scale=5)
+    assert_close(model.gather_output(logits), ref, f"{layout} logits")
     loss = model.loss(logits, model.shard_target(target))
     loss.backward()
     # every dp replica's own mean; the global mean is their average, so compare per replica
     sp_mean = loss.detach().clone()
     dist.all_reduce(sp_mean, group=mesh.sp_group)
-    assert_close(sp_mean / mesh.sp_size, ref_loss.detach(), f"{layout} loss", scale=5)
+    assert_close(sp_mean / mesh.sp_size, ref_loss.detach(), f"{layout} loss")
     hf.zero_grad()
     # the global batch's mean loss: its gradient is the dp average of the replicas' gradients
     full_loss = F.cross_entropy(hf(ids_all[:, :-1]).logits.flatten(0, 1), ids_all[:, 1:].flatten())

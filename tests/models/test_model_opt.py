@@ -1,6 +1,6 @@
 """OPT against transformers' OPTForCausalLM (same weights): logits, loss and every gradient in
-every tp_mode and with sp=2, pre-LN (opt-125m style) and post-LN with project_in / project_out
-(opt-350m style)."""
+every tp_mode, with sp=2 and with dp=2, each for pre-LN (opt-125m style) and for post-LN with
+project_in / project_out (opt-350m style)."""
 
 import pytest
 import torch
@@ -27,17 +27,11 @@ def check_opt(layout, case):
 
 
 OPT_350M = {"do_layer_norm_before": False, "word_embed_proj_dim": 32}
-CASES = [
-    ("serial", {}),
-    ("serial", {"config": OPT_350M}),
-    ("1d_tp2", {"config": OPT_350M}),
-    ("1d_tp2_sp2", {}),
-    ("2d_tp4", {"config": OPT_350M}),
-    ("2.5d_tp8", {}),
-    ("3d_tp8", {"config": OPT_350M}),
-]
+VARIANTS = {"pre_ln": {}, "350m": {"config": OPT_350M}}  # opt-125m style; post-LN with project_in / project_out
+LAYOUT_NAMES = ["serial", "1d_tp2", "1d_tp4", "1d_tp2_sp2", "1d_tp2_dp2", "2d_tp4", "2.5d_tp8", "3d_tp8"]
 
 
-@pytest.mark.parametrize("layout,changes", CASES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(CASES)])
-def test_opt_matches_transformers(layout, changes):
-    run_on_ranks(check_opt, LAYOUTS[layout][1], layout, {"seed": 0, "batch": 4, "seq": 8, **changes})
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("layout", LAYOUT_NAMES)
+def test_opt_matches_transformers(layout, variant):
+    run_on_ranks(check_opt, LAYOUTS[layout][1], layout, {"seed": 0, "batch": 4, "seq": 8, **VARIANTS[variant]})
