@@ -6,9 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardzoo.testing import run_on_ranks
-from test_layouts import (check_default_init, check_layout_guard, check_linear, check_lm, check_mlp_training,
-                          check_module, check_patch, construction_error, linear_case, lm_case, mlp_case, module_case,
-                          patch_case, world_of)
+from grid_chaining import check_layout_guard, check_mlp_training
+from test_layouts import (check_default_init, check_linear, check_lm, check_module, check_patch, construction_error,
+                          linear_case, lm_case, mlp_case, module_case, patch_case, world_of)
 
 
 @given(data=st.data())

@@ -1,0 +1,121 @@
+"""Chaining checks for the 2D / 2.5D / 3D layers (used by test_layers_*.py): the layout tag
+guard, and a transformer MLP block trained for three AdamW steps against serial."""
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardzoo.layers import layouts
+from shardzoo.layers.shard_spec import full_state_dict
+from shardzoo.testing import assert_close, assert_close_conditioned
+from test_layouts import (BATCH_PARTS, DTYPES, SCALE, check_grads_match, classes, data_seed, mesh_of, perturbed,
+                          randn)
+
+
+# -- the layout tag guard: a block in another layout is refused, not silently misread -------
+def guard_error(fn, *args):
+    try:
+        fn(*args)
+    except ValueError as e:
+        return str(e)
+    raise AssertionError(f"{fn} accepted a block in the wrong layout")
+
+
+def check_layout_guard(name, seed):
+    """Chaining a module whose input layout differs from the previous output layout raises;
+    correct chaining still matches serial; untagged tensors (after elementwise ops) pass."""
+    mesh = mesh_of(name)
+    kinds = classes(mesh.tp_mode)
+    canonical = layouts.canonical_layout(mesh)
+    torch.manual_seed(seed)
+    s1, s2 = nn.Linear(8, 16, dtype=torch.float64), nn.Linear(16, 8, dtype=torch.float64)
+    x_full = randn(seed, (2 * BATCH_PARTS[name], 3, 8), torch.float64)
+    fc1 = kinds["linear"].from_serial(s1, mesh)
+    x = fc1.shard_input(x_full)
+    assert layouts.layout_tag(x) == fc1.layout == canonical  # shard_input tags its result
+    h = fc1(x)
+    assert layouts.layout_tag(h) == fc1.output_layout
+    if mesh.tp_mode == "3d":  # fc1 produced (x, z | y); a second layer built for (x, y | z) is wrong
+        wrong = kinds["linear"].from_serial(s2, mesh)
+        right = kinds["linear"].from_serial(s2, mesh, input_layout=fc1.output_layout)
+        assert fc1.output_layout != canonical
+    else:  # every 2D module works in one layout; a LayerNorm built for the transposed one is wrong
+        wrong = kinds["norm"](16, mesh=mesh, layout=layouts.ActivationLayout("2d", ("tp_col",), "tp_row"))
+        right = kinds["linear"].from_serial(s2, mesh)
+    m = guard_error(wrong, h)
+    who, arg = type(wrong).__name__, "input_layout" if mesh.tp_mode == "3d" else "layout"
+    for part in (f"{who} expects a block in layout ({wrong.layout})", f"got one in layout ({fc1.output_layout})",
+                 "the result would be silently wrong", f"Fix: build {who} with {arg}=previous.output_layout"):
+        assert part in m, f"{part!r} not in {m!r}"
+    m = guard_error(layouts.gather_activation, h, mesh, layouts.ActivationLayout("2d", ("tp_col",), "tp_row")
+                    if mesh.tp_mode == "2d" else canonical)
+    assert "gather_activation expects a block in layout" in m and "producer.gather_output" in m
+    wrong(torch.relu(h))  # the limit: an elementwise op drops the tag, so nothing is checked
+    y = right(h)
+    assert layouts.layout_tag(y) == right.output_layout == canonical
+    assert_close(right.gather_output(y).detach(), s2(s1(x_full)).detach(), "correctly chained", SCALE)
+    return True
+
+
+# -- a transformer MLP block trained for three AdamW steps ----------------------------------
+class MLPBlock(nn.Module):
+    """x + fc2(gelu(fc1(ln(x)))): the same code serial and parallel."""
+
+    def __init__(self, ln, fc1, fc2):
+        super().__init__()
+        self.ln, self.fc1, self.fc2 = ln, fc1, fc2
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+
+
+def parallel_mlp(serial: MLPBlock, mesh) -> MLPBlock:
+    kinds = classes(mesh.tp_mode)
+    fc1 = kinds["linear"].from_serial(serial.fc1, mesh)
+    if mesh.tp_mode == "3d":  # fc2 consumes fc1's layout; its output is back in the canonical one
+        fc2 = kinds["linear"].from_serial(serial.fc2, mesh, input_layout=fc1.output_layout)
+        assert fc2.output_layout == layouts.canonical_layout(mesh)
+    else:
+        fc2 = kinds["linear"].from_serial(serial.fc2, mesh)
+    return MLPBlock(kinds["norm"].from_serial(serial.ln, mesh), fc1, fc2)
+
+
+def check_mlp_training(case):
+    """The MLP block and three AdamW steps stay equal to serial; case: name, hidden, ffn,
+    batch, seq, dtype, seed."""
+    mesh = mesh_of(case["name"])
+    dtype, seed, h = DTYPES[case["dtype"]], case["seed"], case["hidden"]
+    torch.manual_seed(seed)
+    serial = MLPBlock(perturbed(nn.LayerNorm(h, dtype=dtype), seed), nn.Linear(h, case["ffn"], dtype=dtype),
+                      nn.Linear(case["ffn"], h, dtype=dtype))
+    par = parallel_mlp(serial, mesh)
+    exact = copy.deepcopy(serial).double()  # the serial math in float64: the serial run's own rounding error
+    opt_s = torch.optim.AdamW(serial.parameters(), lr=1e-2, weight_decay=0.1)
+    opt_p = torch.optim.AdamW(par.parameters(), lr=1e-2, weight_decay=0.1)
+    opt_e = torch.optim.AdamW(exact.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(3):
+        dseed = data_seed(seed + 7 * step, mesh)
+        x = randn(dseed, (case["batch"], case["seq"], h), dtype)
+        g = randn(dseed + 1, x.shape, dtype)
+        xs, xp = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        xe = x.detach().double().clone().requires_grad_(True)
+        y_s = serial(xs)
+        (y_s * g).sum().backward()
+        y_e = exact(xe)
+        (y_e * g.double()).sum().backward()
+        y_p = layouts.gather_activation(par(layouts.shard_activation(xp, mesh)), mesh)
+        (y_p * g).sum().backward()
+        # Adam normalises each element by its own gradient history, so in fp32 an element with a
+        # gradient near zero can take a visibly different step; compare later steps more loosely
+        scale = SCALE if step == 0 or dtype == torch.float64 else 50 * SCALE
+        assert_close_conditioned(y_p.detach(), y_s.detach(), y_e.detach(), f"step {step} output", scale)
+        assert_close_conditioned(xp.grad, xs.grad, xe.grad, f"step {step} input grad", scale)
+        check_grads_match(par, serial, mesh, f"step {step}", scale)
+        opt_s.step(), opt_p.step(), opt_e.step()
+        opt_s.zero_grad(), opt_p.zero_grad(), opt_e.zero_grad()
+    state, ref = full_state_dict(par), serial.state_dict()
+    for k, v in ref.items():
+        assert_close(state[k], v, f"after 3 AdamW steps {k}", scale)
+    return True
