@@ -9,6 +9,7 @@ Per world size (one launch each, all three implementations in it, interleaved st
   ColwiseParallel(input_layouts=Shard(1)), RowwiseParallel(output_layouts=Shard(1))).
 * floor: the local matmuls and exactly one raw torch.distributed collective each way
   (all_reduce; with sequence parallelism all_gather + reduce_scatter), no wrappers.
+* control: the floor once more in each step, whose ratio to the floor shows the host's noise.
 
 Activations are [batch, seq, hidden]; with sequence parallelism the block's input and output
 are the rank's [batch, seq/p, hidden] chunk.
@@ -157,6 +158,9 @@ def _step(block, x, gy):
     return y
 
 
+CONTROL = "floor again (control)"
+
+
 def run(cfg):
     """On every rank: median step ms of each implementation, parameter bytes, max output diff."""
     p = dist.get_world_size()
@@ -170,6 +174,7 @@ def run(cfg):
     for sp in (False, True):
         blocks = {"shardzoo": shardzoo_block(serial, mesh, sp), "dtensor": dtensor_block(serial, mesh, sp),
                   "floor": FloorBlock(serial, mesh.tp_rank, p, sp)}
+        blocks[CONTROL] = blocks["floor"]  # A/A control: its ratio to the floor is this host's noise
         s_local = s // p if sp else s
         gen = torch.Generator().manual_seed(1)
         x = torch.randn(b, s, h, generator=gen, dtype=dtype)
@@ -181,7 +186,7 @@ def run(cfg):
         names = list(blocks)
         for i in range(cfg["warmup"] + cfg["steps"]):
             # interleaved, first one rotating, so load drifts and order effects hit all alike
-            for name in names[i % 3:] + names[:i % 3]:
+            for name in names[i % len(names):] + names[:i % len(names)]:
                 block = blocks[name]
                 dist.barrier()
                 t0 = time.perf_counter()
@@ -237,13 +242,15 @@ def main() -> None:
                "serial bytes / tp", "max abs diff vs floor"]
     table = markdown_table(headers, rows)
     print(table)
+    controls = ", ".join(f"{r['vs_floor']:.2f}" for r in data if r["impl"] == CONTROL)
     full = (args.hidden, args.ffn, args.batch, args.seq) == (1024, 4096, 8, 512)
     size = (f"h={args.hidden} ffn={args.ffn} batch={args.batch} seq={args.seq} {args.dtype}, fwd+bwd, "
             f"{args.steps} timed steps after {args.warmup} warm-up")
     note = (f"{size}{'' if full else ' (reduced size, not the full h=1024 ffn=4096 8x512 block)'}. "
-            "Step times are the slowest rank's. Ratios are the median over steps of the paired ratio (all three "
+            "Step times are the slowest rank's. Ratios are the median over steps of the paired ratio (all "
             "implementations run back to back in each step, in rotating order), so drifts of the shared machine "
-            "cancel within a step. Floor = local matmuls + one raw collective each way. Param bytes include the replicated LayerNorm "
+            "cancel within a step. The control row runs the floor a second time in each step: its distance from "
+            f"1.00 ({controls}) is the resolution of this host. Floor = local matmuls + one raw collective each way. Param bytes include the replicated LayerNorm "
             "and row bias, hence slightly above serial/tp.")
     write_results("tp1d", "1D tensor parallelism: MLP block vs DTensor and a raw all_reduce floor", table,
                   {"config": cfg, "rows": data}, note)
