@@ -5,19 +5,30 @@ log2 units (scale * log2(e) folded in) so the kernels use exp2. head_dim is padd
 a power of two with masks. Only imported when Triton is installed.
 
 Dropout (``HAS_DROPOUT``): the launcher passes the 32-bit row keys [B, H, Sq] and column keys
-[Sk] of ``dropout_mask`` as int32; each kernel forms ``fmix32(row_key + col_key)`` per score in
-uint32 (the same arithmetic as ``dropout_mask.keep_mask``, inlined because a helper function
-cannot be shared between the compiler and the interpreter the kernels are wrapped for).
+[Sk] of ``dropout_mask`` as int32; ``_dropout_kept`` forms ``fmix32(row_key + col_key)`` per
+score in uint32, the same arithmetic as ``dropout_mask.keep_mask``.
 """
 from __future__ import annotations
 
 import torch
 
-from ._triton import cdiv, jit, next_power_of_2, tl
+from ._triton import cdiv, jit, jit_device, next_power_of_2, tl
 from .dropout_mask import as_int32
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 128
 _LOG2E = 1.4426950408889634
+
+
+@jit_device
+def _dropout_kept(row_key, col_key, threshold):
+    """Keep-mask of broadcastable uint32 row / column keys: (fmix32(row + col) >> 1) >= threshold."""
+    h = row_key + col_key
+    h ^= h >> 16
+    h *= 0x85EBCA6B
+    h ^= h >> 13
+    h *= 0xC2B2AE35
+    h ^= h >> 16
+    return (h >> 1).to(tl.int32) >= threshold
 
 
 @jit
@@ -73,13 +84,7 @@ def _attn_fwd_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)  # the undropped normaliser: lse merges as without dropout
         if HAS_DROPOUT:
             ck = tl.load(CK + offs_n, mask=n_ok, other=0).to(tl.uint32, bitcast=True)
-            hsh = rk[:, None] + ck[None, :]
-            hsh ^= hsh >> 16
-            hsh *= 0x85EBCA6B
-            hsh ^= hsh >> 13
-            hsh *= 0xC2B2AE35
-            hsh ^= hsh >> 16
-            p = tl.where((hsh >> 1).to(tl.int32) >= drop_threshold, p, 0.0)
+            p = tl.where(_dropout_kept(rk[:, None], ck[None, :], drop_threshold), p, 0.0)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
         m_i = m_new
@@ -165,13 +170,7 @@ def _attn_bwd_dkdv_kernel(
         pd_t = p_t
         if HAS_DROPOUT:  # dV = (P Z / (1-p))^T dO, dP = (dO V^T) Z / (1-p)
             rk = tl.load(RK + pid_bh * Sq + offs_m, mask=m_ok, other=0).to(tl.uint32, bitcast=True)
-            hsh = ck[:, None] + rk[None, :]
-            hsh ^= hsh >> 16
-            hsh *= 0x85EBCA6B
-            hsh ^= hsh >> 13
-            hsh *= 0xC2B2AE35
-            hsh ^= hsh >> 16
-            kept = (hsh >> 1).to(tl.int32) >= drop_threshold
+            kept = _dropout_kept(ck[:, None], rk[None, :], drop_threshold)
             pd_t = tl.where(kept, p_t * drop_scale, 0.0)
             dp_t = tl.where(kept, dp_t * drop_scale, 0.0)
         dv += tl.dot(pd_t.to(do.dtype), do, input_precision=PRECISION)
@@ -238,13 +237,7 @@ def _attn_bwd_dq_kernel(
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         if HAS_DROPOUT:  # dP = (dO V^T) Z / (1-p)
             ck = tl.load(CK + offs_n, mask=n_ok, other=0).to(tl.uint32, bitcast=True)
-            hsh = rk[:, None] + ck[None, :]
-            hsh ^= hsh >> 16
-            hsh *= 0x85EBCA6B
-            hsh ^= hsh >> 13
-            hsh *= 0xC2B2AE35
-            hsh ^= hsh >> 16
-            dp = tl.where((hsh >> 1).to(tl.int32) >= drop_threshold, dp * drop_scale, 0.0)
+            dp = tl.where(_dropout_kept(rk[:, None], ck[None, :], drop_threshold), dp * drop_scale, 0.0)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
     dq = dq * sm_scale
