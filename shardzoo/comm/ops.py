@@ -76,8 +76,7 @@ def all_reduce(x: torch.Tensor, group, inplace: bool = False) -> torch.Tensor:
     if p == 1:
         return x
     out = x if inplace else x.clone(memory_format=torch.contiguous_format)
-    record("all_reduce", _nbytes(out), p)
-    dist.all_reduce(out, group=group)
+    all_reduce_start(out, group).wait()
     return out
 
 
@@ -95,15 +94,8 @@ def all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
 
 def reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     """Sum over the group, then keep this rank's chunk along ``dim`` (shape[dim] / p)."""
-    p = group_size(group)
-    if p == 1:
-        return x
-    check_divisible(x, dim, p, "reduce_scatter")
-    moved = x.movedim(dim, 0).contiguous()
-    out = moved.new_empty((moved.shape[0] // p,) + tuple(moved.shape[1:]))
-    record("reduce_scatter", _nbytes(moved), p)
-    _REDUCE_SCATTER(out, moved, group=group)
-    return out.movedim(0, dim)
+    finish, _ = reduce_scatter_start(x, group, dim)
+    return finish()
 
 
 def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:

@@ -18,7 +18,8 @@ import torch
 
 from shardzoo.kernels import flash_attention
 from shardzoo.kernels.flash_attention import draw_dropout_seed
-from shardzoo.layers.ring_attention import ring_attention, shard_positions
+from shardzoo.layers.ring_attention import ring_attention
+from shardzoo.layers.sequence import shard_positions
 from shardzoo.layers.ulysses import ulysses_attention
 
 SP_MODES = ("ring", "ulysses")

@@ -35,6 +35,7 @@ from shardzoo.comm import RingExchange
 from shardzoo.comm.ops import group_rank, group_size
 from shardzoo.kernels import attention_block_backward, attention_block_forward
 from shardzoo.kernels.flash_attention import draw_dropout_seed
+from shardzoo.layers.sequence import shard_positions
 
 _ALL = slice(None)
 
@@ -85,18 +86,6 @@ def ring_blocks(group, tensors: list[torch.Tensor]) -> Iterator[tuple[int, int, 
         yield step, (me - step) % ring.size, tensors
         if pending is not None:
             tensors = pending.wait()
-
-
-def shard_positions(seq_local: int, rank: int, world: int, zigzag: bool, device=None) -> torch.Tensor:
-    """Global positions, int64 [seq_local], of the tokens group rank ``rank`` of ``world`` holds:
-    ``[rank*S/P, (rank+1)*S/P)`` contiguous, chunks ``rank`` and ``2P-1-rank`` (each
-    seq_local/2 long) zigzag."""
-    if not zigzag or world == 1:
-        return torch.arange(rank * seq_local, (rank + 1) * seq_local, device=device)
-    half = seq_local // 2
-    first = torch.arange(rank * half, (rank + 1) * half, device=device)
-    second = torch.arange((2 * world - 1 - rank) * half, (2 * world - rank) * half, device=device)
-    return torch.cat([first, second])
 
 
 def block_schedule(step: int, rank: int, source: int, local_len: int, causal: bool) -> tuple[slice, slice, bool]:

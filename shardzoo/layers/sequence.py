@@ -63,6 +63,18 @@ def from_zigzag_order(x: torch.Tensor, world: int, dim: int) -> torch.Tensor:
     return torch.cat(natural, dim)
 
 
+def shard_positions(seq_local: int, rank: int, world: int, zigzag: bool, device=None) -> torch.Tensor:
+    """Global positions, int64 [seq_local], of the tokens group rank ``rank`` of ``world`` holds:
+    ``[rank*S/P, (rank+1)*S/P)`` contiguous, chunks ``rank`` and ``2P-1-rank`` (each
+    seq_local/2 long) zigzag."""
+    if not zigzag or world == 1:
+        return torch.arange(rank * seq_local, (rank + 1) * seq_local, device=device)
+    half = seq_local // 2
+    first = torch.arange(rank * half, (rank + 1) * half, device=device)
+    second = torch.arange((2 * world - 1 - rank) * half, (2 * world - rank) * half, device=device)
+    return torch.cat([first, second])
+
+
 def shard_sequence(x_full: torch.Tensor, group, dim: int, zigzag: bool = False) -> torch.Tensor:
     """This rank's sequence shard of the replicated ``x_full``.
 
