@@ -95,8 +95,7 @@ class BERT(StagedModel):
     def __init__(self, config: BERTConfig, *, mesh, stage=None, stage_layers=None, sp_mode: str = "ring",
                  checkpointing: bool = False, mlm_head: bool = True, device=None, seed: int | None = None):
         super().__init__()
-        target_device, device = device, "meta"  # shapes only: no storage, no full-size serial twins
-        with torch.device("meta"):
+        with self.building(device, seed) as device:  # meta: shapes only, then this rank's shards
             check_heads("BERT", config.hidden_size, config.num_attention_heads, mesh, sp_mode)
             self.config, self.mesh, self.checkpointing = config, mesh, checkpointing
             self.layout = layout = tpl.input_layout(mesh)
@@ -136,7 +135,6 @@ class BERT(StagedModel):
                 pred.bias = common.vocab_bias(pred.decoder, config.vocab_size, mesh, layout, device)
                 pred.mesh = mesh  # the axes of the bias's ShardSpec (checkpointing and loading need them)
                 self.target_layout = common.head_output_layout(pred.decoder, layout)
-        self.allocate(target_device, seed)  # storage for this rank's shards, seeded init
 
     def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:

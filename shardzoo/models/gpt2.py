@@ -98,8 +98,7 @@ class GPT2(StagedModel):
     def __init__(self, config: GPT2Config, *, mesh, stage=None, stage_layers=None, sp_mode: str = "ring",
                  checkpointing: bool = False, device=None, seed: int | None = None):
         super().__init__()
-        target_device, device = device, "meta"  # shapes only: no storage, no full-size serial twins
-        with torch.device("meta"):
+        with self.building(device, seed) as device:  # meta: shapes only, then this rank's shards
             check_heads("GPT2", config.n_embd, config.n_head, mesh, sp_mode)
             self.config, self.mesh, self.checkpointing = config, mesh, checkpointing
             self.tied_names = {"lm_head.weight": "transformer.wte.weight"} if config.tie_word_embeddings else {}
@@ -121,7 +120,6 @@ class GPT2(StagedModel):
                 self.lm_head = common.lm_head(h, config.vocab_size, mesh, self.layout, tie_to=tie, serial=serial,
                                               device=device)
                 self.target_layout = common.head_output_layout(self.lm_head, self.layout)
-        self.allocate(target_device, seed)  # storage for this rank's shards, seeded init
 
     def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """ids [b, s] (first stage) or hidden [b, s, H_l] -> hidden, or logits [b, s, V_local] (last)."""

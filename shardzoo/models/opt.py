@@ -95,8 +95,7 @@ class OPT(StagedModel):
     def __init__(self, config: OPTConfig, *, mesh, stage=None, stage_layers=None, sp_mode: str = "ring",
                  checkpointing: bool = False, device=None, seed: int | None = None):
         super().__init__()
-        target_device, device = device, "meta"  # shapes only: no storage, no full-size serial twins
-        with torch.device("meta"):
+        with self.building(device, seed) as device:  # meta: shapes only, then this rank's shards
             check_heads("OPT", config.hidden_size, config.num_attention_heads, mesh, sp_mode)
             self.config, self.mesh, self.checkpointing = config, mesh, checkpointing
             self.layout = tpl.input_layout(mesh)
@@ -127,7 +126,6 @@ class OPT(StagedModel):
                 self.lm_head = common.lm_head(e, config.vocab_size, mesh, self.layout, tie_to=tie, serial=serial,
                                               device=device)
                 self.target_layout = common.head_output_layout(self.lm_head, self.layout)
-        self.allocate(target_device, seed)  # storage for this rank's shards, seeded init
 
     def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """ids [b, s] (first stage) or hidden [b, s, H_l] -> hidden, or logits [b, s, V_local] (last)."""

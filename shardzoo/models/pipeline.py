@@ -130,13 +130,22 @@ class StagedModel(nn.Module):
                 state[copy] = state[table]
         return common.load_full_state_dict(self, state, strict)
 
+    @contextlib.contextmanager
+    def building(self, device=None, seed: int | None = None):
+        """Wrap a family constructor's module building: inside, modules are created on the meta
+        device (shapes only, no full-size serial twins; the yielded "meta" is the device to pass
+        to the layers); on exit :meth:`allocate` gives this rank's shards storage on ``device``
+        and the seeded init."""
+        with torch.device("meta"):
+            yield "meta"
+        self.allocate(device, seed)
 
     def allocate(self, device=None, seed: int | None = None) -> None:
         """Give the meta-built model storage for this rank's shards only, on ``device``
         (default: torch's default device), and fill it with :meth:`init_weights` (``seed``;
         default ``torch.initial_seed()``, so ranks seeded alike build identical full weights).
         ``device="meta"`` leaves the model on meta (e.g. for :meth:`from_pretrained`).
-        The family constructors end with this call."""
+        The family constructors end with this call (through :meth:`building`)."""
         from shardzoo.models.meta import materialize
 
         device = torch.device(device) if device is not None else torch.get_default_device()

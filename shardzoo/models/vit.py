@@ -123,8 +123,7 @@ class ViT(StagedModel):
     def __init__(self, config: ViTConfig, *, mesh, stage=None, stage_layers=None, sp_mode: str = "ring",
                  checkpointing: bool = False, device=None, seed: int | None = None):
         super().__init__()
-        target_device, device = device, "meta"  # shapes only: no storage, no full-size serial twins
-        with torch.device("meta"):
+        with self.building(device, seed) as device:  # meta: shapes only, then this rank's shards
             check_heads("ViT", config.hidden_size, config.num_attention_heads, mesh, sp_mode)
             self.config, self.mesh, self.checkpointing = config, mesh, checkpointing
             self.layout = layout = tpl.input_layout(mesh)
@@ -146,7 +145,6 @@ class ViT(StagedModel):
                 self.classifier = serial if layout is None else _CLASSIFIER[mesh.tp_mode].from_serial(
                     serial, mesh, device=device, layout=layout)
                 self.target_layout = layout
-        self.allocate(target_device, seed)  # storage for this rank's shards, seeded init
 
     def token_mask(self, rows: int, device=None) -> torch.Tensor | None:
         """Bool [rows, s] key mask of this sp rank's tokens (False on the sequence padding)."""
