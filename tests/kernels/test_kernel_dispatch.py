@@ -46,14 +46,20 @@ def test_auto_uses_triton_exactly_for_cuda_tensors(monkeypatch):
     assert len(calls) <= 1
 
 
-def test_auto_uses_the_fused_cpu_kernel_for_cpu_tensors(monkeypatch):
+def spy_on_aten(monkeypatch) -> list:
+    """Record a call of the fused CPU forward (it still runs) in the returned list."""
     cpu = flash_attention_module._cpu
     calls = []
     real = cpu.attention_forward_aten
     monkeypatch.setattr(cpu, "attention_forward_aten", lambda *a: calls.append("aten") or real(*a))
+    return calls
+
+
+def test_auto_uses_the_fused_cpu_kernel_for_cpu_tensors(monkeypatch):
+    calls = spy_on_aten(monkeypatch)
     q, k, v = (t.cpu() for t in qkv())
     attention_block_forward(q, k, v, backend="auto")
-    assert calls == (["aten"] if cpu.available() else [])
+    assert calls == (["aten"] if flash_attention_module._cpu.available() else [])
     attention_block_forward(q, k, v, backend="torch")
     assert len(calls) <= 1
 
@@ -172,10 +178,7 @@ def test_package_imports_and_runs_without_triton():
 
 def test_auto_runs_cpu_dropout_on_the_reference(monkeypatch):
     """torch's fused CPU op cannot take the stateless mask: "auto" must not pick it."""
-    cpu = flash_attention_module._cpu
-    calls = []
-    real = cpu.attention_forward_aten
-    monkeypatch.setattr(cpu, "attention_forward_aten", lambda *a: calls.append("aten") or real(*a))
+    calls = spy_on_aten(monkeypatch)
     q, k, v = (t.cpu() for t in qkv())
     got = attention_block_forward(q, k, v, backend="auto", dropout_p=0.5, dropout_seed=1)
     want = attention_block_forward(q, k, v, backend="torch", dropout_p=0.5, dropout_seed=1)

@@ -16,26 +16,50 @@ LAYOUTS = {
 }
 
 
+def pipeline_stages(family_cls, config, state, mesh, case, microbatches):
+    """This rank's stages (``case["virtual"]`` per rank, default 1) loaded with ``state``, and
+    their schedule; returns (models, schedule)."""
+    from shardzoo.models.pipeline import build_schedule
+
+    pp, virtual = mesh.pp_size, case.get("virtual", 1)
+    indices = [mesh.pp_rank + i * pp for i in range(virtual)]
+    models = [family_cls(config, mesh=mesh, stage=(index, pp * virtual)) for index in indices]
+    for model in models:
+        model.load_full_state_dict(state, strict=True)
+    schedule = build_schedule(list(zip(indices, models)), mesh, n_microbatches=microbatches,
+                              schedule=case["schedule"], loss_fn=models[-1].loss)
+    return models, schedule
+
+
+def check_pipelined_step(models, mesh, losses, ref_loss, hf, to_shardzoo, config, tied, what):
+    """After ``schedule.step``: the last stage's loss (averaged over sp) equals ``ref_loss``
+    (backpropagated here) and every stage's gradient equals transformers' (``tied``: the
+    untied head's name -> the table whose gradient it carries)."""
+    from shardzoo.models.pipeline import sync_tied_grads
+
+    sync_tied_grads(models, mesh)
+    ref_loss.backward()
+    if models[-1].is_last:
+        loss = torch.stack(losses).mean()
+        torch.distributed.all_reduce(loss, group=mesh.sp_group)
+        assert_close(loss / mesh.sp_size, ref_loss.detach(), f"{what} loss")
+    grads = converted({n: p.grad for n, p in hf.named_parameters()}, to_shardzoo, config)
+    for head, table in tied.items():
+        grads.setdefault(head, grads[table])
+    for model in models:
+        grads_vs_reference(model, mesh, grads, f"{what} stage")
+
+
 def check_pipeline(layout, case):
     from shardzoo.models import GPT2, GPT2Config
     from shardzoo.models.gpt2 import hf_to_shardzoo
-    from shardzoo.models.pipeline import build_schedule, sync_tied_grads
 
     mesh = cached_mesh(**LAYOUTS[layout][0])
     hf = hf_gpt2(case["seed"], n_layer=case["n_layer"])
     config = GPT2Config.from_json(hf.config.to_dict())
-    state = converted(hf.state_dict(), hf_to_shardzoo, config)
-    pp, virtual = mesh.pp_size, case.get("virtual", 1)
-    total = pp * virtual
-    indices = [mesh.pp_rank + i * pp for i in range(virtual)]
-    models = []
-    for index in indices:
-        model = GPT2(config, mesh=mesh, stage=(index, total))
-        model.load_full_state_dict(state, strict=True)
-        models.append(model)
+    models, schedule = pipeline_stages(GPT2, config, converted(hf.state_dict(), hf_to_shardzoo, config), mesh, case,
+                                       case["microbatches"])
     last = models[-1]
-    schedule = build_schedule(list(zip(indices, models)), mesh, n_microbatches=case["microbatches"],
-                              schedule=case["schedule"], loss_fn=last.loss)
     gen = torch.Generator().manual_seed(case["seed"] + 1)
     ids_all = torch.randint(0, config.vocab_size, (case["batch"], case["seq"] + 1), generator=gen)
     ids, target = ids_all[:, :-1], ids_all[:, 1:]
@@ -45,17 +69,9 @@ def check_pipeline(layout, case):
     if last.is_last:
         kwargs = dict(target=last.shard_target(target), losses=losses)
     schedule.step(*args, **kwargs)
-    sync_tied_grads(models, mesh)
     ref_loss = F.cross_entropy(hf(ids).logits.flatten(0, 1), target.flatten())
-    ref_loss.backward()
-    if last.is_last:
-        loss = torch.stack(losses).mean()
-        torch.distributed.all_reduce(loss, group=mesh.sp_group)
-        assert_close(loss / mesh.sp_size, ref_loss.detach(), f"{layout} loss")
-    grads = converted({n: p.grad for n, p in hf.named_parameters()}, hf_to_shardzoo, config)
-    grads.setdefault("lm_head.weight", grads["transformer.wte.weight"])
-    for model in models:
-        grads_vs_reference(model, mesh, grads, f"{layout} stage")
+    check_pipelined_step(models, mesh, losses, ref_loss, hf, hf_to_shardzoo, config,
+                         {"lm_head.weight": "transformer.wte.weight"}, layout)
     return [list(m.transformer.h.keys()) for m in models]
 
 
@@ -133,21 +149,14 @@ def check_bert_pipeline(layout, case):
     keys change every block's output, so a stage without the mask gives other numbers."""
     from shardzoo.models import BERT, BERTConfig
     from shardzoo.models.bert import hf_to_shardzoo
-    from shardzoo.models.pipeline import build_schedule, sync_tied_grads
     from test_model_bert import hf_bert
 
     mesh = cached_mesh(**LAYOUTS[layout][0])
     hf = hf_bert(0, num_hidden_layers=case["n_layer"])
     config = BERTConfig.from_json(hf.config.to_dict())
-    state = converted(hf.state_dict(), hf_to_shardzoo, config)
-    pp, virtual = mesh.pp_size, case.get("virtual", 1)
-    indices = [mesh.pp_rank + i * pp for i in range(virtual)]
-    models = [BERT(config, mesh=mesh, stage=(index, pp * virtual)) for index in indices]
-    for model in models:
-        model.load_full_state_dict(state, strict=True)
+    models, schedule = pipeline_stages(BERT, config, converted(hf.state_dict(), hf_to_shardzoo, config), mesh, case,
+                                       2)
     first, last = models[0], models[-1]
-    schedule = build_schedule(list(zip(indices, models)), mesh, n_microbatches=2, schedule=case["schedule"],
-                              loss_fn=last.loss)
     gen = torch.Generator().manual_seed(7)
     batch, seq = 4, 8
     ids = torch.randint(1, config.vocab_size, (batch, seq), generator=gen)
@@ -160,18 +169,11 @@ def check_bert_pipeline(layout, case):
     if last.is_last:
         kwargs.update(target=last.shard_target(target), losses=losses)
     schedule.step(*args, **kwargs)
-    sync_tied_grads(models, mesh)
     logits = hf(ids, attention_mask=mask.long(), token_type_ids=types).prediction_logits
     ref_loss = F.cross_entropy(logits.flatten(0, 1), target.flatten())
-    ref_loss.backward()
-    if last.is_last:
-        loss = torch.stack(losses).mean()
-        torch.distributed.all_reduce(loss, group=mesh.sp_group)
-        assert_close(loss / mesh.sp_size, ref_loss.detach(), f"BERT {layout} loss")
-    grads = converted({n: p.grad for n, p in hf.named_parameters()}, hf_to_shardzoo, config)
-    grads.setdefault("cls.predictions.decoder.weight", grads["bert.embeddings.word_embeddings.weight"])
-    for model in models:
-        grads_vs_reference(model, mesh, grads, f"BERT {layout} {case['schedule']}")
+    check_pipelined_step(models, mesh, losses, ref_loss, hf, hf_to_shardzoo, config,
+                         {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight"},
+                         f"BERT {layout} {case['schedule']}")
     return True
 
 
