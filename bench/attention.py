@@ -8,6 +8,9 @@ Causal self-attention, fwd + bwd, batch 1, fp32, zigzag shards. Peers, in the sa
   ``torch.distributed.tensor.experimental._context_parallel`` with the CPU flash op and the
   ring (all-to-all) rotater. ``context_parallel()`` itself does not run on CPU: its SDPA
   handlers cover only the CUDA flash / efficient / cuDNN ops, so the core is called directly;
+* shardzoo's ring with the CUDA schedule of dK / dV (``grad_tiles=0``: hops overlapped, one
+  kernel call per block) on the same CPU ranks (skip with ``--no-overlapped``), to show what the
+  CPU schedule (tiles added into the arriving dK / dV) saves and costs;
 * shardzoo ``ring_attention`` on 1 rank (skip with ``--no-ring-on-one-rank``): its block kernel
   alone (on CPU torch's fused CPU flash op, the ``aten`` backend), the base against which the
   longest sequence per rank should grow linearly with the number of ranks.
@@ -55,6 +58,13 @@ def _ring_step(q, k, v, dout, group):
     ring_attention(q, k, v, group=group, causal=True).backward(dout)
 
 
+def _ring_overlapped_step(q, k, v, dout, group):
+    from shardzoo.layers.ring_attention import RingAttentionFunction, RingSettings
+
+    settings = RingSettings(group, True, None, zigzag=True, grad_tiles=0)  # the CUDA schedule
+    RingAttentionFunction.apply(q, k, v, None, settings).backward(dout)
+
+
 def _torch_ring_step(q, k, v, dout, group):
     from torch.distributed.tensor.experimental._context_parallel import _attention as cp
 
@@ -70,8 +80,11 @@ def _torch_ring_step(q, k, v, dout, group):
         )  # fmt: skip
 
 
-STEPS = {"sdpa": _sdpa_step, "shardzoo_ring": _ring_step, "torch_ring": _torch_ring_step}
-LABELS = {"sdpa": "SDPA (full seq, 1 rank)", "shardzoo_ring": "shardzoo ring_attention",
+STEPS = {"sdpa": _sdpa_step, "shardzoo_ring": _ring_step, "shardzoo_ring_overlapped": _ring_overlapped_step,
+         "torch_ring": _torch_ring_step}
+LABELS = {"sdpa": "SDPA (full seq, 1 rank)",
+          "shardzoo_ring": "shardzoo ring_attention",
+          "shardzoo_ring_overlapped": "shardzoo ring, CUDA dK/dV schedule (grad_tiles=0)",
           "torch_ring": "torch ring core (_templated_ring_attention)"}  # fmt: skip
 
 
@@ -117,7 +130,7 @@ def fit_max_seq(points: list[tuple[int, float]], budget_mib: float) -> int | Non
 def run(args) -> tuple[list[dict], dict]:
     rows = []
     for world in args.worlds:
-        methods = ["shardzoo_ring", "torch_ring"]
+        methods = ["shardzoo_ring"] + ([] if args.no_overlapped else ["shardzoo_ring_overlapped"]) + ["torch_ring"]
         if world == 1:
             methods = ["sdpa"] if args.no_ring_on_one_rank else ["sdpa", "shardzoo_ring"]
         with WorkerPool(world, timeout=3600) as pool:
@@ -152,6 +165,8 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--no-ring-on-one-rank", action="store_true", help="skip ring_attention on 1 rank")
+    parser.add_argument("--no-overlapped", action="store_true",
+                        help="skip the ring with the CUDA dK/dV schedule (overlapped hops, whole-block kernel calls)")
     parser.add_argument("--budget-mib", type=float, default=512.0, help="per-rank memory budget for the max-length fit")
     args = parser.parse_args()
     load_before = os.getloadavg()[0]

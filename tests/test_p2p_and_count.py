@@ -60,6 +60,41 @@ def test_ring_exchange_visits_every_rank_and_returns_home(world, reverse):
     assert run_on_ranks(ring_exchange, world, world, reverse) == list(range(world))
 
 
+def ring_swap(reverse, chunk_bytes):
+    """swap() overwrites in place with the previous rank's tensors, chunk by chunk, and sends
+    exactly their bytes; returns the origins seen over a full trip."""
+    p, r = dist.get_world_size(), dist.get_rank()
+    ring = RingExchange(dist.group.WORLD, reverse=reverse)
+    grad = torch.arange(37, dtype=torch.float64) + 1000 * r  # 37: chunks do not divide it evenly
+    flag = torch.tensor([r, -r], dtype=torch.int64)
+    storage = grad.data_ptr()
+    origins = []
+    with comm.count() as c:
+        for _ in range(p):
+            ring.swap([grad, flag], chunk_bytes=chunk_bytes)
+            origin = int(grad[0]) // 1000
+            assert torch.equal(grad, torch.arange(37, dtype=torch.float64) + 1000 * origin)
+            assert flag.tolist() == [origin, -origin]
+            origins.append(origin)
+    assert grad.data_ptr() == storage
+    sent = c.bytes.get("send", 0)
+    assert sent == (p * (37 * 8 + 2 * 8) if p > 1 else 0)
+    return origins
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("reverse,chunk_bytes", [(False, 40), (True, 1 << 20)])
+def test_ring_swap_replaces_in_place_and_returns_home(world, reverse, chunk_bytes):
+    step = -1 if reverse else 1
+    for r, origins in enumerate(run_on_ranks(ring_swap, world, reverse, chunk_bytes)):
+        assert origins == [(r - step * (i + 1)) % world for i in range(world)]
+
+
+def test_ring_swap_rejects_non_contiguous_tensors():
+    with pytest.raises(ValueError, match=r"contiguous tensors .* shape \(6, 4\)"):
+        RingExchange(None).swap([torch.zeros(4, 6).t()])
+
+
 def count_every_op():
     p = dist.get_world_size()
     group = dist.group.WORLD

@@ -97,6 +97,31 @@ class RingExchange:
             p2p.append(dist.P2POp(dist.irecv, r, self.prev, group=self.group))
         return PendingExchange(dist.batch_isend_irecv(p2p), recvs)
 
+    def swap(self, tensors: list[torch.Tensor], chunk_bytes: int = 4 << 20) -> None:
+        """Send ``tensors`` onward and overwrite them with the previous rank's, in place.
+
+        Blocking. Runs chunk by chunk (at most ``chunk_bytes`` each), so it holds one chunk of
+        extra memory instead of a second copy of every tensor; each tensor must be contiguous."""
+        for t in tensors:
+            if not t.is_contiguous():
+                raise ValueError(f"RingExchange.swap needs contiguous tensors (it overwrites them in place), got "
+                                 f"shape {tuple(t.shape)} with strides {t.stride()}; pass t.contiguous()")
+        if self.size == 1:
+            return
+        for t in tensors:
+            flat = t.view(-1)
+            step = max(1, chunk_bytes // t.element_size())
+            scratch = torch.empty(min(step, flat.numel()), dtype=t.dtype, device=t.device)
+            for start in range(0, flat.numel(), step):
+                chunk = flat[start : start + step]
+                incoming = scratch[: chunk.numel()]
+                record("send", chunk.numel() * chunk.element_size(), self.size)
+                works = dist.batch_isend_irecv([dist.P2POp(dist.isend, chunk, self.next, group=self.group),
+                                                dist.P2POp(dist.irecv, incoming, self.prev, group=self.group)])
+                for w in works:
+                    w.wait()
+                chunk.copy_(incoming)
+
 
 class PendingExchange:
     """An exchange in flight; ``wait()`` blocks until the received tensors are ready."""

@@ -38,6 +38,7 @@ from shardzoo.kernels.flash_attention import draw_dropout_seed
 from shardzoo.layers.sequence import shard_positions
 
 _ALL = slice(None)
+CPU_GRAD_TILES = 4  # on CPU a block's backward runs as 4 x 4 tiles into the arriving dK / dV
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -124,6 +125,7 @@ class RingSettings:
     head_offset: int = 0  # global index of the first local head (tensor parallelism)
     batch_offset: int = 0  # global index of the first local batch row
     zigzag: bool = False  # shard layout, for the global positions of the dropout mask
+    grad_tiles: int = 0  # backward schedule of dK / dV, see ring_backward (0: overlapped hops)
 
     def block_kwargs(self, q_len: int, k_len: int, me: int, source: int, rows, cols, device) -> dict:
         """Keyword arguments of the block kernel for rows of this rank vs cols of ``source``."""
@@ -164,32 +166,90 @@ def ring_forward(q, k, v, key_padding_mask, settings: RingSettings) -> tuple[tor
     return out.to(q.dtype), lse
 
 
+def block_tiles(rows: slice, cols: slice, q_len: int, k_len: int, causal: bool, tiles: int):
+    """Split the block ``rows`` x ``cols`` (of the local q_len queries and k_len keys) into at most
+    ``tiles`` x ``tiles`` pieces; yields ``(row slice, col slice, causal)``.
+
+    A causal block (step 0: all rows vs all keys, equal lengths) is cut into square tiles on the
+    same grid, so a diagonal tile is causal top-left aligned, tiles below it are fully visible
+    and tiles above it are skipped. ``tiles <= 1`` yields the block itself."""
+    if tiles <= 1:
+        yield rows, cols, causal
+        return
+    r0, r1, _ = rows.indices(q_len)
+    c0, c1, _ = cols.indices(k_len)
+    row_size = max(1, -(-(r1 - r0) // tiles))
+    col_size = row_size if causal else max(1, -(-(c1 - c0) // tiles))
+    for i, a in enumerate(range(r0, r1, row_size)):
+        for j, b in enumerate(range(c0, c1, col_size)):
+            if causal and j > i:
+                continue
+            yield slice(a, min(a + row_size, r1)), slice(b, min(b + col_size, c1)), causal and i == j
+
+
+def _block_backward(dout, q, k_block, v_block, out, lse, mask, rows, cols, causal, settings, me, source):
+    """The block kernel's (dq, dk, dv) for ``rows`` of this rank against ``cols`` of ``source``."""
+    return attention_block_backward(
+        dout[:, :, rows], q[:, :, rows], k_block[:, :, cols], v_block[:, :, cols], out[:, :, rows], lse[:, :, rows],
+        causal=causal, key_padding_mask=mask[0][:, cols] if mask else None,
+        **settings.block_kwargs(q.shape[2], k_block.shape[2], me, source, rows, cols, q.device),
+    )  # fmt: skip
+
+
 def ring_backward(dout, q, k, v, out, lse, key_padding_mask, settings: RingSettings):
     """Backward pass without autograd, from the saved global ``out`` and ``lse``.
+
+    Two schedules for the travelling dK / dV (``settings.grad_tiles``):
+
+    * 0 (CUDA): the block's gradient comes from one kernel call, then the pair arriving with the
+      block's partial gradient is waited for, added to and sent on, so each hop overlaps the next
+      block's compute;
+    * n > 0 (CPU): the pair is swapped in place with the previous rank's (chunk by chunk)
+      *before* the block, and the block's backward runs as n x n tiles added in place into it,
+      so a rank holds one dK / dV pair and a tile of kernel output instead of two pairs and a
+      block's. The hop is then not overlapped: over gloo it costs milliseconds against seconds
+      of block compute on CPU. K / V still travel overlapped.
 
     Returns (dq, dk, dv) in the accumulation dtype (fp32, fp64 for fp64), shapes of q, k, v."""
     acc = accumulation_dtype(q.dtype)
     grad_ring = RingExchange(settings.group)
     me = group_rank(settings.group)
-    pending_grads = None
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    grads, pending = None, None  # the [dK, dV] pair of the block in hand; its hop in flight
     for step, source, block in ring_blocks(settings.group, _travelling(k, v, key_padding_mask)):
         k_block, v_block, *mask = block
         rows, cols, causal = block_schedule(step, me, source, k.shape[2], settings.causal)
-        dq_block, dk_block, dv_block = attention_block_backward(
-            dout[:, :, rows], q[:, :, rows], k_block[:, :, cols], v_block[:, :, cols], out[:, :, rows],
-            lse[:, :, rows], causal=causal, key_padding_mask=mask[0][:, cols] if mask else None,
-            **settings.block_kwargs(q.shape[2], k.shape[2], me, source, rows, cols, q.device),
-        )  # fmt: skip
-        if step == 0:  # own block: all rows and keys; its dK / dV start their trip here
-            dq, dk_travelling, dv_travelling = dq_block.to(acc), dk_block.to(acc), dv_block.to(acc)
+        if settings.grad_tiles:
+            if step == 0:  # own block: its dK / dV start their trip here
+                grads = [torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device)]
+            else:  # the block's gradient so far, from the previous rank, into the same buffers
+                grad_ring.swap(grads)
+            for tile_rows, tile_cols, tile_causal in block_tiles(rows, cols, q.shape[2], k.shape[2], causal,
+                                                                 settings.grad_tiles):
+                dq_tile, dk_tile, dv_tile = _block_backward(dout, q, k_block, v_block, out, lse, mask, tile_rows,
+                                                            tile_cols, tile_causal, settings, me, source)
+                dq[:, :, tile_rows] += dq_tile
+                grads[0][:, :, tile_cols] += dk_tile
+                grads[1][:, :, tile_cols] += dv_tile
+                del dq_tile, dk_tile, dv_tile  # free before the next tile's kernel call
+            continue
+        dq_block, dk_block, dv_block = _block_backward(dout, q, k_block, v_block, out, lse, mask, rows, cols, causal,
+                                                       settings, me, source)
+        dq[:, :, rows] += dq_block
+        if step == 0:
+            grads = [dk_block.to(acc), dv_block.to(acc)]
         else:  # the block's gradient so far arrives with it, one step behind the K / V
-            dq[:, :, rows] += dq_block
-            dk_travelling, dv_travelling = pending_grads.wait()
-            dk_travelling[:, :, cols] += dk_block
-            dv_travelling[:, :, cols] += dv_block
+            grads = pending.wait()
+            grads[0][:, :, cols] += dk_block
+            grads[1][:, :, cols] += dv_block
         del dq_block, dk_block, dv_block  # free before the next block's kernel call
-        pending_grads = grad_ring.start([dk_travelling, dv_travelling])
-    dk, dv = pending_grads.wait()  # the P-th hop brings our own block's gradient home
+        pending = grad_ring.start(grads)
+    del block, k_block, v_block, mask  # the last K / V block is not needed for the final hop
+    if settings.grad_tiles:  # the P-th hop brings our own block's gradient home
+        grad_ring.swap(grads)
+        dk, dv = grads
+    else:
+        dk, dv = pending.wait()
     return dq, dk, dv
 
 
@@ -279,5 +339,6 @@ def ring_attention(q, k, v, *, group, causal=False, key_padding_mask=None, softm
         dropout_seed = draw_dropout_seed()
     settings = RingSettings(group, bool(causal), softmax_scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
                             head_offset=head_offset, batch_offset=batch_offset,
-                            zigzag=bool(causal) if zigzag is None else bool(zigzag))
+                            zigzag=bool(causal) if zigzag is None else bool(zigzag),
+                            grad_tiles=CPU_GRAD_TILES if q.device.type == "cpu" else 0)
     return RingAttentionFunction.apply(q, k, v, key_padding_mask, settings)

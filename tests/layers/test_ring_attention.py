@@ -314,3 +314,78 @@ def check_ring_dropout_with_tp(causal):
 
 def test_ring_attention_dropout_with_tensor_parallel_heads():
     run_on_ranks(check_ring_dropout_with_tp, 4, True)
+
+
+@pytest.mark.parametrize("causal,q_len,k_len", [(False, 8, 8), (False, 5, 9), (False, 1, 3), (True, 8, 8),
+                                                 (True, 7, 7), (True, 1, 1)])  # causal blocks are square
+@pytest.mark.parametrize("tiles", [1, 2, 3, 4])
+def test_block_tiles_cover_each_visible_pair_once(causal, q_len, k_len, tiles):
+    """Tiles of the CPU backward schedule partition the block's visible (query, key) pairs."""
+    from shardzoo.layers.ring_attention import block_tiles
+
+    for rows, cols in ((slice(None), slice(None)), (slice(q_len // 2, None), slice(None)),
+                       (slice(None), slice(0, max(1, k_len // 2)))):
+        if causal and (rows, cols) != (slice(None), slice(None)):
+            continue  # causal blocks are whole (block_schedule)
+        covered = torch.zeros(q_len, k_len, dtype=torch.int64)
+        for tile_rows, tile_cols, tile_causal in block_tiles(rows, cols, q_len, k_len, causal, tiles):
+            piece = torch.ones(len(range(q_len)[tile_rows]), len(range(k_len)[tile_cols]), dtype=torch.int64)
+            covered[tile_rows, tile_cols] += piece.tril() if tile_causal else piece
+        expected = torch.zeros(q_len, k_len, dtype=torch.int64)
+        expected[rows, cols] = 1
+        if causal:
+            expected = expected.tril()
+        assert torch.equal(covered, expected), (rows, cols)
+
+
+def check_gradient_schedules(causal, grad_tiles, backend):
+    """Both dK / dV schedules of ring_backward, on either CPU kernel, against the fp64 reference."""
+    from shardzoo.layers.ring_attention import RingAttentionFunction, RingSettings
+
+    world = torch.distributed.get_world_size()
+    group = cached_mesh(sp=world).sp_group
+    q, k, v, dout = full_inputs(2, 2, 12 * world, 16, torch.float64, 17)
+    mask = make_mask("random", 2, 12 * world, world, causal, 17)
+    expected = reference_grads(q, k, v, dout, mask, causal)
+
+    def attention(q, k, v, group, causal, key_padding_mask):
+        settings = RingSettings(group, causal, None, backend, zigzag=causal, grad_tiles=grad_tiles)
+        return RingAttentionFunction.apply(q, k, v, key_padding_mask, settings)
+
+    actual = parallel_attention(attention, q, k, v, dout, mask, causal, group)
+    compare(actual, expected, torch.float64, f"ring grad_tiles={grad_tiles} {backend} sp={world}")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("grad_tiles,backend", [(0, "torch"), (0, "aten"), (3, "torch"), (5, "aten")])
+def test_ring_attention_gradient_schedules(world, causal, grad_tiles, backend):
+    """grad_tiles=0 is the CUDA schedule (overlapped dK / dV hops), n > 0 the CPU one (tiles)."""
+    run_on_ranks(check_gradient_schedules, world, causal, grad_tiles, backend)
+
+
+def count_backward_kernel_rows_and_keys():
+    """(most query rows, most keys) of one backward kernel call, and the local length, on this rank."""
+    import sys
+
+    ring = sys.modules["shardzoo.layers.ring_attention"]  # the package re-exports a function of that name
+    world = torch.distributed.get_world_size()
+    group = cached_mesh(sp=world).sp_group
+    q, k, v = (torch.randn(1, 2, 32, 16, requires_grad=True) for _ in range(3))
+    out = ring_attention(q, k, v, group=group, causal=True)
+    seen, original = [], ring.attention_block_backward
+    ring.attention_block_backward = lambda *a, **kw: seen.append((a[1].shape[2], a[2].shape[2])) or original(*a, **kw)
+    try:
+        out.sum().backward()
+    finally:
+        ring.attention_block_backward = original
+    return max(s[0] for s in seen), max(s[1] for s in seen), k.shape[2]
+
+
+def test_ring_attention_cpu_backward_asks_the_kernel_for_tiles_only():
+    """On CPU no kernel call returns a whole block's gradients: at most a quarter of the keys
+    and queries per call, so the tile outputs stay small next to the travelling dK / dV."""
+    from shardzoo.layers.ring_attention import CPU_GRAD_TILES
+
+    for max_rows, max_keys, local in run_on_ranks(count_backward_kernel_rows_and_keys, 2):
+        assert max_keys <= -(-local // CPU_GRAD_TILES) and max_rows <= -(-local // CPU_GRAD_TILES)
