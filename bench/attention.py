@@ -182,7 +182,9 @@ def main() -> None:
         f"speed-up; 1-minute load average {load_before:.1f} before and {os.getloadavg()[0]:.1f} after the run "
         "(other jobs shared the machine, so times are noisy). torch's ring core runs on CPU only when called "
         "directly (context_parallel() dispatches CUDA SDPA ops only); it runs with the ring (all-to-all) "
-        "rotater, as its default all-gather rotater holds every rank's K/V.\n\n" + fit_md
+        "rotater, as its default all-gather rotater holds every rank's K/V. The 'CUDA dK/dV schedule' rows run "
+        "ring_attention's GPU backward (grad_tiles=0: overlapped dK/dV hops, one kernel call per block) on the "
+        "same CPU ranks, against the CPU schedule that ring_attention picks for CPU tensors.\n\n" + fit_md
     )
     data = {"rows": rows, "max_seq_fit": fits, "args": vars(args)}
     title = "Ring attention vs full attention and torch's ring core (bench/attention.py)"

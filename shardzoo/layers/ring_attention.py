@@ -38,7 +38,7 @@ from shardzoo.kernels.flash_attention import draw_dropout_seed
 from shardzoo.layers.sequence import shard_positions
 
 _ALL = slice(None)
-CPU_GRAD_TILES = 4  # on CPU a block's backward runs as 4 x 4 tiles into the arriving dK / dV
+CPU_GRAD_TILES = 4  # on CPU a block's backward runs as (up to) 4 x 4 tiles into the arriving dK / dV
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -126,6 +126,7 @@ class RingSettings:
     batch_offset: int = 0  # global index of the first local batch row
     zigzag: bool = False  # shard layout, for the global positions of the dropout mask
     grad_tiles: int = 0  # backward schedule of dK / dV, see ring_backward (0: overlapped hops)
+    min_tile: int = 512  # smaller tiles cost more in kernel calls than their memory is worth
 
     def block_kwargs(self, q_len: int, k_len: int, me: int, source: int, rows, cols, device) -> dict:
         """Keyword arguments of the block kernel for rows of this rank vs cols of ``source``."""
@@ -166,9 +167,10 @@ def ring_forward(q, k, v, key_padding_mask, settings: RingSettings) -> tuple[tor
     return out.to(q.dtype), lse
 
 
-def block_tiles(rows: slice, cols: slice, q_len: int, k_len: int, causal: bool, tiles: int):
+def block_tiles(rows: slice, cols: slice, q_len: int, k_len: int, causal: bool, tiles: int, min_tile: int = 1):
     """Split the block ``rows`` x ``cols`` (of the local q_len queries and k_len keys) into at most
-    ``tiles`` x ``tiles`` pieces; yields ``(row slice, col slice, causal)``.
+    ``tiles`` x ``tiles`` pieces of at least ``min_tile`` rows / keys (the last may be shorter);
+    yields ``(row slice, col slice, causal)``.
 
     A causal block (step 0: all rows vs all keys, equal lengths) is cut into square tiles on the
     same grid, so a diagonal tile is causal top-left aligned, tiles below it are fully visible
@@ -178,8 +180,8 @@ def block_tiles(rows: slice, cols: slice, q_len: int, k_len: int, causal: bool, 
         return
     r0, r1, _ = rows.indices(q_len)
     c0, c1, _ = cols.indices(k_len)
-    row_size = max(1, -(-(r1 - r0) // tiles))
-    col_size = row_size if causal else max(1, -(-(c1 - c0) // tiles))
+    row_size = max(min_tile, -(-(r1 - r0) // tiles))
+    col_size = row_size if causal else max(min_tile, -(-(c1 - c0) // tiles))
     for i, a in enumerate(range(r0, r1, row_size)):
         for j, b in enumerate(range(c0, c1, col_size)):
             if causal and j > i:
@@ -225,7 +227,7 @@ def ring_backward(dout, q, k, v, out, lse, key_padding_mask, settings: RingSetti
             else:  # the block's gradient so far, from the previous rank, into the same buffers
                 grad_ring.swap(grads)
             for tile_rows, tile_cols, tile_causal in block_tiles(rows, cols, q.shape[2], k.shape[2], causal,
-                                                                 settings.grad_tiles):
+                                                                 settings.grad_tiles, settings.min_tile):
                 dq_tile, dk_tile, dv_tile = _block_backward(dout, q, k_block, v_block, out, lse, mask, tile_rows,
                                                             tile_cols, tile_causal, settings, me, source)
                 dq[:, :, tile_rows] += dq_tile

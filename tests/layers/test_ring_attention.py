@@ -318,8 +318,8 @@ def test_ring_attention_dropout_with_tensor_parallel_heads():
 
 @pytest.mark.parametrize("causal,q_len,k_len", [(False, 8, 8), (False, 5, 9), (False, 1, 3), (True, 8, 8),
                                                  (True, 7, 7), (True, 1, 1)])  # causal blocks are square
-@pytest.mark.parametrize("tiles", [1, 2, 3, 4])
-def test_block_tiles_cover_each_visible_pair_once(causal, q_len, k_len, tiles):
+@pytest.mark.parametrize("tiles,min_tile", [(1, 1), (2, 1), (3, 1), (4, 1), (4, 3)])
+def test_block_tiles_cover_each_visible_pair_once(causal, q_len, k_len, tiles, min_tile):
     """Tiles of the CPU backward schedule partition the block's visible (query, key) pairs."""
     from shardzoo.layers.ring_attention import block_tiles
 
@@ -328,7 +328,7 @@ def test_block_tiles_cover_each_visible_pair_once(causal, q_len, k_len, tiles):
         if causal and (rows, cols) != (slice(None), slice(None)):
             continue  # causal blocks are whole (block_schedule)
         covered = torch.zeros(q_len, k_len, dtype=torch.int64)
-        for tile_rows, tile_cols, tile_causal in block_tiles(rows, cols, q_len, k_len, causal, tiles):
+        for tile_rows, tile_cols, tile_causal in block_tiles(rows, cols, q_len, k_len, causal, tiles, min_tile):
             piece = torch.ones(len(range(q_len)[tile_rows]), len(range(k_len)[tile_cols]), dtype=torch.int64)
             covered[tile_rows, tile_cols] += piece.tril() if tile_causal else piece
         expected = torch.zeros(q_len, k_len, dtype=torch.int64)
@@ -349,7 +349,7 @@ def check_gradient_schedules(causal, grad_tiles, backend):
     expected = reference_grads(q, k, v, dout, mask, causal)
 
     def attention(q, k, v, group, causal, key_padding_mask):
-        settings = RingSettings(group, causal, None, backend, zigzag=causal, grad_tiles=grad_tiles)
+        settings = RingSettings(group, causal, None, backend, zigzag=causal, grad_tiles=grad_tiles, min_tile=1)
         return RingAttentionFunction.apply(q, k, v, key_padding_mask, settings)
 
     actual = parallel_attention(attention, q, k, v, dout, mask, causal, group)
@@ -371,7 +371,7 @@ def count_backward_kernel_rows_and_keys():
     ring = sys.modules["shardzoo.layers.ring_attention"]  # the package re-exports a function of that name
     world = torch.distributed.get_world_size()
     group = cached_mesh(sp=world).sp_group
-    q, k, v = (torch.randn(1, 2, 32, 16, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(1, 1, 4096, 16, requires_grad=True) for _ in range(3))  # long enough for 4 tiles
     out = ring_attention(q, k, v, group=group, causal=True)
     seen, original = [], ring.attention_block_backward
     ring.attention_block_backward = lambda *a, **kw: seen.append((a[1].shape[2], a[2].shape[2])) or original(*a, **kw)
@@ -383,7 +383,7 @@ def count_backward_kernel_rows_and_keys():
 
 
 def test_ring_attention_cpu_backward_asks_the_kernel_for_tiles_only():
-    """On CPU no kernel call returns a whole block's gradients: at most a quarter of the keys
+    """On CPU no long block's gradients come from one kernel call: at most a quarter of the keys
     and queries per call, so the tile outputs stay small next to the travelling dK / dV."""
     from shardzoo.layers.ring_attention import CPU_GRAD_TILES
 
