@@ -19,7 +19,8 @@ Memory: peak resident set of each rank process during one fwd + bwd (Linux VmHWM
 /proc/self/clear_refs just before the step) minus the RSS before the inputs were allocated,
 with glibc's mmap threshold pinned so freed tensors go back to the OS; max over ranks. It
 includes inputs, outputs, gradients, saved activations, kernel temporaries and comm buffers.
-Time: median over reps of fwd + bwd between two barriers (so the slowest rank counts).
+Time: median over reps of fwd + bwd between two barriers (so the slowest rank counts); the
+reps interleave the methods of one rank count (alternating order), so their time ratios are paired.
 
     python bench/attention.py                                  # 4k .. 32k on 1 (SDPA), 2 and 4 ranks
     python bench/attention.py --seqs 4096 8192 --reps 1        # what a 2-core machine manages
@@ -89,7 +90,8 @@ LABELS = {"sdpa": "SDPA (full seq, 1 rank)",
 
 
 def measure(method: str, seq: int, heads: int, head_dim: int, reps: int) -> tuple[float, float]:
-    """On every rank: (median seconds, peak MiB) of one causal fwd + bwd over this rank's shard."""
+    """On every rank: (median seconds, smallest peak MiB) of ``reps`` causal fwd + bwd over this
+    rank's shard."""
     group = dist.group.WORLD
     local = seq // dist.get_world_size()
     step = STEPS[method]
@@ -139,10 +141,13 @@ def run(args) -> tuple[list[dict], dict]:
             for seq in args.seqs:
                 if seq % (2 * world):
                     continue
+                per_rep = {method: [] for method in methods}  # reps interleave the methods, order alternating
+                for rep in range(args.reps):
+                    for method in methods if rep % 2 == 0 else methods[::-1]:
+                        per_rep[method].append(pool.run(measure, method, seq, args.heads, args.head_dim, 1))
                 for method in methods:
-                    results = pool.run(measure, method, seq, args.heads, args.head_dim, args.reps)
-                    seconds = max(r[0] for r in results)
-                    peak = max(r[1] for r in results)
+                    seconds = statistics.median(max(r[0] for r in ranks) for ranks in per_rep[method])
+                    peak = min(max(r[1] for r in ranks) for ranks in per_rep[method])
                     row = dict(method=method, world=world, seq=seq, seconds=seconds, peak_mib=peak,
                                analytic_mib=analytic_mib(seq, world, args.heads, args.head_dim))  # fmt: skip
                     rows.append(row)

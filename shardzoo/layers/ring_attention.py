@@ -59,7 +59,6 @@ def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, b
     which is log-sum-exp merging without exponentiating large numbers. Rows where a side saw
     no key (lse = -inf) take the other side unchanged.
     """
-    block_out = block_out.to(out.dtype, copy=True)  # updated in place below
     block_lse = block_lse.to(lse.dtype)
     nothing_yet = torch.isneginf(lse)
     block_empty = torch.isneginf(block_lse)
@@ -70,7 +69,7 @@ def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, b
     weight = torch.where(block_empty, torch.zeros_like(weight), weight)
     weight = torch.where(nothing_yet, torch.ones_like(weight), weight)
     merged_lse = torch.where(special, torch.maximum(lse, block_lse), lse - F.logsigmoid(-diff))
-    out.add_(block_out.sub_(out).mul_(weight[..., None]))  # out + w * (block_out - out), in the copy
+    out.lerp_(block_out.to(out.dtype), weight[..., None])  # out + w * (block_out - out), no temporary
     lse.copy_(merged_lse)
 
 
@@ -201,18 +200,24 @@ def _block_backward(dout, q, k_block, v_block, out, lse, mask, rows, cols, causa
 def ring_backward(dout, q, k, v, out, lse, key_padding_mask, settings: RingSettings):
     """Backward pass without autograd, from the saved global ``out`` and ``lse``.
 
-    Two schedules for the travelling dK / dV (``settings.grad_tiles``):
+    Two schedules (``settings.grad_tiles``), the same gradients and bytes:
 
-    * 0 (CUDA): the block's gradient comes from one kernel call, then the pair arriving with the
-      block's partial gradient is waited for, added to and sent on, so each hop overlaps the next
-      block's compute;
-    * n > 0 (CPU): the pair is swapped in place with the previous rank's (chunk by chunk)
-      *before* the block, and the block's backward runs as n x n tiles added in place into it,
-      so a rank holds one dK / dV pair and a tile of kernel output instead of two pairs and a
-      block's. The hop is then not overlapped: over gloo it costs milliseconds against seconds
-      of block compute on CPU. K / V still travel overlapped.
+    * 0 (CUDA, :func:`_backward_overlapped`): K / V travel as in forward; the block's gradient
+      comes from one kernel call, then the dK / dV pair arriving with the block's partial
+      gradient is waited for, added to and sent on, so every hop overlaps a block's compute;
+    * n > 0 (CPU, :func:`_backward_in_place`): before each block the K / V block and the dK / dV
+      pair are swapped in place with the previous rank's (chunk by chunk), and the block's
+      backward runs as n x n tiles added in place into the pair. A rank holds one foreign K / V
+      block, one dK / dV pair and a tile of kernel output, instead of two K / V blocks (P > 2),
+      two pairs and a block's kernel output. The hops are not overlapped: over gloo they cost
+      milliseconds against seconds of block compute on CPU.
 
     Returns (dq, dk, dv) in the accumulation dtype (fp32, fp64 for fp64), shapes of q, k, v."""
+    backward = _backward_in_place if settings.grad_tiles else _backward_overlapped
+    return backward(dout, q, k, v, out, lse, key_padding_mask, settings)
+
+
+def _backward_overlapped(dout, q, k, v, out, lse, key_padding_mask, settings: RingSettings):
     acc = accumulation_dtype(q.dtype)
     grad_ring = RingExchange(settings.group)
     me = group_rank(settings.group)
@@ -221,24 +226,10 @@ def ring_backward(dout, q, k, v, out, lse, key_padding_mask, settings: RingSetti
     for step, source, block in ring_blocks(settings.group, _travelling(k, v, key_padding_mask)):
         k_block, v_block, *mask = block
         rows, cols, causal = block_schedule(step, me, source, k.shape[2], settings.causal)
-        if settings.grad_tiles:
-            if step == 0:  # own block: its dK / dV start their trip here
-                grads = [torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device)]
-            else:  # the block's gradient so far, from the previous rank, into the same buffers
-                grad_ring.swap(grads)
-            for tile_rows, tile_cols, tile_causal in block_tiles(rows, cols, q.shape[2], k.shape[2], causal,
-                                                                 settings.grad_tiles, settings.min_tile):
-                dq_tile, dk_tile, dv_tile = _block_backward(dout, q, k_block, v_block, out, lse, mask, tile_rows,
-                                                            tile_cols, tile_causal, settings, me, source)
-                dq[:, :, tile_rows] += dq_tile
-                grads[0][:, :, tile_cols] += dk_tile
-                grads[1][:, :, tile_cols] += dv_tile
-                del dq_tile, dk_tile, dv_tile  # free before the next tile's kernel call
-            continue
         dq_block, dk_block, dv_block = _block_backward(dout, q, k_block, v_block, out, lse, mask, rows, cols, causal,
                                                        settings, me, source)
         dq[:, :, rows] += dq_block
-        if step == 0:
+        if step == 0:  # own block: its dK / dV start their trip here
             grads = [dk_block.to(acc), dv_block.to(acc)]
         else:  # the block's gradient so far arrives with it, one step behind the K / V
             grads = pending.wait()
@@ -246,13 +237,36 @@ def ring_backward(dout, q, k, v, out, lse, key_padding_mask, settings: RingSetti
             grads[1][:, :, cols] += dv_block
         del dq_block, dk_block, dv_block  # free before the next block's kernel call
         pending = grad_ring.start(grads)
-    del block, k_block, v_block, mask  # the last K / V block is not needed for the final hop
-    if settings.grad_tiles:  # the P-th hop brings our own block's gradient home
-        grad_ring.swap(grads)
-        dk, dv = grads
-    else:
-        dk, dv = pending.wait()
+    dk, dv = pending.wait()  # the P-th hop brings our own block's gradient home
     return dq, dk, dv
+
+
+def _backward_in_place(dout, q, k, v, out, lse, key_padding_mask, settings: RingSettings):
+    acc = accumulation_dtype(q.dtype)
+    ring = RingExchange(settings.group)
+    me = group_rank(settings.group)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    block = _travelling(k, v, key_padding_mask)  # step 0: our own K / V (and mask)
+    grads = [torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device)]
+    for step in range(ring.size):
+        if step == 1:  # the saved K / V stay ours: a copy travels, overwritten by each hop
+            block = [t.clone(memory_format=torch.contiguous_format) for t in block]
+        if step > 0:  # the previous rank's K / V block and its dK / dV so far, into the same buffers
+            ring.swap(block + grads)
+        source = (me - step) % ring.size
+        k_block, v_block, *mask = block
+        rows, cols, causal = block_schedule(step, me, source, k.shape[2], settings.causal)
+        for tile_rows, tile_cols, tile_causal in block_tiles(rows, cols, q.shape[2], k.shape[2], causal,
+                                                             settings.grad_tiles, settings.min_tile):
+            dq_tile, dk_tile, dv_tile = _block_backward(dout, q, k_block, v_block, out, lse, mask, tile_rows,
+                                                        tile_cols, tile_causal, settings, me, source)
+            dq[:, :, tile_rows] += dq_tile
+            grads[0][:, :, tile_cols] += dk_tile
+            grads[1][:, :, tile_cols] += dv_tile
+            del dq_tile, dk_tile, dv_tile  # free before the next tile's kernel call
+    del block, k_block, v_block, mask  # the last K / V block is not needed for the final hop
+    ring.swap(grads)  # the P-th hop brings our own block's gradient home
+    return dq, grads[0], grads[1]
 
 
 class RingAttentionFunction(torch.autograd.Function):
