@@ -364,6 +364,32 @@ def test_ring_attention_gradient_schedules(world, causal, grad_tiles, backend):
     run_on_ranks(check_gradient_schedules, world, causal, grad_tiles, backend)
 
 
+def check_tiled_dropout(causal):
+    """Tiles of the CPU schedule take their slice of the global positions: the dropout mask of
+    single-rank attention with the same seed."""
+    from shardzoo.layers.ring_attention import RingAttentionFunction, RingSettings
+
+    world = torch.distributed.get_world_size()
+    group = cached_mesh(sp=world).sp_group
+    q, k, v, dout = full_inputs(2, 3, 12 * world, 16, torch.float64, 23)
+    mask = make_mask("random", 2, 12 * world, world, causal, 23)
+    expected = single_rank_dropout(q, k, v, dout, mask, causal)
+
+    def attention(q, k, v, group, causal, key_padding_mask):
+        settings = RingSettings(group, causal, None, "torch", dropout_p=DROP_P, dropout_seed=DROP_SEED, zigzag=causal,
+                                grad_tiles=3, min_tile=1)
+        return RingAttentionFunction.apply(q, k, v, key_padding_mask, settings)
+
+    actual = parallel_attention(attention, q, k, v, dout, mask, causal, group)
+    compare(actual, expected, torch.float64, f"ring dropout in tiles sp={world} causal={causal}")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_attention_dropout_in_tiles_matches_single_rank(world, causal):
+    run_on_ranks(check_tiled_dropout, world, causal)
+
+
 def count_backward_kernel_rows_and_keys():
     """(most query rows, most keys) of one backward kernel call, and the local length, on this rank."""
     import sys
