@@ -168,15 +168,12 @@ def ring_forward(q, k, v, key_padding_mask, settings: RingSettings) -> tuple[tor
 
 def block_tiles(rows: slice, cols: slice, q_len: int, k_len: int, causal: bool, tiles: int, min_tile: int = 1):
     """Split the block ``rows`` x ``cols`` (of the local q_len queries and k_len keys) into at most
-    ``tiles`` x ``tiles`` pieces of at least ``min_tile`` rows / keys (the last may be shorter);
-    yields ``(row slice, col slice, causal)``.
+    ``tiles`` x ``tiles`` pieces (``tiles >= 1``) of at least ``min_tile`` rows / keys (the last
+    may be shorter); yields ``(row slice, col slice, causal)``.
 
     A causal block (step 0: all rows vs all keys, equal lengths) is cut into square tiles on the
     same grid, so a diagonal tile is causal top-left aligned, tiles below it are fully visible
-    and tiles above it are skipped. ``tiles <= 1`` yields the block itself."""
-    if tiles <= 1:
-        yield rows, cols, causal
-        return
+    and tiles above it are skipped."""
     r0, r1, _ = rows.indices(q_len)
     c0, c1, _ = cols.indices(k_len)
     row_size = max(min_tile, -(-(r1 - r0) // tiles))

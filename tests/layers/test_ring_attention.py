@@ -338,22 +338,28 @@ def test_block_tiles_cover_each_visible_pair_once(causal, q_len, k_len, tiles, m
         assert torch.equal(covered, expected), (rows, cols)
 
 
-def check_gradient_schedules(causal, grad_tiles, backend):
-    """Both dK / dV schedules of ring_backward, on either CPU kernel, against the fp64 reference."""
+def check_gradient_schedules(causal, grad_tiles, backend, dropout_p=0.0):
+    """A dK / dV schedule of ring_backward on a CPU kernel, tiles down to one row / key, against
+    the fp64 reference (with dropout: single-rank attention with the same seed, so each tile
+    must take its slice of the global positions)."""
     from shardzoo.layers.ring_attention import RingAttentionFunction, RingSettings
 
     world = torch.distributed.get_world_size()
     group = cached_mesh(sp=world).sp_group
     q, k, v, dout = full_inputs(2, 2, 12 * world, 16, torch.float64, 17)
     mask = make_mask("random", 2, 12 * world, world, causal, 17)
-    expected = reference_grads(q, k, v, dout, mask, causal)
+    if dropout_p:
+        expected = single_rank_dropout(q, k, v, dout, mask, causal)
+    else:
+        expected = reference_grads(q, k, v, dout, mask, causal)
 
     def attention(q, k, v, group, causal, key_padding_mask):
-        settings = RingSettings(group, causal, None, backend, zigzag=causal, grad_tiles=grad_tiles, min_tile=1)
+        settings = RingSettings(group, causal, None, backend, dropout_p=dropout_p, dropout_seed=DROP_SEED,
+                                zigzag=causal, grad_tiles=grad_tiles, min_tile=1)
         return RingAttentionFunction.apply(q, k, v, key_padding_mask, settings)
 
     actual = parallel_attention(attention, q, k, v, dout, mask, causal, group)
-    compare(actual, expected, torch.float64, f"ring grad_tiles={grad_tiles} {backend} sp={world}")
+    compare(actual, expected, torch.float64, f"ring grad_tiles={grad_tiles} {backend} p={dropout_p} sp={world}")
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -364,30 +370,10 @@ def test_ring_attention_gradient_schedules(world, causal, grad_tiles, backend):
     run_on_ranks(check_gradient_schedules, world, causal, grad_tiles, backend)
 
 
-def check_tiled_dropout(causal):
-    """Tiles of the CPU schedule take their slice of the global positions: the dropout mask of
-    single-rank attention with the same seed."""
-    from shardzoo.layers.ring_attention import RingAttentionFunction, RingSettings
-
-    world = torch.distributed.get_world_size()
-    group = cached_mesh(sp=world).sp_group
-    q, k, v, dout = full_inputs(2, 3, 12 * world, 16, torch.float64, 23)
-    mask = make_mask("random", 2, 12 * world, world, causal, 23)
-    expected = single_rank_dropout(q, k, v, dout, mask, causal)
-
-    def attention(q, k, v, group, causal, key_padding_mask):
-        settings = RingSettings(group, causal, None, "torch", dropout_p=DROP_P, dropout_seed=DROP_SEED, zigzag=causal,
-                                grad_tiles=3, min_tile=1)
-        return RingAttentionFunction.apply(q, k, v, key_padding_mask, settings)
-
-    actual = parallel_attention(attention, q, k, v, dout, mask, causal, group)
-    compare(actual, expected, torch.float64, f"ring dropout in tiles sp={world} causal={causal}")
-
-
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("causal", [False, True])
 def test_ring_attention_dropout_in_tiles_matches_single_rank(world, causal):
-    run_on_ranks(check_tiled_dropout, world, causal)
+    run_on_ranks(check_gradient_schedules, world, causal, 3, "torch", DROP_P)
 
 
 def count_backward_kernel_rows_and_keys():
