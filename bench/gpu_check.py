@@ -58,7 +58,7 @@ def require_cuda() -> None:
         raise SystemExit(
             "gpu_check: no CUDA device (torch.cuda.is_available() is False). This script compiles and times "
             "the Triton kernels on a GPU. On a CPU machine run the kernel tests instead, which execute the "
-            "same kernels in the Triton interpreter: python -m pytest tests/kernels")
+            "same kernels in the Triton interpreter: python -m pytest tests/kernel_tests")
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise SystemExit("gpu_check: TRITON_INTERPRET=1 is set, which would interpret the kernels on the CPU; "
                          "unset it to compile them for the GPU")
