@@ -14,7 +14,6 @@ predicted byte is counted exactly as the counter counts a sent one.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from fractions import Fraction
 
 from shardzoo.comm.accounting import CommRecord
@@ -29,46 +28,89 @@ _STEPS = {"all_reduce": lambda p: 2 * (p - 1), "all_gather": lambda p: p - 1, "r
           "send": lambda p: 1}
 
 
+_FACTORS: dict[tuple[str, int], Fraction] = {}
+_FLOAT_FACTORS: dict[tuple[str, int], tuple[float, int]] = {}
+_SCALED: dict[tuple[str, int, int], int] = {}
+
+
+def byte_factor(kind: str, p: int) -> Fraction:
+    """Bytes one rank sends per payload byte of a ``kind`` call on ``p`` ranks (CommRecord's)."""
+    key = (kind, p)
+    if key not in _FACTORS:
+        _FACTORS[key] = CommRecord(kind, 1, p).bytes_sent
+    return _FACTORS[key]
+
+
 def call_bytes(call: Call) -> Fraction:
     """Bytes one rank sends for ``call`` (all its repeats)."""
-    return CommRecord(call.kind, call.payload, call.group_size).bytes_sent * call.times
-
-
-def call_messages(call: Call) -> int:
-    return _STEPS[call.kind](call.group_size) * call.times
+    return byte_factor(call.kind, call.group_size) * call.payload * call.times
 
 
 class Traffic:
-    """Bytes and messages per (phase, group axes), summed over calls."""
+    """Calls added up: per (phase, group axes, kind, group size, counted), the payload bytes
+    and the number of calls, as integers; bytes sent follow exactly (``byte_factor``)."""
+
+    __slots__ = ("sums",)
 
     def __init__(self):
-        self.bytes: dict[tuple[str, tuple[str, ...]], Fraction] = defaultdict(Fraction)
-        self.messages: dict[tuple[str, tuple[str, ...]], int] = defaultdict(int)
+        self.sums: dict[tuple, list[int]] = {}
 
-    def add(self, call_list, times: int = 1, phase: str | None = None, only_counted: bool = False) -> "Traffic":
+    def add(self, call_list, times: int = 1, phase: str | None = None) -> "Traffic":
+        sums = self.sums
         for c in call_list:
-            if only_counted and not c.counted:
-                continue
-            key = (phase or c.phase, c.axes)
-            self.bytes[key] += call_bytes(c) * times
-            self.messages[key] += call_messages(c) * times
+            key = (phase or c.phase, c.axes, c.kind, c.group_size, c.counted)
+            entry = sums.get(key)
+            if entry is None:
+                entry = sums[key] = [0, 0]
+            entry[0] += c.payload * c.times * times
+            entry[1] += c.times * times
         return self
 
-    def scaled(self, k: int) -> "Traffic":
-        out = Traffic()
-        for key, n in self.bytes.items():
-            out.bytes[key] = n * k
-            out.messages[key] = self.messages[key] * k
+    def merge(self, other: "Traffic", times: int = 1, phase: str | None = None) -> "Traffic":
+        sums = self.sums
+        for (ph, axes, kind, p, counted), (payload, n) in other.sums.items():
+            key = (phase or ph, axes, kind, p, counted)
+            entry = sums.get(key)
+            if entry is None:
+                entry = sums[key] = [0, 0]
+            entry[0] += payload * times
+            entry[1] += n * times
+        return self
+
+    def bytes_by(self, part=lambda key: None) -> dict:
+        """Exact bytes sent, grouped by ``part(key)`` (key: phase, axes, kind, size, counted)."""
+        payloads: dict = {}
+        for key, (payload, _) in self.sums.items():
+            k = (part(key), key[2], key[3])
+            payloads[k] = payloads.get(k, 0) + payload
+        out: dict = {}
+        for (k, kind, p), payload in payloads.items():  # one exact product per kind and group size
+            out[k] = out.get(k, Fraction(0)) + byte_factor(kind, p) * payload
         return out
 
     def total(self) -> Fraction:
-        return sum(self.bytes.values(), Fraction(0))
+        return self.bytes_by().get(None, Fraction(0))
 
-    def by_axes(self) -> dict[tuple[str, ...], Fraction]:
-        out: dict[tuple[str, ...], Fraction] = defaultdict(Fraction)
-        for (_, axes), b in self.bytes.items():
-            out[axes] += b
-        return dict(out)
+    def scaled_total(self, denominator: int) -> int:
+        """``total() * denominator`` in integers, for a denominator every group size divides."""
+        out = 0
+        for (_, _, kind, p, _), (payload, _) in self.sums.items():
+            f = _SCALED.get((kind, p, denominator))
+            if f is None:
+                scaled = byte_factor(kind, p) * denominator
+                if scaled.denominator != 1:
+                    raise ValueError(f"group size {p} does not divide {denominator}")
+                f = _SCALED[(kind, p, denominator)] = int(scaled)
+            out += f * payload
+        return out
+
+    def links(self):
+        """(axes, bytes as a float, messages) per entry, for the time model."""
+        for (_, axes, kind, p, _), (payload, n) in self.sums.items():
+            f = _FLOAT_FACTORS.get((kind, p))
+            if f is None:
+                f = _FLOAT_FACTORS[(kind, p)] = (float(byte_factor(kind, p)), _STEPS[kind](p))
+            yield axes, f[0] * payload, f[1] * n
 
 
 # -- sequence parallelism ---------------------------------------------------------------------
@@ -129,7 +171,8 @@ def dp_reduction(param_bytes: int, grad_bytes: int, n: int, zero: int, block_byt
     out = calls("step", DP_AXES, "reduce_scatter", grad_bytes, n, counted=False)
     if zero < 3:
         return out + calls("step", DP_AXES, "all_gather", param_bytes, n, counted=False)
-    for b in block_bytes:
-        out += calls("fwd", DP_AXES, "all_gather", b, n, counted=False) + calls("bwd", DP_AXES, "all_gather", b, n,
-                                                                                counted=False)
+    for b in sorted(set(block_bytes)):
+        k = block_bytes.count(b)
+        out += calls("fwd", DP_AXES, "all_gather", b, n, times=k, counted=False)
+        out += calls("bwd", DP_AXES, "all_gather", b, n, times=k, counted=False)
     return out

@@ -48,8 +48,7 @@ def in_flight(schedule: str, stage: int, pp: int, micro_batches: int) -> int:
 
 def activation_bytes(cost: StageCost, checkpointing: bool, first: bool, last: bool) -> tuple[int, int]:
     """(bytes of one micro-batch's activations, of its embeddings alone)."""
-    block = sum(p.saved for p in cost.block)
-    blocks = cost.blocks * (cost.boundary if checkpointing else block)
+    blocks = cost.blocks * (cost.boundary if checkpointing else cost.block_saved)
     kept = (0 if first else cost.boundary) + (0 if last else cost.boundary)  # stage input / output
     return cost.first.saved + blocks + cost.last.saved + kept, cost.first.saved
 
@@ -73,8 +72,7 @@ def stage_memory(cost: StageCost, *, stage: int, pp: int, micro_batches: int, ch
         buffers = 0
     per_mb, embed = activation_bytes(cost, checkpointing, first, last)
     k = in_flight(schedule, stage, pp, micro_batches)
-    recompute = sum(x.saved for x in cost.block) if checkpointing and cost.blocks else 0
+    recompute = cost.block_saved if checkpointing and cost.blocks else 0
     dynamic = max(k * per_mb + recompute + min(grads, g_last), grads + (k - 1) * per_mb + embed)
-    pieces = [cost.first, cost.last, *cost.block]
-    workspace = max(x.workspace for x in pieces) + 2 * cost.boundary
+    workspace = cost.workspace + 2 * cost.boundary
     return MemoryBreakdown(runtime, params, grads, optimizer, buffers, k * per_mb, dynamic, workspace)

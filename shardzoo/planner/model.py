@@ -11,10 +11,14 @@ with the same sharing of saved tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from shardzoo.models.common import stage_blocks
 from shardzoo.planner.block_costs import Illegal, Piece, calls, need
 from shardzoo.planner.comm import attention_core
+
+
+NOTHING = Piece()  # what a stage without the embeddings (or the head) holds of them
 
 
 @dataclass(frozen=True)
@@ -74,9 +78,19 @@ class StageCost:
     is_last: bool = True
     block_params: list[int] = field(default_factory=list)  # elements per block, for FSDP2 units
 
-    @property
+    @cached_property
     def params(self) -> int:
         return self.first.params + self.blocks * sum(p.params for p in self.block) + self.last.params
+
+    @cached_property
+    def block_saved(self) -> int:
+        """Activation bytes one block keeps for backward."""
+        return sum(p.saved for p in self.block)
+
+    @cached_property
+    def workspace(self) -> int:
+        """The largest transient of any piece of the stage."""
+        return max(p.workspace for p in (self.first, self.last, *self.block))
 
 
 @dataclass(frozen=True)
@@ -201,25 +215,49 @@ def tied(shape: ModelShape) -> bool:
     return shape.family != "vit" and bool(getattr(shape.config, "tie_word_embeddings", False))
 
 
-def stage_cost(shape: ModelShape, costs, b: Batch, stage: int = 0, stages: int = 1) -> StageCost:
-    """What one rank of pipeline stage ``stage`` of ``stages`` runs per micro-batch.
+@dataclass
+class StageParts:
+    """The pieces every stage of a layout is made of, for one micro-batch size."""
 
-    Raises :class:`Illegal` (the rule in the message) when the model cannot be built so."""
+    first: Piece
+    block: list[Piece]
+    last: Piece  # the head with its own table
+    last_tied: Piece  # the head sharing the embedding's table (first and last stage in one)
+    boundary: int
+    table: int  # parameter elements of the vocabulary table (0: no tied table)
+
+
+def stage_parts(shape: ModelShape, costs, b: Batch) -> StageParts:
+    """Raises :class:`Illegal` (the rule in the message) when the model cannot be built so."""
     check_heads(shape, costs, b)
     batch, seq = _check_batch(shape, costs, b)
+    lay = costs.canonical
+    block = transformer_block(shape, costs, b, batch, seq)
+    first = _embeddings(shape, costs, b, batch, seq)
+    last = _head(shape, costs, b, batch, seq, False)
+    last_tied = _head(shape, costs, b, batch, seq, True) if tied(shape) else last
+    boundary = batch * seq * (shape.hidden // costs.hidden_parts(lay)) * b.e
+    table = 0
+    if tied(shape):
+        width = shape.config.embed_dim if shape.family == "opt" else shape.hidden
+        table = costs.vocab_embedding(shape.vocab, width, 1, b.e, lay).params
+    return StageParts(first, block, last, last_tied, boundary, table)
+
+
+def assemble(shape: ModelShape, parts: StageParts, stage: int = 0, stages: int = 1) -> StageCost:
+    """Stage ``stage`` of ``stages`` from its parts."""
     try:
         blocks, is_first, is_last = stage_blocks(shape.family, shape.layers, (stage, stages) if stages > 1 else None,
                                                  None)
     except ValueError as err:
         raise Illegal(str(err)) from None
-    lay = costs.canonical
-    block = transformer_block(shape, costs, b, batch, seq)
-    first = _embeddings(shape, costs, b, batch, seq) if is_first else Piece()
-    last = _head(shape, costs, b, batch, seq, tied(shape) and is_first) if is_last else Piece()
-    boundary = batch * seq * (shape.hidden // costs.hidden_parts(lay)) * b.e
-    table = 0
-    if tied(shape) and stages > 1 and (is_first or is_last):
-        width = shape.config.embed_dim if shape.family == "opt" else shape.hidden
-        table = costs.vocab_embedding(shape.vocab, width, 1, b.e, lay).params
-    return StageCost(first, block, len(blocks), last, boundary, table, is_first, is_last,
-                     [sum(p.params for p in block)] * len(blocks))
+    first = parts.first if is_first else NOTHING
+    last = (parts.last_tied if is_first else parts.last) if is_last else NOTHING
+    table = parts.table if stages > 1 and (is_first or is_last) else 0
+    return StageCost(first, parts.block, len(blocks), last, parts.boundary, table, is_first, is_last,
+                     [sum(p.params for p in parts.block)] * len(blocks))
+
+
+def stage_cost(shape: ModelShape, costs, b: Batch, stage: int = 0, stages: int = 1) -> StageCost:
+    """What one rank of pipeline stage ``stage`` of ``stages`` runs per micro-batch."""
+    return assemble(shape, stage_parts(shape, costs, b), stage, stages)

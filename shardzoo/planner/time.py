@@ -39,15 +39,21 @@ def link(axes: tuple[str, ...], strides: dict[str, tuple[int, int]], hw: Hardwar
     return (hw.intra_bandwidth, hw.intra_latency) if inside else (hw.inter_bandwidth, hw.inter_latency)
 
 
-def comm_seconds(traffic, strides, hw: Hardware, phases=None) -> float:
-    """Seconds to send ``traffic`` (a comm.Traffic) at each group's link, phases as listed."""
-    total = 0.0
-    for (phase, axes), n in traffic.bytes.items():
-        if phases is not None and phase not in phases:
-            continue
-        bandwidth, latency = link(axes, strides, hw)
-        total += float(n) / bandwidth + traffic.messages[(phase, axes)] * latency
-    return total
+class Links:
+    """(bandwidth, latency) per group of one layout, looked up once per group."""
+
+    def __init__(self, strides: dict[str, tuple[int, int]], hw: Hardware):
+        self.strides, self.hw, self._cache = strides, hw, {}
+
+    def seconds(self, traffic) -> float:
+        """Seconds to send ``traffic`` (a comm.Traffic) at each group's link."""
+        total, cache = 0.0, self._cache
+        for axes, n, messages in traffic.links():
+            lk = cache.get(axes)
+            if lk is None:
+                lk = cache[axes] = link(axes, self.strides, self.hw)
+            total += n / lk[0] + messages * lk[1]
+        return total
 
 
 def block_flops(shape: ModelShape, tokens: int, seq: int) -> float:
