@@ -149,7 +149,7 @@ def plan(model, world: int, device_memory_gib: float, global_batch: int, seq: in
     dtype = dtype or ("fp32" if hw.cores_per_node else "bf16")
     _check_inputs(world, device_memory_gib, global_batch, seq, shape, sp_mode, schedule, dtype)
     e, ep = DTYPES[dtype]
-    problem = Problem(shape, world, global_batch, seq, sp_mode, e, ep)
+    problem = Problem(shape, world, global_batch, seq, sp_mode, e, ep, e if hw.cores_per_node else 1)
     memory_bytes = int(device_memory_gib * GIB)
     pricer = Pricer(problem, hw, schedule)
     pruned: list[Pruned] = []

@@ -111,6 +111,10 @@ class Costs1D:
         """Parts the attention heads are split into."""
         return self.p
 
+    def inner_parts(self, layout) -> int:
+        """Parts a column layer's output (the MLP's inner width) is split into."""
+        return self.p
+
     def after(self, layout):
         return None
 
@@ -123,7 +127,7 @@ class Costs1D:
                          n_out // p * n_in + (n_out // p if bias else 0), rows * n_in * e if input_saved else 0)
         need(who, "in_features", n_in, p, f"tp={p}")
         return Piece(calls("fwd", ("tp",), "all_reduce", rows * n_out * e, p, after_save=True),
-                     n_out * n_in // p + (n_out if bias else 0), rows * n_in // p * e)
+                     n_out * n_in // p + (n_out if bias else 0), rows * n_in // p * e if input_saved else 0)
 
     def layer_norm(self, h, rows, e, layout=None, *, affine=True, bias=True) -> Piece:
         """Replicated: saves its input and the row mean / rstd."""
@@ -185,6 +189,9 @@ class GridCosts:
         return self.size(layout.hidden_axis)
 
     def head_parts(self, layout: ActivationLayout) -> int:
+        return self.size(layout.hidden_axis)
+
+    def inner_parts(self, layout: ActivationLayout) -> int:
         return self.size(layout.hidden_axis)
 
     def _param_use(self, layout, local, full_block) -> list[Call]:

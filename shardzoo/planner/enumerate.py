@@ -60,13 +60,14 @@ class Problem:
     sp_mode: str = "ring"
     e: int = 4
     param_bytes: int = 4
+    mask_bytes: int = 1  # per dropout-mask element: 1 on CUDA (bool), e on CPU
 
 
 def _grid_rule(problem: Problem, mode: str, tp: int, depth: int, sp: int) -> str | None:
     """Why the model cannot be built on this tp grid with this sp at all (or None)."""
     costs = layout_costs(mode, tp, depth, problem.param_bytes)
     parts = costs.batch_parts(costs.canonical)
-    probe = Batch(rows=parts, seq=problem.seq, sp=sp, sp_mode=problem.sp_mode, e=problem.e)
+    probe = Batch(parts, problem.seq, sp, problem.sp_mode, problem.e, True, problem.mask_bytes)
     try:
         check_heads(problem.shape, costs, probe)
         stage_cost(problem.shape, costs, probe)

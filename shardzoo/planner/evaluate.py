@@ -95,7 +95,8 @@ class Pricer:
 
     def batch(self, layout: Layout) -> Batch:
         p = self.problem
-        return Batch(p.global_batch // layout.dp // layout.micro_batches, p.seq, layout.sp, p.sp_mode, p.e)
+        return Batch(p.global_batch // layout.dp // layout.micro_batches, p.seq, layout.sp, p.sp_mode, p.e, True,
+                     p.mask_bytes)
 
     def stages(self, layout: Layout) -> list[StageCost]:
         """Every pipeline stage's StageCost (raises Illegal for a layout that cannot be built)."""

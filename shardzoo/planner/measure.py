@@ -161,3 +161,42 @@ def run_layout(spec: dict) -> dict:
         counted = counter.total_bytes
     return {"stage": mesh.pp_rank, "param_bytes": param_bytes, "counted": counted, **totals,
             "step_s": statistics.median(times), "peak_rss": _rss_kib("VmHWM") * 1024}
+
+
+_BLOCKS = {"gpt2": "transformer.h", "opt": "model.decoder.layers", "bert": "bert.encoder.layer",
+           "vit": "vit.encoder.layer"}
+
+
+def saved_bytes(spec: dict) -> dict:
+    """Bytes autograd keeps for backward in one training forward + loss of this rank's stage,
+    by part ("embed", "block<i>", "head"): each tensor's storage counted once, parameters left out
+    (the planner's activation terms, measured)."""
+    from shardzoo.testing import cached_mesh
+
+    mesh = cached_mesh(**spec["layout"])
+    model = build_model(spec, mesh)
+    model.train()
+    inputs, target = make_batch(spec, model, mesh)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    part, seen = {"now": "embed"}, {}
+
+    def enter(name):
+        return lambda module, args: part.__setitem__("now", name)
+
+    for name, block in model.get_submodule(_BLOCKS[spec["family"]]).items():
+        block.register_forward_pre_hook(enter(f"block{name}"))
+        block.register_forward_hook(lambda module, args, out: part.__setitem__("now", "head"))
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params and storage.data_ptr() not in seen:
+            seen[storage.data_ptr()] = (part["now"], storage.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model.loss(model(inputs), target)
+    out: dict = {}
+    for name, n in seen.values():
+        out[name] = out.get(name, 0) + n
+    del loss
+    return out

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from shardzoo.models.common import stage_blocks
-from shardzoo.planner.block_costs import Illegal, Piece, calls, need
+from shardzoo.planner.block_costs import ID_BYTES, Illegal, Piece, calls, need
 from shardzoo.planner.comm import attention_core
 
 
@@ -103,11 +103,13 @@ class Batch:
     sp_mode: str
     e: int  # bytes per activation element
     training: bool = True
+    mask_bytes: int = 1  # per element of a dropout mask: bool on CUDA, the activation dtype on CPU
 
 
-def dropout(p: float, n: int, training: bool) -> Piece:
-    """F.dropout keeps a bool mask of the ``n`` elements it drops from."""
-    return Piece([], 0, n if training and p > 0 else 0)
+def dropout(p: float, n: int, b: "Batch") -> Piece:
+    """F.dropout keeps a mask of the ``n`` elements it drops from (bool on CUDA; on CPU the
+    scaled noise tensor, in the activation dtype)."""
+    return Piece([], 0, n * b.mask_bytes if b.training and p > 0 else 0)
 
 
 def _check_batch(shape: ModelShape, costs, b: Batch) -> tuple[int, int]:
@@ -133,18 +135,23 @@ def check_heads(shape: ModelShape, costs, b: Batch) -> None:
     need(shape.family, "hidden_size", h, heads, f"num_heads={heads}")
 
 
+def p_attn_drop(family: str) -> str:
+    """The config field of dropout on the attention probabilities."""
+    return {"gpt2": "attn_pdrop", "opt": "attention_dropout"}.get(family, "attention_probs_dropout_prob")
+
+
 def transformer_block(shape: ModelShape, costs, b: Batch, batch: int, seq: int) -> list[Piece]:
     """The pieces of one block: attention (fused or separate q/k/v), MLP, norms, dropouts."""
     c, fam = shape.config, shape.family
     h, f, e, lay = shape.hidden, shape.ffn, b.e, costs.canonical
     mid = costs.after(lay)
     rows = batch * seq
-    hl, fl = h // costs.hidden_parts(lay), f // costs.hidden_parts(mid)
+    hl, fl = h // costs.hidden_parts(lay), f // costs.inner_parts(mid)
     heads = shape.heads // costs.head_parts(mid)
     bias = {"gpt2": True, "opt": getattr(c, "enable_bias", True), "vit": getattr(c, "qkv_bias", True)}.get(fam, True)
     affine = getattr(c, "layer_norm_elementwise_affine", True)
     p_drop = {"gpt2": "resid_pdrop", "opt": "dropout"}.get(fam, "hidden_dropout_prob")
-    drop = dropout(getattr(c, p_drop), rows * hl, b.training)
+    drop = dropout(getattr(c, p_drop), rows * hl, b)
     norm = costs.layer_norm(h, rows, e, lay, affine=affine)
     if fam == "gpt2":
         qkv = [costs.linear(h, 3 * h, rows, e, lay, style="column", bias=True)]
@@ -152,7 +159,12 @@ def transformer_block(shape: ModelShape, costs, b: Batch, batch: int, seq: int) 
         qkv = [costs.linear(h, h, rows, e, lay, style="column", bias=bias, input_saved=i == 0) for i in range(3)]
     attn = attention_core(batch, heads, seq, h // shape.heads, e, b.sp, b.sp_mode,
                           mask=fam == "vit" and seq * b.sp != c.num_tokens)
-    out_proj = costs.linear(h, h, rows, e, mid, style="row", bias=bias)
+    # torch's fused CPU attention kernel (sp = 1, no dropout on the probabilities) returns its
+    # output in q's memory order; after separate q / k / v projections that is already
+    # [b, s, heads, d], so out_proj reads it in place (measured). Ring, Ulysses and the dropout
+    # kernel return a fresh [b, heads, s, d] that the head merge copies.
+    in_place = fam != "gpt2" and b.sp == 1 and not (b.training and getattr(c, p_attn_drop(fam), 0.0) > 0)
+    out_proj = costs.linear(h, h, rows, e, mid, style="row", bias=bias, input_saved=not in_place)
     act = getattr(c, "activation_function", None) or c.hidden_act
     fc1 = costs.linear(h, f, rows, e, lay, style="column", bias=bias if fam == "opt" else True)
     act_saved = Piece([], 0, rows * fl * e)  # gelu keeps its input, relu its output (fc2's input)
@@ -169,8 +181,9 @@ def _embeddings(shape: ModelShape, costs, b: Batch, batch: int, seq: int) -> Pie
     rows, hl = batch * seq, h // costs.hidden_parts(lay)
     if fam == "vit":
         tokens = c.num_tokens
-        emb = costs.patch_embedding(c.image_size, c.patch_size, c.num_channels, h, batch, e, lay)
-        return emb + dropout(c.hidden_dropout_prob, batch * tokens * hl, b.training)
+        # the pixels a rank's projection keeps are a view of the micro-batch it was given
+        emb = costs.patch_embedding(c.image_size, c.patch_size, c.num_channels, h, b.rows, e, lay)
+        return emb + dropout(c.hidden_dropout_prob, batch * tokens * hl, b)
     width = c.embed_dim if fam == "opt" else h
     out = costs.vocab_embedding(shape.vocab, width, rows, e, lay)
     if fam == "opt" and width != h:
@@ -180,7 +193,7 @@ def _embeddings(shape: ModelShape, costs, b: Batch, batch: int, seq: int) -> Pie
     if fam == "bert":
         out = out + costs.hidden_embedding(c.type_vocab_size, h, rows, e, lay) + costs.layer_norm(h, rows, e, lay)
     p = {"gpt2": "embd_pdrop", "opt": "dropout"}.get(fam, "hidden_dropout_prob")
-    return out + dropout(getattr(c, p), rows * hl, b.training)
+    return out + dropout(getattr(c, p), rows * hl, b)
 
 
 def _head(shape: ModelShape, costs, b: Batch, batch: int, seq: int, tied: bool) -> Piece:
@@ -190,6 +203,7 @@ def _head(shape: ModelShape, costs, b: Batch, batch: int, seq: int, tied: bool) 
         cls = Piece(calls("fwd", ("sp",), "broadcast", batch * (h // costs.hidden_parts(lay)) * e, b.sp)
                     + calls("bwd", ("sp",), "reduce", batch * (h // costs.hidden_parts(lay)) * e, b.sp))
         out = costs.layer_norm(h, rows, e, lay) + cls + costs.classifier(c.num_labels, h, batch, e, lay)
+        out = out + Piece([], 0, batch * (c.num_labels * e + ID_BYTES) + e)  # F.cross_entropy: logits, targets
         if costs.mode != "1d":  # ViT.loss: a row count summed over the batch axes, then the mean
             parts = costs.batch_parts(lay)
             out = out + Piece(calls("fwd", lay.batch_axes, "all_reduce", 4, parts, counted=False)
