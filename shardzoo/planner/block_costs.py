@@ -50,16 +50,27 @@ class Call:
 @dataclass
 class Piece:
     """Cost of one block on one rank: calls, parameter elements held, activation bytes saved
-    for backward, and transient bytes alive while it runs (``workspace``)."""
+    for backward, transient bytes alive while it runs (``workspace``), and its work: matmul
+    FLOPs and attention FLOPs of the forward, elementwise passes (elements read and written
+    once, forward and backward together)."""
 
     calls: list[Call] = field(default_factory=list)
     params: int = 0
     saved: int = 0
     workspace: int = 0
+    flops: int = 0
+    attn_flops: int = 0
+    elems: int = 0
 
     def __add__(self, other: "Piece") -> "Piece":
         return Piece(self.calls + other.calls, self.params + other.params, self.saved + other.saved,
-                     max(self.workspace, other.workspace))
+                     max(self.workspace, other.workspace), self.flops + other.flops,
+                     self.attn_flops + other.attn_flops, self.elems + other.elems)
+
+
+# elementwise passes per element (forward + backward), as torch's CPU kernels run them (measured
+# with torch.profiler): the loss over the logits, a LayerNorm, a bias add, an embedding lookup
+LOSS_PASSES, NORM_PASSES, BIAS_PASSES, LOOKUP_PASSES = 12, 12, 2, 3
 
 
 def calls(phase, axes, kind, payload, p, times=1, after_save=False, counted=True) -> list[Call]:
@@ -90,7 +101,8 @@ def vocab_loss(vocab_axes, q, batch_axes, parts, rows, v_local, e, batch_mean) -
     if batch_mean:
         out += calls("fwd", batch_axes, "all_reduce", es, parts) + calls("fwd", batch_axes, "all_reduce", e, parts)
     logits = rows * v_local * e
-    return Piece(out, 0, logits + rows * (ID_BYTES + es) + ID_BYTES, workspace=2 * logits)
+    return Piece(out, 0, logits + rows * (ID_BYTES + es) + ID_BYTES, workspace=2 * logits,
+                 elems=LOSS_PASSES * rows * v_local)
 
 
 class Costs1D:
@@ -121,39 +133,44 @@ class Costs1D:
     def linear(self, n_in, n_out, rows, e, layout=None, *, style="column", bias=True, input_saved=True) -> Piece:
         """Column: out split, dX all-reduced in backward; row: in split, y all-reduced forward."""
         p, who = self.p, f"ParallelLinear1D({style})"
+        flops = 2 * rows * n_in * n_out // p
         if style == "column":
             need(who, "out_features", n_out, p, f"tp={p}")
             return Piece(calls("bwd", ("tp",), "all_reduce", rows * n_in * e, p),
-                         n_out // p * n_in + (n_out // p if bias else 0), rows * n_in * e if input_saved else 0)
+                         n_out // p * n_in + (n_out // p if bias else 0), rows * n_in * e if input_saved else 0,
+                         flops=flops, elems=BIAS_PASSES * rows * n_out // p if bias else 0)
         need(who, "in_features", n_in, p, f"tp={p}")
         return Piece(calls("fwd", ("tp",), "all_reduce", rows * n_out * e, p, after_save=True),
-                     n_out * n_in // p + (n_out if bias else 0), rows * n_in // p * e if input_saved else 0)
+                     n_out * n_in // p + (n_out if bias else 0), rows * n_in // p * e if input_saved else 0,
+                     flops=flops, elems=BIAS_PASSES * rows * n_out if bias else 0)
 
     def layer_norm(self, h, rows, e, layout=None, *, affine=True, bias=True) -> Piece:
         """Replicated: saves its input and the row mean / rstd."""
-        return Piece([], (h if affine else 0) + (h if affine and bias else 0), rows * h * e + 2 * rows * e)
+        return Piece([], (h if affine else 0) + (h if affine and bias else 0), rows * h * e + 2 * rows * e,
+                     elems=NORM_PASSES * rows * h)
 
     def vocab_embedding(self, vocab, h, rows, e, layout=None) -> Piece:
         """Table rows split over tp (padded to ceil(V/p) each); partial lookups all-reduced."""
         return Piece(calls("fwd", ("tp",), "all_reduce", rows * h * e, self.p, after_save=True),
-                     ceil_div(vocab, self.p) * h, rows * (ID_BYTES + MASK_BYTES))
+                     ceil_div(vocab, self.p) * h, rows * (ID_BYTES + MASK_BYTES), elems=LOOKUP_PASSES * rows * h)
 
     def hidden_embedding(self, n, h, ids, e, layout=None) -> Piece:
         """A small table (positions, token types) replicated on every tp rank."""
-        return Piece([], n * h, ids * ID_BYTES)
+        return Piece([], n * h, ids * ID_BYTES, elems=LOOKUP_PASSES * ids * h)
 
     def lm_head(self, vocab, h, rows, e, layout=None, *, tied=False) -> Piece:
         """Vocabulary-split logits [rows, ceil(V/p)]: copy_to on entry (dX all-reduced)."""
         logits = rows * ceil_div(vocab, self.p) * e
         return Piece(calls("bwd", ("tp",), "all_reduce", rows * h * e, self.p),
-                     0 if tied else ceil_div(vocab, self.p) * h, rows * h * e, workspace=2 * logits)
+                     0 if tied else ceil_div(vocab, self.p) * h, rows * h * e, workspace=2 * logits,
+                     flops=2 * rows * h * ceil_div(vocab, self.p))
 
     def loss(self, vocab, rows, e, layout=None) -> Piece:
         return vocab_loss(("tp",), self.p, (), 1, rows, ceil_div(vocab, self.p), e, batch_mean=False)
 
     def dense(self, n_in, n_out, rows, e, layout=None, *, bias=True) -> Piece:
         """A replicated nn.Linear (poolers, BERT's MLM transform): no communication."""
-        return Piece([], n_in * n_out + (n_out if bias else 0), rows * n_in * e)
+        return Piece([], n_in * n_out + (n_out if bias else 0), rows * n_in * e, flops=2 * rows * n_in * n_out)
 
     def classifier(self, classes, h, rows, e, layout=None) -> Piece:
         return self.dense(h, classes, rows, e)
@@ -161,7 +178,8 @@ class Costs1D:
     def patch_embedding(self, image, patch, channels, h, batch, e, layout=None) -> Piece:
         """ViT's embeddings replicated: conv weight and bias, cls token, positions."""
         tokens = (image // patch) ** 2 + 1
-        return Piece([], h * channels * patch * patch + 2 * h + tokens * h, batch * channels * image * image * e)
+        return Piece([], h * channels * patch * patch + 2 * h + tokens * h, batch * channels * image * image * e,
+                     flops=2 * batch * (tokens - 1) * channels * patch * patch * h)
 
     def vocab_bias(self, vocab, rows, e, layout=None) -> Piece:
         return Piece([], ceil_div(vocab, self.p), 0)
@@ -223,13 +241,13 @@ class GridCosts:
         n = (1 if affine else 0) + (1 if affine and bias else 0)
         out = calls("fwd", hid, "all_reduce", rows * es, q, times=2) + calls("bwd", hid, "all_reduce", 2 * rows * es, q)
         out += self._block_param_grads(layout, h // q, n) if n else []
-        return Piece(out, n * h // q, rows * (h // q) * es + rows * es)
+        return Piece(out, n * h // q, rows * (h // q) * es + rows * es, elems=NORM_PASSES * rows * (h // q))
 
     def hidden_embedding(self, n, h, ids, e, layout) -> Piece:
         """Table cut into q * size(param_axes) hidden chunks, gathered in forward."""
         parts = self._split_params(f"Embedding{self.suffix[self.mode]}", "embedding_dim", h, layout)
-        local = n * h // parts
-        return Piece(self._param_use(layout, local, n * (h // self.hidden_parts(layout))), local, ids * ID_BYTES)
+        local, hl = n * h // parts, h // self.hidden_parts(layout)
+        return Piece(self._param_use(layout, local, n * hl), local, ids * ID_BYTES, elems=LOOKUP_PASSES * ids * hl)
 
     def vocab_embedding(self, vocab, h, rows, e, layout) -> Piece:
         """Ids all-gathered over the vocabulary axis, masked lookup, partial embeddings
@@ -248,7 +266,8 @@ class GridCosts:
         partial = qv * rows * (h // q) * e
         out += calls("fwd", (vocab_axis,), "reduce_scatter", partial, qv, after_save=True)
         out += calls("bwd", (vocab_axis,), "all_gather", partial, qv)
-        return Piece(out, local, qv * rows * (ID_BYTES + MASK_BYTES), workspace=partial + sub * local * ep)
+        return Piece(out, local, qv * rows * (ID_BYTES + MASK_BYTES), workspace=partial + sub * local * ep,
+                     elems=LOOKUP_PASSES * qv * rows * (h // q))
 
     def loss(self, vocab, rows, e, layout) -> Piece:
         """Cross entropy over the head's vocabulary axis, then the mean over the batch axes."""
@@ -264,7 +283,8 @@ class GridCosts:
         out = self._param_use(layout, classes * h // parts, classes * (h // q))
         out += calls("fwd", (layout.hidden_axis,), "all_reduce", rows * classes * e, q)
         out += self._block_param_grads(layout, classes, 1)
-        return Piece(out, classes * h // parts + classes, rows * (h // q) * e + classes * (h // q) * self.ep)
+        return Piece(out, classes * h // parts + classes, rows * (h // q) * e + classes * (h // q) * self.ep,
+                     flops=2 * rows * (h // q) * classes)
 
     def patch_embedding(self, image, patch, channels, h, batch, e, layout) -> Piece:
         """Conv weight and bias, cls token and positions each split and gathered like a table."""
@@ -273,7 +293,9 @@ class GridCosts:
         q, tensors = self.hidden_parts(layout), (h * channels * patch * patch, h, h, ((image // patch) ** 2 + 1) * h)
         out = [c for n in tensors for c in self._param_use(layout, n // parts, n // q)]
         saved = batch * channels * image * image * e + (h // q) * channels * patch * patch * self.ep
-        return Piece(out, sum(tensors) // parts, saved)
+        rows = batch // self.batch_parts(layout)
+        return Piece(out, sum(tensors) // parts, saved,
+                     flops=2 * rows * (image // patch) ** 2 * channels * patch * patch * (h // q))
 
     def vocab_bias(self, vocab, rows, e, layout) -> Piece:
         """BERT's output bias, split like the logits; gradient summed over the batch axes."""
@@ -323,7 +345,8 @@ class Costs2D(GridCosts):
         out += self._summa("bwd", row, x, col, w, "reduce") + calls("bwd", ("tp_dep",), "all_reduce", w, d)
         out += self._block_param_grads(layout, n_out // q, 1) if bias else []
         return Piece(out, n_in * n_out // (q * q) + (n_out // q if bias else 0), x if input_saved else 0,
-                     workspace=2 * (x + w))
+                     workspace=2 * (x + w), flops=2 * rows * n_in * n_out // q,
+                     elems=BIAS_PASSES * rows * n_out // q if bias else 0)
 
     def lm_head(self, vocab, h, rows, e, layout=None, *, tied=False) -> Piece:
         """Logits x E^T by SUMMA nt; nn (dX) and tn (dE) backward."""
@@ -334,7 +357,8 @@ class Costs2D(GridCosts):
         row, col = ("tp_col",), ("tp_row",)
         out = self._summa("fwd", col, big_e, row, y, "reduce") + self._summa("bwd", row, y, col, big_e)
         out += self._summa("bwd", row, y, col, big_e, "reduce") + calls("bwd", ("tp_dep",), "all_reduce", big_e, d)
-        return Piece(out, 0 if tied else v_pad * h // (q * q), rows * (h // q) * e, workspace=2 * y + 2 * big_e)
+        return Piece(out, 0 if tied else v_pad * h // (q * q), rows * (h // q) * e, workspace=2 * y + 2 * big_e,
+                     flops=2 * rows * h * v_pad // q)
 
 
 class Costs3D(GridCosts):
@@ -373,14 +397,16 @@ class Costs3D(GridCosts):
         need("ParallelLinear3D", "out_features", n_out, q * q, f"q*q={q * q}")
         out, saved, partial = self._cube(n_in, n_out, rows, e, layout)
         out += self._block_param_grads(swapped_3d(layout), n_out // q, 1) if bias else []
-        return Piece(out, n_in * n_out // q**3 + (n_out // q if bias else 0), saved, workspace=partial)
+        return Piece(out, n_in * n_out // q**3 + (n_out // q if bias else 0), saved, workspace=partial,
+                     flops=2 * rows * n_in * n_out // q, elems=BIAS_PASSES * rows * n_out // q if bias else 0)
 
     def lm_head(self, vocab, h, rows, e, layout=None, *, tied=False) -> Piece:
         q, layout = self.q, layout or self.canonical
         need("LMHead3D", "in_features", h, q, f"q={q}")
         v_pad = self.vocab_pad(vocab)
         out, saved, partial = self._cube(h, v_pad, rows, e, layout)
-        return Piece(out, 0 if tied else v_pad * h // q**3, saved, workspace=partial + 2 * rows * (v_pad // q) * e)
+        return Piece(out, 0 if tied else v_pad * h // q**3, saved, workspace=partial + 2 * rows * (v_pad // q) * e,
+                     flops=2 * rows * h * v_pad // q)
 
     def relayout(self, h, rows, e, src, dst) -> Piece:
         """common.relayout: gather the activation to full size, keep the ``dst`` block."""

@@ -21,6 +21,8 @@ from shardzoo.planner.block_costs import Call, Piece, calls
 
 DP_AXES = ("dp", "sp")  # data_parallel reduces gradients over the dp x sp group
 DDP_BUCKET_BYTES = 25 << 20  # torch DDP's default bucket_cap_mb
+RING_MERGE_PASSES = 6  # per ring step: the log-sum-exp merge of out and lse, the dQ / dK / dV sums
+ULYSSES_COPY_PASSES = 8  # the head / sequence regrouping copies of q, k, v and out, both ways
 
 # messages (latency terms) one rank starts per call, under the ring algorithms of the byte model
 _STEPS = {"all_reduce": lambda p: 2 * (p - 1), "all_gather": lambda p: p - 1, "reduce_scatter": lambda p: p - 1,
@@ -114,7 +116,7 @@ class Traffic:
 
 
 # -- sequence parallelism ---------------------------------------------------------------------
-def attention_core(batch, heads, seq, head_dim, e, sp, sp_mode, mask=False) -> Piece:
+def attention_core(batch, heads, seq, head_dim, e, sp, sp_mode, mask=False, causal=False) -> Piece:
     """Attention of this rank's ``heads`` heads over ``seq`` local tokens of ``batch`` rows.
 
     Saved (every sp_mode): q, k, v, the output and the fp32 log-sum-exp (flash attention never
@@ -124,8 +126,11 @@ def attention_core(batch, heads, seq, head_dim, e, sp, sp_mode, mask=False) -> P
     kv = batch * heads * seq * head_dim * e
     mask_bytes = batch * seq if mask else 0
     saved = 4 * kv + batch * heads * seq * acc + mask_bytes
+    elements = batch * heads * seq * head_dim
+    # scores and values against every key of the sequence; a causal block kernel skips half
+    work = dict(attn_flops=int(4 * batch * heads * seq * seq * sp * head_dim * (0.5 if causal else 1.0)))
     if sp == 1:
-        return Piece([], 0, saved)
+        return Piece([], 0, saved, **work)
     axes = ("sp",)
     if sp_mode == "ring":
         grads = batch * heads * seq * head_dim * acc
@@ -134,11 +139,11 @@ def attention_core(batch, heads, seq, head_dim, e, sp, sp_mode, mask=False) -> P
         if mask:
             out += calls("fwd", axes, "send", mask_bytes, sp, times=sp - 1)
             out += calls("bwd", axes, "send", mask_bytes, sp, times=sp - 1)
-        return Piece(out, 0, saved)
+        return Piece(out, 0, saved, elems=RING_MERGE_PASSES * sp * elements, **work)
     out = calls("fwd", axes, "all_to_all", kv, sp, times=4) + calls("bwd", axes, "all_to_all", kv, sp, times=4)
     if mask:  # gather_padding_mask: the full-sequence mask, uint8
         out += calls("fwd", axes, "all_gather", batch * seq * sp, sp)
-    return Piece(out, 0, saved)
+    return Piece(out, 0, saved, elems=ULYSSES_COPY_PASSES * elements, **work)
 
 
 # -- pipeline, data parallelism, ZeRO ----------------------------------------------------------

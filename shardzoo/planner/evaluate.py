@@ -72,16 +72,6 @@ def recompute_calls(block: list[Piece]) -> list[Call]:
     return out + ([c for c in block[last].calls if c.phase == "fwd" and not c.after_save] if last >= 0 else [])
 
 
-def stage_flops(shape: ModelShape, cost: StageCost, batch: int, seq: int, sp: int, tp: int,
-                checkpointing: bool) -> float:
-    """FLOPs of one rank of the stage for one micro-batch, forward + backward (+ recompute)."""
-    vit = shape.family == "vit"
-    tokens = batch * (-(-shape.config.num_tokens // sp) if vit else seq // sp)
-    fwd = cost.blocks * timing.block_flops(shape, tokens, shape.config.num_tokens if vit else seq)
-    ends = timing.end_flops(shape, tokens, batch // sp, cost.is_first, cost.is_last)
-    return (fwd * (3 + (1 if checkpointing else 0)) + 3 * ends) / tp
-
-
 class Pricer:
     """Prices the layouts of one problem (``enumerate.Problem``) on ``hw``."""
 
@@ -193,21 +183,18 @@ class Pricer:
         base_bytes, base_s = self._total(base), links.seconds(base)
         rc = self._summed("recompute", cost.block, recompute_calls(cost.block))
         rc_bytes, rc_s = self._total(rc) * cost.blocks, links.seconds(rc) * cost.blocks
-        saved = cost.first.saved + cost.last.saved + cost.blocks * sum(p.saved for p in cost.block)
         held = cost.params * ep
         out = {}
         for zero in zeros:
             z_one, step = self._reduction(cost, layout, zero)
             z_bytes, z_s = self._total(z_one), links.seconds(z_one)
-            optimizer = timing.ADAM_BYTES_PER_PARAM_BYTE * held / (n if zero else 1)
-            step_s = (links.seconds(step) + optimizer / hw.mem_bandwidth) / share
+            optimizer = timing.optimizer_seconds(cost.params / (n if zero else 1), hw)
+            step_s = (links.seconds(step) + optimizer) / share
             step_bytes = self._total(step)
             for ckpt in checkpointing:
                 memory = stage_memory(cost, stage=stage, pp=layout.pp, micro_batches=m, checkpointing=ckpt, zero=zero,
                                       dp_ranks=n, param_bytes=ep, schedule=self.schedule, runtime=hw.runtime_bytes)
-                flops = stage_flops(problem.shape, cost, b.rows, b.seq, layout.sp, layout.tp, ckpt)
-                compute = (flops / (hw.flops * hw.flops_efficiency)
-                           + timing.MEMORY_PASSES * saved / hw.mem_bandwidth) / share
+                compute = timing.compute_seconds(cost, ckpt, hw, problem.e) / share
                 comm_s = base_s + z_s + (rc_s if ckpt and cost.blocks else 0.0)
                 per_mb = base_bytes + z_bytes + (rc_bytes if ckpt and cost.blocks else 0)
                 out[(ckpt, zero)] = StageReport(stage, memory, held // n if zero == 3 else held, compute + comm_s / share,

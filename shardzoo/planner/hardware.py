@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict, dataclass, fields
 
 GIB = 1 << 30
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -28,8 +28,10 @@ class Hardware:
     ``cores_per_node`` is set: ranks then share the node's cores); memory_bytes: device memory;
     mem_bandwidth: bytes/s of device memory; intra / inter_bandwidth: bytes/s one device sends
     inside a node / to another node; intra / inter_latency: seconds per message;
-    devices_per_node; runtime_bytes: memory a rank holds before any model; flops_efficiency:
-    the fraction of ``flops`` matmuls reach; source: where the numbers come from."""
+    devices_per_node; runtime_bytes: memory a rank holds before any model; attention_flops:
+    FLOP/s the attention kernel reaches (forward + backward); elementwise_bandwidth: bytes/s an
+    elementwise kernel streams (read + write); flops_efficiency: the fraction of ``flops``
+    matmuls reach; source: where the numbers come from."""
 
     name: str
     flops: float
@@ -41,6 +43,8 @@ class Hardware:
     inter_latency: float
     devices_per_node: int
     runtime_bytes: int
+    attention_flops: float
+    elementwise_bandwidth: float
     flops_efficiency: float = 1.0
     cores_per_node: int = 0
     source: str = ""
@@ -111,6 +115,53 @@ def _measure_flops(seconds: float = 0.5, n: int = 512) -> float:
         torch.set_num_threads(threads)
 
 
+def _single_thread(fn):
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure_elementwise(n: int = 1 << 22, reps: int = 5) -> float:
+    """Bytes/s of an elementwise kernel (exp: read and write fp32), one thread."""
+    import torch
+
+    def run():
+        x = torch.randn(n)
+        torch.exp(x)
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            torch.exp(x)
+            times.append(time.perf_counter() - start)
+        return 8 * n / statistics.median(times)
+
+    return _single_thread(run)
+
+
+def _measure_attention(reps: int = 3) -> float:
+    """FLOP/s of shardzoo's attention block kernel, forward + backward, one thread."""
+    import torch
+
+    from shardzoo.kernels import flash_attention
+
+    def run():
+        q, k, v = (torch.randn(1, 4, 512, 64, requires_grad=True) for _ in range(3))
+        flash_attention(q, k, v).sum().backward()
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            flash_attention(q, k, v).sum().backward()
+            times.append(time.perf_counter() - start)
+        return 3 * 4 * 4 * 512 * 512 * 64 / statistics.median(times)
+
+    return _single_thread(run)
+
+
 def _measure_mem_bandwidth(n_bytes: int = 64 << 20) -> float:
     import torch
 
@@ -125,8 +176,24 @@ def _measure_mem_bandwidth(n_bytes: int = 64 << 20) -> float:
     return 2 * n_bytes / statistics.median(times)  # read + write
 
 
+def _runtime_rss() -> int:
+    """RSS of a rank that has trained a tiny model (dp=2, DDP, AdamW): torch, gloo, shardzoo's
+    code and the allocator's arenas, before any real model."""
+    import torch
+
+    from shardzoo.planner.measure import run_layout
+
+    run_layout(dict(family="gpt2", config=dict(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8),
+                    layout=dict(dp=2, pp=1, sp=1, tp=1, tp_mode="1d", tp_depth=1), micro_batches=1, batch=2, seq=4,
+                    steps=2))
+    torch.distributed.barrier()
+    with open("/proc/self/status") as f:
+        return next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)
+
+
 def _gloo_probe(small: int, large: int, reps: int) -> dict:
-    """On each of 2 ranks: median all_reduce seconds of ``small`` and ``large`` bytes, and RSS."""
+    """On each of 2 ranks: median all_reduce seconds of ``small`` and ``large`` bytes, and the
+    runtime RSS."""
     import torch
     import torch.distributed as dist
 
@@ -141,9 +208,7 @@ def _gloo_probe(small: int, large: int, reps: int) -> dict:
             out.append(time.perf_counter() - start)
         return statistics.median(out)
 
-    with open("/proc/self/status") as f:
-        rss = next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)
-    return {"small": timed(small), "large": timed(large), "rss": rss}
+    return {"small": timed(small), "large": timed(large), "rss": _runtime_rss()}
 
 
 def calibrate(use_cache: bool = True) -> Hardware:
@@ -168,9 +233,12 @@ def calibrate(use_cache: bool = True) -> Hardware:
     bandwidth = large / max(t_large - t_small, 1e-9)  # AR(2, n) sends n bytes
     hw = Hardware("calibrate", flops=_measure_flops(), memory_bytes=_host_memory(), mem_bandwidth=_measure_mem_bandwidth(),
                   intra_bandwidth=bandwidth, inter_bandwidth=bandwidth, intra_latency=latency, inter_latency=latency,
-                  devices_per_node=1 << 20, runtime_bytes=max(r["rss"] for r in probe), cores_per_node=_cores(),
-                  source=f"measured on {platform.node()} at {time.strftime('%Y-%m-%d %H:%M')}: fp32 matmul per core, "
-                         f"memory copy, gloo all_reduce between 2 local ranks, rank RSS after init")
+                  devices_per_node=1 << 20, runtime_bytes=max(r["rss"] for r in probe),
+                  attention_flops=_measure_attention(), elementwise_bandwidth=_measure_elementwise(),
+                  cores_per_node=_cores(),
+                  source=f"measured on {platform.node()} at {time.strftime('%Y-%m-%d %H:%M')}: fp32 matmul, exp and "
+                         f"attention per core, memory copy, gloo all_reduce between 2 local ranks, rank RSS after a "
+                         f"tiny training step")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:

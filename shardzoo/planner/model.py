@@ -88,6 +88,20 @@ class StageCost:
         return sum(p.saved for p in self.block)
 
     @cached_property
+    def block_work(self) -> tuple[int, int, int]:
+        """(matmul FLOPs, attention FLOPs, elementwise passes) of one block, forward."""
+        return (sum(p.flops for p in self.block), sum(p.attn_flops for p in self.block),
+                sum(p.elems for p in self.block))
+
+    @cached_property
+    def work(self) -> tuple[int, int, int]:
+        """The same for the whole stage and one micro-batch (elementwise: forward + backward)."""
+        f, a, e = self.block_work
+        ends = (self.first, self.last)
+        return (self.blocks * f + sum(p.flops for p in ends), self.blocks * a + sum(p.attn_flops for p in ends),
+                self.blocks * e + sum(p.elems for p in ends))
+
+    @cached_property
     def workspace(self) -> int:
         """The largest transient of any piece of the stage."""
         return max(p.workspace for p in (self.first, self.last, *self.block))
@@ -106,10 +120,14 @@ class Batch:
     mask_bytes: int = 1  # per element of a dropout mask: bool on CUDA, the activation dtype on CPU
 
 
+DROPOUT_PASSES, GELU_PASSES, RELU_PASSES, ADD_PASSES = 5, 4, 2, 2  # elementwise passes, fwd + bwd
+
+
 def dropout(p: float, n: int, b: "Batch") -> Piece:
     """F.dropout keeps a mask of the ``n`` elements it drops from (bool on CUDA; on CPU the
     scaled noise tensor, in the activation dtype)."""
-    return Piece([], 0, n * b.mask_bytes if b.training and p > 0 else 0)
+    on = b.training and p > 0
+    return Piece([], 0, n * b.mask_bytes if on else 0, elems=DROPOUT_PASSES * n if on else 0)
 
 
 def _check_batch(shape: ModelShape, costs, b: Batch) -> tuple[int, int]:
@@ -158,7 +176,7 @@ def transformer_block(shape: ModelShape, costs, b: Batch, batch: int, seq: int) 
     else:  # q_proj, k_proj, v_proj read the same input
         qkv = [costs.linear(h, h, rows, e, lay, style="column", bias=bias, input_saved=i == 0) for i in range(3)]
     attn = attention_core(batch, heads, seq, h // shape.heads, e, b.sp, b.sp_mode,
-                          mask=fam == "vit" and seq * b.sp != c.num_tokens)
+                          mask=fam == "vit" and seq * b.sp != c.num_tokens, causal=shape.causal)
     # torch's fused CPU attention kernel (sp = 1, no dropout on the probabilities) returns its
     # output in q's memory order; after separate q / k / v projections that is already
     # [b, s, heads, d], so out_proj reads it in place (measured). Ring, Ulysses and the dropout
@@ -167,10 +185,11 @@ def transformer_block(shape: ModelShape, costs, b: Batch, batch: int, seq: int) 
     out_proj = costs.linear(h, h, rows, e, mid, style="row", bias=bias, input_saved=not in_place)
     act = getattr(c, "activation_function", None) or c.hidden_act
     fc1 = costs.linear(h, f, rows, e, lay, style="column", bias=bias if fam == "opt" else True)
-    act_saved = Piece([], 0, rows * fl * e)  # gelu keeps its input, relu its output (fc2's input)
-    fc2 = costs.linear(f, h, rows, e, mid, style="row", bias=bias if fam == "opt" else True,
-                       input_saved=not act.startswith("relu"))
-    attention, mlp = [*qkv, attn, out_proj, drop], [fc1, act_saved, fc2, drop]
+    relu = act.startswith("relu")  # gelu keeps its input, relu its output (fc2's input)
+    act_saved = Piece([], 0, rows * fl * e, elems=(RELU_PASSES if relu else GELU_PASSES) * rows * fl)
+    fc2 = costs.linear(f, h, rows, e, mid, style="row", bias=bias if fam == "opt" else True, input_saved=not relu)
+    residual = Piece(elems=ADD_PASSES * rows * hl)
+    attention, mlp = [*qkv, attn, out_proj, drop, residual], [fc1, act_saved, fc2, drop, residual]
     if fam == "bert" or (fam == "opt" and not c.do_layer_norm_before):  # post-LN
         return attention + [norm] + mlp + [costs.layer_norm(h, rows, e, lay, affine=affine)]
     return [norm] + attention + [costs.layer_norm(h, rows, e, lay, affine=affine)] + mlp

@@ -35,25 +35,26 @@ MODELS: dict[str, tuple[str, dict, str]] = {
 }
 
 _GPU_ASSUMPTIONS = ("latency 5 us per message inside a node and 10 us across nodes, 1 GiB per device for the CUDA "
-                    "context, NCCL and allocator slack, and 50% of peak FLOP/s achieved (Megatron-LM reports 44-52% "
-                    "on A100 for GPT models, Narayanan et al. 2021) are assumptions")
+                    "context, NCCL and allocator slack, 50% of peak FLOP/s in matmuls (Megatron-LM reports 44-52% "
+                    "on A100 for GPT models, Narayanan et al. 2021), 35% in the attention kernel, and elementwise "
+                    "kernels at the HBM bandwidth are assumptions")
 
 HARDWARE: dict[str, Hardware] = {
     "a100": Hardware("a100", flops=312e12, memory_bytes=80 * GIB, mem_bandwidth=2.039e12, intra_bandwidth=300e9,
                      inter_bandwidth=25e9, intra_latency=5e-6, inter_latency=10e-6, devices_per_node=8,
-                     runtime_bytes=1 * GIB, flops_efficiency=0.5,
-                     source="NVIDIA A100 datasheet (SXM4 80GB: 312 TFLOP/s bf16 dense, 2039 GB/s HBM2e, NVLink 600 "
+                     runtime_bytes=1 * GIB, attention_flops=0.35 * 312e12, elementwise_bandwidth=2.039e12,
+                     flops_efficiency=0.5, source="NVIDIA A100 datasheet (SXM4 80GB: 312 TFLOP/s bf16 dense, 2039 GB/s HBM2e, NVLink 600 "
                             "GB/s both ways); DGX A100 datasheet (8 GPUs, 8x 200 Gb/s HDR InfiniBand); "
                             + _GPU_ASSUMPTIONS),
     "h100": Hardware("h100", flops=989e12, memory_bytes=80 * GIB, mem_bandwidth=3.35e12, intra_bandwidth=450e9,
                      inter_bandwidth=50e9, intra_latency=5e-6, inter_latency=10e-6, devices_per_node=8,
-                     runtime_bytes=1 * GIB, flops_efficiency=0.5,
-                     source="NVIDIA H100 datasheet (SXM5 80GB: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, NVLink 900 "
+                     runtime_bytes=1 * GIB, attention_flops=0.35 * 989e12, elementwise_bandwidth=3.35e12,
+                     flops_efficiency=0.5, source="NVIDIA H100 datasheet (SXM5 80GB: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, NVLink 900 "
                             "GB/s both ways); DGX H100 datasheet (8 GPUs, 8x 400 Gb/s ConnectX-7); " + _GPU_ASSUMPTIONS),
     "h200": Hardware("h200", flops=989e12, memory_bytes=141 * 10**9, mem_bandwidth=4.8e12, intra_bandwidth=450e9,
                      inter_bandwidth=50e9, intra_latency=5e-6, inter_latency=10e-6, devices_per_node=8,
-                     runtime_bytes=1 * GIB, flops_efficiency=0.5,
-                     source="NVIDIA H200 datasheet (SXM 141 GB HBM3e, 4.8 TB/s, 989 TFLOP/s bf16 dense, NVLink 900 "
+                     runtime_bytes=1 * GIB, attention_flops=0.35 * 989e12, elementwise_bandwidth=4.8e12,
+                     flops_efficiency=0.5, source="NVIDIA H200 datasheet (SXM 141 GB HBM3e, 4.8 TB/s, 989 TFLOP/s bf16 dense, NVLink 900 "
                             "GB/s both ways); DGX H200 datasheet (8 GPUs, 8x 400 Gb/s ConnectX-7); " + _GPU_ASSUMPTIONS),
 }
 CALIBRATED = ("cpu", "calibrate")  # measured on this host (hardware.calibrate), cached

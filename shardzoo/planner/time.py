@@ -1,7 +1,8 @@
 """Step time of a layout (docs/planner.md, "Time").
 
-    t_stage   = flops / (F * efficiency * share) + sum over groups (bytes / bandwidth
-                + messages * latency) / share + 4 * saved bytes / memory bandwidth
+    t_stage   = (3 * matmul FLOPs / (F * efficiency) + 3 * attention FLOPs / F_attention
+                 + elementwise passes * 2 * e / elementwise bandwidth
+                 + sum over groups (bytes / bandwidth + messages * latency)) / share
     t_step    = (m + pp - 1) * max over stages of t_stage   (GPipe and 1F1B: same bubble)
                 + per-step communication (gradient reduction, tied table) + optimizer step
 
@@ -15,10 +16,8 @@ from __future__ import annotations
 
 from shardzoo.comm.mesh import _TP_SUB_AXES, tp_sub_shape
 from shardzoo.planner.hardware import Hardware
-from shardzoo.planner.model import ModelShape
 
-ADAM_BYTES_PER_PARAM_BYTE = 7  # reads param, grad, two moments; writes param, two moments
-MEMORY_PASSES = 4  # each saved activation byte is written and read again, forward and backward
+ADAM_PASSES = 12  # elementwise passes of torch's single-tensor AdamW per parameter
 
 
 def axis_strides(dp: int, pp: int, sp: int, tp: int, tp_mode: str, tp_depth: int) -> dict[str, tuple[int, int]]:
@@ -56,20 +55,18 @@ class Links:
         return total
 
 
-def block_flops(shape: ModelShape, tokens: int, seq: int) -> float:
-    """Forward FLOPs of one block over ``tokens`` tokens that attend to ``seq`` keys: the
-    matmuls (q, k, v, out, fc1, fc2) and the attention scores and values (half when causal)."""
-    h, f = shape.hidden, shape.ffn
-    attention = 4 * tokens * seq * h * (0.5 if shape.causal else 1.0)
-    return 2 * tokens * (4 * h * h + 2 * h * f) + attention
+def compute_seconds(cost, checkpointing: bool, hw: Hardware, e: int) -> float:
+    """Seconds of one rank's work for one micro-batch of a stage (a model.StageCost): matmuls
+    (backward twice the forward) at the achievable FLOP/s, attention at the kernel's FLOP/s,
+    elementwise passes at the elementwise bandwidth; checkpointing runs the blocks' forward again."""
+    flops, attn, elems = cost.work
+    again = cost.blocks if checkpointing else 0
+    b_flops, b_attn, b_elems = cost.block_work
+    matmul = (3 * flops + again * b_flops) / (hw.flops * hw.flops_efficiency)
+    attention = (3 * attn + again * b_attn) / hw.attention_flops
+    return matmul + attention + (elems + again * b_elems / 2) * 2 * e / hw.elementwise_bandwidth
 
 
-def end_flops(shape: ModelShape, tokens: int, rows: int, first: bool, last: bool) -> float:
-    """Forward FLOPs of the embeddings (ViT's patch projection; lookups cost none) and the head
-    (the logits matmul, or ViT's classifier) over this rank's ``tokens`` / ``rows``."""
-    c = shape.config
-    if shape.family != "vit":
-        return 2 * tokens * shape.hidden * shape.vocab if last else 0.0
-    patches = (c.image_size // c.patch_size) ** 2
-    out = 2 * rows * patches * c.num_channels * c.patch_size**2 * shape.hidden if first else 0.0
-    return out + (2 * rows * shape.hidden * c.num_labels if last else 0.0)
+def optimizer_seconds(param_elements: float, hw: Hardware) -> float:
+    """AdamW over this rank's parameters (fp32): about a dozen elementwise passes."""
+    return ADAM_PASSES * param_elements * 8 / hw.elementwise_bandwidth
