@@ -9,6 +9,8 @@ plain numbers go into the index. Hyperparameters are saved per param group.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -37,8 +39,12 @@ def _json_value(v):
         return v.item()
     if isinstance(v, tuple):
         return [_json_value(x) for x in v]
-    if v is None or isinstance(v, (bool, int, float, str, list)):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None  # JSON has no NaN / infinity
+    if v is None or isinstance(v, (bool, int, float, str)):
         return v
+    if isinstance(v, list):
+        return [_json_value(x) for x in v]
     return None  # not representable; the current optimizer's value is kept on load
 
 
