@@ -128,12 +128,13 @@ def prepare(final: str, token: str) -> Staging:
             raise CheckpointError(f"{final} exists, is not empty and is not a shardzoo checkpoint (no {INDEX_NAME}); "
                                   f"saving would replace its contents. Choose another directory or empty it")
     tmp = f"{final}.tmp-{token}"
-    os.makedirs(tmp)
     try:
+        os.makedirs(tmp)
         staging = Staging(tmp, _mark(tmp, lock=True))
-    except BaseException:
+    except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        raise CheckpointError(f"{tmp}: cannot create the save's temp directory ({e.strerror or type(e).__name__}); free "
+                              f"space or fix the file system's permissions, then save again") from None
     try:
         busy = [d for d in _siblings(final, "tmp") if d != tmp and _in_use(d)]
         if busy:

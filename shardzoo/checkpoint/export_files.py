@@ -26,9 +26,9 @@ import torch
 
 from shardzoo.checkpoint.atomic import fsync_dir
 from shardzoo.checkpoint.errors import CheckpointError
+from shardzoo.checkpoint.hf_files import INDEX_FILE  # noqa: F401  (the export writes the layout HF loading reads)
 from shardzoo.checkpoint.safetensors_io import ST_DTYPES, nbytes, write_all, write_error
 
-INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
 _OWNED = re.compile(r"model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json|config\.json")
 _FLUSH_BYTES = 64 << 20  # output written between writeback starts
@@ -195,11 +195,9 @@ def layout_files(plan, max_shard_bytes: int, out_dir: str) -> list[OutFile]:
     return files
 
 
-def write_hf_index(files: list[OutFile], out_dir: str) -> str:
-    """``model.safetensors.index.json`` for the weight files ``files`` (Hugging Face's layout),
-    as a partial file."""
-    path = os.path.join(out_dir, INDEX_FILE)
+def write_hf_index(files: list[OutFile], path: str) -> None:
+    """``model.safetensors.index.json`` (Hugging Face's layout) for the weight files ``files``,
+    as ``<path>.partial``."""
     weight_map = {out.name: os.path.basename(f.path) for f in files for out in f.outs}
     total = sum(f.size - len(f.header) for f in files)
     write_json(path, {"metadata": {"total_size": total}, "weight_map": weight_map})
-    return path

@@ -36,8 +36,8 @@ import torch
 
 from shardzoo.checkpoint.bytecopy import Shards, assemble, check_covered, copy_tensor, pwritev_all
 from shardzoo.checkpoint.errors import CheckpointError
-from shardzoo.checkpoint.export_files import (CONFIG_FILE, Out, OutFile, layout_files, make_dir, publish, remove_partial,
-                                              write_hf_index, write_json)
+from shardzoo.checkpoint.export_files import (CONFIG_FILE, INDEX_FILE, Out, OutFile, layout_files, make_dir, publish,
+                                              remove_partial, write_hf_index, write_json)
 from shardzoo.checkpoint.index import INDEX_NAME, read_index
 from shardzoo.checkpoint.reading import entries_of, verify
 from shardzoo.checkpoint.safetensors_io import ST_DTYPES, dtype_from_name, dtype_name, nbytes, tensor_bytes, write_error
@@ -154,14 +154,15 @@ def export_plain(ckpt_dir: str, out_dir: str, *, max_shard_bytes: int = DEFAULT_
     plan = _plan(index, hook)
     make_dir(out_dir)
     files = layout_files(plan, max_shard_bytes, out_dir)
-    written = [f.path for f in files]
+    index_path = os.path.join(out_dir, INDEX_FILE) if len(files) > 1 else None
+    config_path = os.path.join(out_dir, CONFIG_FILE) if config_json is not None else None
+    written = [f.path for f in files] + [p for p in (index_path, config_path) if p is not None]  # config.json last
     try:
         _write_weights(ckpt_dir, index, plan, files, hook, progress)
-        if len(files) > 1:
-            written.append(write_hf_index(files, out_dir))
-        if config_json is not None:  # last: its presence marks a complete export
-            written.append(os.path.join(out_dir, CONFIG_FILE))
-            write_json(written[-1], config_json)
+        if index_path is not None:
+            write_hf_index(files, index_path)
+        if config_path is not None:
+            write_json(config_path, config_json)
         publish(out_dir, written)
     except BaseException:
         for path in written:
