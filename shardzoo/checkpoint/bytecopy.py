@@ -20,9 +20,9 @@ import torch
 
 from shardzoo.checkpoint.errors import CheckpointError
 from shardzoo.checkpoint.paths import show
-from shardzoo.checkpoint.reading import crc_error, piece_range, shard_path
+from shardzoo.checkpoint.reading import crc_error, keys_by_file, piece_range, shard_header, shard_path
 from shardzoo.checkpoint.safetensors_io import dtype_from_name, nbytes
-from shardzoo.checkpoint.st_header import entries, read_header
+from shardzoo.checkpoint.st_header import entries
 
 _FIX = "Restore the file from the original save or re-save the checkpoint"
 
@@ -67,16 +67,15 @@ class Shards:
     """The checkpoint's shard files, memory-mapped once; pieces located and checked against
     the index, crc32 verified on a worker thread."""
 
-    def __init__(self, ckpt_dir: str):
-        self.ckpt_dir = ckpt_dir
+    def __init__(self, ckpt_dir: str, index: dict):
+        self.ckpt_dir, self.listed = ckpt_dir, keys_by_file(index)
         self._open: dict[str, tuple[int, mmap.mmap, dict, int]] = {}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardzoo-crc32")
         self._checks: list[Future] = []
 
     def _file(self, file: str):
         if file not in self._open:
-            path = shard_path(self.ckpt_dir, file)
-            header, data_start = read_header(path)
+            path, header, data_start = shard_header(self.ckpt_dir, file, self.listed[file])
             try:
                 fd = os.open(path, os.O_RDONLY)
             except OSError as e:

@@ -18,10 +18,11 @@ on meta tensors). Each output tensor is written at its known position in its fil
 
 Every piece's crc32 is checked on a worker thread over the memory-mapped shard bytes while the
 main thread copies; another thread starts the writeback of each 64 MiB written, so the closing
-fsync waits for little. An output file is written as ``<name>.partial``, and is fsynced and renamed
-into place only once all of its bytes are written and every piece read so far passed its
-check; on any error the partial file is removed. Memory: about one global tensor (plus what
-the mapping makes of it) on the decoding path, nothing on the copying path.
+fsync waits for little. Every output file is written as ``<name>.partial`` and fsynced; only when
+all of them are written and every piece passed its check are they renamed into place, config.json
+last (export_files.py), so a failed export leaves the previous output as it was and a killed one
+never leaves a directory that looks complete. Memory: about one global tensor (plus what the
+mapping makes of it) on the decoding path, nothing on the copying path.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from shardzoo.checkpoint.errors import CheckpointError
 from shardzoo.checkpoint.export_files import (CONFIG_FILE, INDEX_FILE, Out, OutFile, layout_files, make_dir, publish,
                                               remove_partial, write_hf_index, write_json)
 from shardzoo.checkpoint.index import INDEX_NAME, read_index
-from shardzoo.checkpoint.reading import entries_of, verify
+from shardzoo.checkpoint.reading import entries_of, keys_by_file, shard_header, verify
 from shardzoo.checkpoint.safetensors_io import ST_DTYPES, dtype_from_name, dtype_name, nbytes, tensor_bytes, write_error
 
 Rename = Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]]
@@ -151,6 +152,8 @@ def export_plain(ckpt_dir: str, out_dir: str, *, max_shard_bytes: int = DEFAULT_
         raise CheckpointError(f"{os.path.join(ckpt_dir, INDEX_NAME)}, config: {e}") from None
     entries = entries_of(index, ("model",))
     verify(ckpt_dir, index, entries, 0, 1, checksums=False)  # sizes now; headers and crc32 as pieces are read
+    for file, listed in keys_by_file(index).items():  # every listed file holds exactly the pieces placed there
+        shard_header(ckpt_dir, file, listed)
     plan = _plan(index, hook)
     make_dir(out_dir)
     files = layout_files(plan, max_shard_bytes, out_dir)
@@ -174,7 +177,7 @@ def export_plain(ckpt_dir: str, out_dir: str, *, max_shard_bytes: int = DEFAULT_
 def _write_weights(ckpt_dir: str, index: dict, plan, files: list[OutFile], hook, progress: bool) -> None:
     """Write every output tensor into its file (module docstring); each file is renamed into
     place when complete, and on any error the unfinished ones are removed."""
-    shards = Shards(ckpt_dir)
+    shards = Shards(ckpt_dir, index)
     flusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardzoo-writeback")
     bar = _Progress(len(plan), progress)
     current: list[OutFile] = []

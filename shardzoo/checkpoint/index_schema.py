@@ -53,7 +53,7 @@ def _entry(path: str, section: str, name: str, entry, files: dict, used: dict[st
     obj(entry, where, required=("dtype", "shape", "pieces") + (("like_param",) if optimizer else ()))
     if optimizer and not isinstance(entry["like_param"], bool):
         fail(f"{where}.like_param", f"must be true or false, is {kind(entry['like_param'])}")
-    if entry["dtype"] not in DTYPE_NAMES:
+    if string(entry["dtype"], f"{where}.dtype") not in DTYPE_NAMES:
         fail(f"{where}.dtype", f"must name a dtype safetensors stores ({', '.join(DTYPE_NAMES)})")
     shape = int_list(entry["shape"], f"{where}.shape")
     if math.prod(s or 1 for s in shape) > MAX_INT:

@@ -19,7 +19,7 @@ from shardzoo.checkpoint.errors import CheckpointError
 from shardzoo.checkpoint.index import INDEX_NAME
 from shardzoo.checkpoint.paths import resolve_in, show
 from shardzoo.checkpoint.safetensors_io import ST_DTYPES, crc32_of_range, dtype_from_name
-from shardzoo.checkpoint.st_header import read_header
+from shardzoo.checkpoint.st_header import entries, read_header
 from shardzoo.checkpoint.tensors import Box, LocalTensor, fill_local, intersect, relative_slices, volume
 
 _FIX_SENTENCE = "Restore the file from the original save or re-save the checkpoint"
@@ -51,6 +51,29 @@ def shard_path(ckpt_dir: str, file: str) -> str:
     return resolve_in(ckpt_dir, file, source=f"{os.path.join(ckpt_dir, INDEX_NAME)}, files")
 
 
+def keys_by_file(index: dict) -> dict[str, set[str]]:
+    """The piece keys the index places in each shard file (both sections)."""
+    out: dict[str, set[str]] = {file: set() for file in index["files"]}
+    for _, entry in entries_of(index, ("model", "optimizer")):
+        for piece in entry["pieces"]:
+            out[piece["file"]].add(piece["key"])
+    return out
+
+
+def shard_header(ckpt_dir: str, file: str, listed: set[str]) -> tuple[str, dict, int]:
+    """(path, checked header, data start) of shard file ``file``: its entries must be exactly
+    the pieces ``listed`` for it by the index (so a tensor dropped from the index is noticed too)."""
+    path = shard_path(ckpt_dir, file)
+    header, data_start = read_header(path)
+    held = set(entries(header))
+    if held != listed:
+        extra, lost = sorted(held - listed), sorted(listed - held)
+        what = (f"holds {len(extra)} piece(s) the index does not list (e.g. {show(extra[0])})" if extra else
+                f"lacks {len(lost)} piece(s) the index places there (e.g. {show(lost[0])})")
+        raise CheckpointError(f"{path} {what}; the file and the index do not belong together. {_FIX_SENTENCE}")
+    return path, header, data_start
+
+
 def verify(ckpt_dir: str, index: dict, entries: list[tuple[str, dict]], rank: int, world: int, checksums: bool) -> None:
     """Check sizes of every used file, and headers + crc32 of this rank's share of the pieces
     (the header entry of every piece a rank reads is checked again as it reads it, so
@@ -71,16 +94,16 @@ def verify(ckpt_dir: str, index: dict, entries: list[tuple[str, dict]], rank: in
     if not checksums:
         return
     load = [0] * world
-    headers: dict[str, tuple[dict, int]] = {}
+    headers: dict[str, tuple[str, dict, int]] = {}
+    listed = keys_by_file(index)
     for name, dtype, piece in sorted(pieces, key=lambda x: (-x[2]["bytes"], x[2]["file"], x[2]["key"])):
         owner = min(range(world), key=load.__getitem__)  # largest first to the least-loaded rank
         load[owner] += piece["bytes"]
         if owner != rank:
             continue
-        path = shard_path(ckpt_dir, piece["file"])
-        if path not in headers:
-            headers[path] = read_header(path)
-        header, data_start = headers[path]
+        if piece["file"] not in headers:
+            headers[piece["file"]] = shard_header(ckpt_dir, piece["file"], listed[piece["file"]])
+        path, header, data_start = headers[piece["file"]]
         _check_piece(path, name, dtype, piece, header, data_start)
 
 
@@ -117,16 +140,15 @@ def crc_error(path: str, name: str, piece: dict, crc: int) -> CheckpointError:
 class PieceReader:
     """Reads boxes of saved global tensors, touching only the bytes that overlap them."""
 
-    def __init__(self, ckpt_dir: str):
-        self.ckpt_dir = ckpt_dir
+    def __init__(self, ckpt_dir: str, index: dict):
+        self.ckpt_dir, self.listed = ckpt_dir, keys_by_file(index)
         self._files: dict[str, tuple[str, dict, object]] = {}
 
     def handle(self, file: str) -> tuple[str, dict, object]:
         """(path, checked header, open safetensors handle) of shard file ``file`` (opened once,
         memory-mapped)."""
         if file not in self._files:
-            path = shard_path(self.ckpt_dir, file)
-            header, _ = read_header(path)
+            path, header, _ = shard_header(self.ckpt_dir, file, self.listed[file])
             self._files[file] = (path, header, safetensors_call(path, safe_open, path, framework="pt", device="cpu"))
         return self._files[file]
 
