@@ -401,9 +401,9 @@ class _CountingOpen:
 
 
 def check_reads(hf_dir):
+    from shardzoo.checkpoint import hf_files as pretrained  # HFWeights and the safe_open it calls
     from shardzoo.checkpoint.tensors import model_tensors
     from shardzoo.models import GPT2
-    from shardzoo.models import pretrained
 
     mesh = cached_mesh(tp=4, tp_mode="2d")
     read, real_open = pretrained.HFWeights.read, pretrained.safe_open
