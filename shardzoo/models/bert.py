@@ -136,7 +136,7 @@ class BERT(StagedModel):
                 serial = None if tie is not None else nn.Linear(h, config.vocab_size, bias=False)
                 pred.decoder = common.lm_head(h, config.vocab_size, mesh, layout, tie_to=tie, serial=serial,
                                               device=device)
-                pred.bias = common.vocab_bias(pred.decoder, config.vocab_size, mesh, layout, device)
+                common.vocab_bias(pred, pred.decoder, config.vocab_size, mesh, layout, device)
                 pred.mesh = mesh  # the axes of the bias's ShardSpec (checkpointing and loading need them)
                 self.target_layout = common.head_output_layout(pred.decoder, layout)
 

@@ -167,7 +167,7 @@ class StagedModel(GlobalLoss, nn.Module):
         for name, p in self.named_parameters():
             if names is not None and name not in names:
                 continue
-            spec = get_shard_spec(p) or ShardSpec(tuple(p.shape), (0,) * p.dim(), tuple(p.shape))
+            spec = get_shard_spec(self, name) or ShardSpec(tuple(p.shape), (0,) * p.dim(), tuple(p.shape))
             key = self.tied_names.get(name, name)  # an untied copy of a tied table draws the table
             if name.endswith("bias") or len(spec.global_shape) == 1:
                 piece = torch.zeros(spec.local_shape)

@@ -22,10 +22,10 @@ from torch import nn
 from shardzoo.layers.shard_spec import get_shard_spec
 
 
-def _copy_axes(param: torch.Tensor, mesh) -> tuple[str, ...]:
-    """Mesh axes over which this rank's piece of ``param`` is repeated (every axis but pp and
-    the ones its ShardSpec partitions it over)."""
-    spec = get_shard_spec(param)
+def _copy_axes(model: nn.Module, name: str, mesh) -> tuple[str, ...]:
+    """Mesh axes over which this rank's piece of parameter ``name`` is repeated (every axis
+    but pp and the ones its ShardSpec partitions it over)."""
+    spec = get_shard_spec(model, name)
     parted = set(mesh.expand_axes(*spec.partitioned_over)) if spec is not None and spec.partitioned_over else set()
     return tuple(a for a in mesh.axis_names if a != "pp" and a not in parted)
 
@@ -46,7 +46,7 @@ def global_grad_norm(models: nn.Module | list[nn.Module], mesh, norm_type: float
         for name, p in model.named_parameters():
             if p.grad is None or name in skip:
                 continue
-            axes = _copy_axes(p, mesh)
+            axes = _copy_axes(model, name, mesh)
             if axes and mesh.rank(*axes) != 0:
                 continue
             g = p.grad.detach().double()

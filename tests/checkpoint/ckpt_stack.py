@@ -110,7 +110,7 @@ def load_stack(layout: str, ckpt_dir: str, expected_seed: int) -> list[str]:
     result = checkpoint.load(model, ckpt_dir)
     assert result == checkpoint.LoadResult([], []), result
     for name, p in model.named_parameters():
-        spec = get_shard_spec(p)
+        spec = get_shard_spec(model, name)
         if spec is not None:
             outside = torch.ones_like(p, dtype=torch.bool)
             outside[spec.valid_local()] = False

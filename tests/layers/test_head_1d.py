@@ -60,10 +60,10 @@ def check_head(case):
     loss.backward()
     assert_close(loss, loss_ref.detach(), "loss", 10 * tp)
     assert_close(x_par.grad, x.grad, "input grad", 10 * tp)
-    assert_close(gather_full(head.weight.grad, get_shard_spec(head.weight), mesh), serial_weight.grad,
+    assert_close(gather_full(head.weight.grad, get_shard_spec(head, "weight"), mesh), serial_weight.grad,
                  "weight grad", 10 * tp)
     if head.bias is not None:
-        assert_close(gather_full(head.bias.grad, get_shard_spec(head.bias), mesh), serial.bias.grad, "bias grad",
+        assert_close(gather_full(head.bias.grad, get_shard_spec(head, "bias"), mesh), serial.bias.grad, "bias grad",
                      10 * tp)
     return float(loss.detach())
 

@@ -80,8 +80,8 @@ def stage_allocation(layout):
     with LargestAllocation() as alloc:
         model = GPT2(config, mesh=mesh, stage=(mesh.pp_rank, mesh.pp_size), seed=0)
     storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
-    shard_bytes = sum(4 * torch.Size(get_shard_spec(p).local_shape).numel() for p in model.parameters())
-    full_bytes = sum(4 * torch.Size(get_shard_spec(p).global_shape).numel() for p in model.parameters())
+    shard_bytes = sum(4 * torch.Size(get_shard_spec(model, n).local_shape).numel() for n, _ in model.named_parameters())
+    full_bytes = sum(4 * torch.Size(get_shard_spec(model, n).global_shape).numel() for n, _ in model.named_parameters())
     # no full-size tensor ever existed: at most a piece, or a block of full rows the seeded init
     # draws (2d tp4: a full row is q=2 local rows wide)
     bound = max(max(p.numel(), ROWS_PER_DRAW * p[0].numel() * 2) for p in model.parameters())

@@ -56,7 +56,7 @@ def grads_vs_reference(model, mesh, expected: dict, what: str, scale: float = GR
             g = g.clone()
             dist.all_reduce(g, group=mesh.group("dp", "sp"))
             g /= group_size
-        assert_close(gather_full(g, get_shard_spec(p), mesh), expected[name], f"{what} grad {name}", scale)
+        assert_close(gather_full(g, get_shard_spec(model, name), mesh), expected[name], f"{what} grad {name}", scale)
 
 
 def hf_gpt2(seed, **overrides):

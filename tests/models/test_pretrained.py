@@ -186,7 +186,7 @@ def _expected(hf_dir, family, config):
 def _gathered(model):
     from shardzoo.layers.shard_spec import gather_full, get_shard_spec
 
-    return {n: gather_full(p, get_shard_spec(p), model.mesh) for n, p in model.named_parameters()}
+    return {n: gather_full(p, get_shard_spec(model, n), model.mesh) for n, p in model.named_parameters()}
 
 
 def _outcome(fn):
