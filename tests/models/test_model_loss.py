@@ -69,7 +69,7 @@ def issue_case(hf_dir, ids, targets, ref_loss, ref_grads):
     average_grads(model, mesh)
     errors = {"loss": relative_error(loss.detach(), ref_loss)}
     for name, p in model.named_parameters():
-        errors[name] = relative_error(gather_full(p.grad, get_shard_spec(p), mesh), ref_grads[name])
+        errors[name] = relative_error(gather_full(p.grad, get_shard_spec(model, name), mesh), ref_grads[name])
     return int((local != -100).sum()), errors
 
 
@@ -147,7 +147,7 @@ def pipeline_case(seed, microbatches):
     sync_tied_grads([model], mesh)
     average_grads(model, mesh)
     for name, p in model.named_parameters():
-        assert_close(gather_full(p.grad, get_shard_spec(p), mesh), grads[name], f"pipelined grad {name}", 4)
+        assert_close(gather_full(p.grad, get_shard_spec(model, name), mesh), grads[name], f"pipelined grad {name}", 4)
     return True
 
 
