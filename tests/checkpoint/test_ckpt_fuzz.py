@@ -3,7 +3,7 @@ and config.json) on damaged copies of real saved files. Every case ends in Check
 naming the file (never another exception type, never a foreign error wrapped into one), or in
 a load equal to what was saved (for Hugging Face files: equal to what safetensors itself reads);
 no reader allocates more than the files hold. SHARDZOO_FUZZ_EXAMPLES sets the examples per test
-(default 40: a few hundred cases in all); a few multi-rank cases run end to end."""
+(default 50: 300 cases in all); a few multi-rank cases run end to end."""
 
 import contextlib
 import json
@@ -32,7 +32,7 @@ from shardzoo.models.pretrained import config_from_dir
 from shardzoo.testing import run_on_ranks
 
 SEED = 6
-FUZZ = settings(max_examples=int(os.environ.get("SHARDZOO_FUZZ_EXAMPLES", "40")), deadline=None,
+FUZZ = settings(max_examples=int(os.environ.get("SHARDZOO_FUZZ_EXAMPLES", "50")), deadline=None,
                 suppress_health_check=list(HealthCheck))
 FOREIGN = re.compile(r"\b(?!Checkpoint)[A-Z][A-Za-z]*(Error|Exception|Warning): ")  # describe() of another type
 
