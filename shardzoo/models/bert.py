@@ -50,7 +50,7 @@ class BERTConfig(HFConfig):
     max_position_embeddings: int = 512
     type_vocab_size: int = 2
     layer_norm_eps: float = 1e-12
-    pad_token_id: int = 0
+    pad_token_id: int | None = 0  # null in config.json: no padding row (nn.Embedding padding_idx=None)
     tie_word_embeddings: bool = True
 
     SUPPORTED = {"hidden_act": ACTIVATION_NAMES, "position_embedding_type": ("absolute",), "is_decoder": (False,),
