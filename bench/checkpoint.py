@@ -72,7 +72,7 @@ def dtensor_state(model: Stack) -> dict:
     device_mesh = model.mesh.sub_mesh("tp")
     out = {}
     for name, p in model.named_parameters():
-        spec = get_shard_spec(p)
+        spec = get_shard_spec(model, name)
         local = p.detach()[spec.valid_local()]
         split = [d for d, (l, g) in enumerate(zip(spec.local_shape, spec.global_shape)) if spec.partitioned_over and l != g]
         placement = Shard(split[0]) if split else Replicate()

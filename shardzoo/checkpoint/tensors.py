@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from shardzoo.checkpoint.errors import CheckpointError
-from shardzoo.layers.shard_spec import ShardSpec, get_shard_spec
+from shardzoo.layers.shard_spec import ShardSpec, ShardSpecError, check_local, check_specs, get_shard_spec
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, shape) in global coordinates
 
@@ -96,12 +97,28 @@ def model_tensors(model: nn.Module) -> tuple[list[LocalTensor], dict[str, str]]:
                 aliases[key] = seen[id(t)]
                 continue
             seen[id(t)] = key
-            spec = get_shard_spec(t)
+            spec = get_shard_spec(mod, name)
+            _check_saveable(key, mod, t, spec)
             if spec is not None and mesh is None:
                 raise CheckpointError(f"{key} has a ShardSpec but its module {type(mod).__name__} has no .mesh; "
                                       f"set module.mesh to the ParallelMesh the spec's axes refer to")
             tensors.append(LocalTensor(key, t.detach(), spec, mesh if spec is not None else model_mesh))
     return tensors, aliases
+
+
+def _check_saveable(key: str, module: nn.Module, t: torch.Tensor, spec: ShardSpec | None) -> None:
+    """Refuse a tensor whose bytes are not this rank's piece of its spec: a DTensor (FSDP2
+    sharded it over dp; its spec describes the tp piece, which no single rank holds), a piece of
+    another shape than its spec, or a sharded module's parameter that lost its spec."""
+    if isinstance(t, DTensor):
+        raise CheckpointError(f"{key} is a DTensor (sharded over {t.device_mesh.mesh_dim_names} by FSDP2's fully_shard "
+                              f"or DTensor); the checkpoint stores ShardSpec pieces only. Save the model before "
+                              f"fully_shard, or save full_state_dict(model) instead")
+    try:
+        check_specs(module, key.rpartition(".")[0] or type(module).__name__)
+        check_local(key, t, spec)
+    except ShardSpecError as e:
+        raise CheckpointError(str(e)) from e
 
 
 def _expand_axes(axes: tuple[str, ...], mesh) -> set[str]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from shardzoo.comm import collectives as comm
-from shardzoo.layers.shard_spec import ShardSpec, set_shard_spec
+from shardzoo.layers.shard_spec import ShardSpec, shard_param
 
 SEQ_DIM = 1
 
@@ -27,10 +27,14 @@ def replicated_spec(global_shape) -> ShardSpec:
     return ShardSpec(shape, (0,) * len(shape), shape, partitioned_over=(), replicated_over=("tp",))
 
 
-def local_param(full: torch.Tensor, spec: ShardSpec, device=None) -> torch.nn.Parameter:
-    """A Parameter holding ``spec.take(full)`` on ``device``, with ``spec`` attached."""
-    local = spec.take(full.detach()).to(device=device if device is not None else full.device)
-    return set_shard_spec(torch.nn.Parameter(local), spec)
+def local_param(module: torch.nn.Module, name: str, full: torch.Tensor | None, spec: ShardSpec,
+                device=None) -> torch.nn.Parameter | None:
+    """Register ``spec.take(full)`` on ``device`` as ``module.<name>`` with ``spec`` (a None
+    ``full`` registers None); returns the Parameter."""
+    if full is None:
+        module.register_parameter(name, None)
+        return None
+    return shard_param(module, name, full, spec, device)
 
 
 def require_divisible(layer: str, what: str, value: int, tp: int) -> None:

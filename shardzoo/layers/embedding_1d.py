@@ -66,7 +66,7 @@ class VocabParallelEmbedding1D(nn.Module):
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, serial.padding_idx
         self.mesh, self.sequence_parallel = mesh, sequence_parallel
         spec = split_spec((num_embeddings, embedding_dim), 0, mesh)
-        self.weight = local_param(serial.weight, spec, device)
+        local_param(self, "weight", serial.weight, spec, device)
         self.vocab_start = spec.offsets[0]
         self.num_embeddings_per_rank = spec.local_shape[0]
 
@@ -128,7 +128,7 @@ class Embedding1D(nn.Module):
         serial = _serial_embedding(num_embeddings, embedding_dim, padding_idx, dtype, _serial)
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, serial.padding_idx
         self.mesh = mesh
-        self.weight = local_param(serial.weight, split_spec((num_embeddings, embedding_dim), 1, mesh), device)
+        local_param(self, "weight", serial.weight, split_spec((num_embeddings, embedding_dim), 1, mesh), device)
 
     @classmethod
     def from_serial(cls, embedding: nn.Embedding, mesh, **kwargs) -> "Embedding1D":

@@ -27,7 +27,7 @@ from shardzoo.comm import ops
 from shardzoo.comm.mesh import default_device
 from shardzoo.layers import layouts
 from shardzoo.layers.layouts import ActivationLayout
-from shardzoo.layers.shard_spec import ShardSpec, set_shard_spec
+from shardzoo.layers.shard_spec import ShardSpec, get_shard_spec, shard_param
 
 
 def vocab_axes(layout: ActivationLayout) -> tuple[str, tuple[str, ...]]:
@@ -36,16 +36,17 @@ def vocab_axes(layout: ActivationLayout) -> tuple[str, tuple[str, ...]]:
     return vocab_axis, tuple(a for a in layout.param_axes if a != vocab_axis)
 
 
-def vocab_parallel_param(weight: torch.Tensor, mesh, layout: ActivationLayout, device) -> nn.Parameter:
-    """This rank's block of a [V, H] table: vocabulary chunk ``vocab_rank * sub + sub_rank`` of
-    ``size(vocab_axis) * sub`` (padded), hidden block ``hidden_rank`` of q."""
+def vocab_parallel_param(module: nn.Module, weight: torch.Tensor, mesh, layout: ActivationLayout,
+                         device) -> nn.Parameter:
+    """Register as ``module.weight`` this rank's block of a [V, H] table: vocabulary chunk
+    ``vocab_rank * sub + sub_rank`` of ``size(vocab_axis) * sub`` (padded), hidden block
+    ``hidden_rank`` of q."""
     vocab_axis, sub_axes = vocab_axes(layout)
     sub = mesh.size(*sub_axes) if sub_axes else 1
     index = mesh.rank(vocab_axis) * sub + (mesh.rank(*sub_axes) if sub_axes else 0)
     split = {0: (index, mesh.size(vocab_axis) * sub), 1: (mesh.rank(layout.hidden_axis), mesh.size(layout.hidden_axis))}
     spec = ShardSpec.split(tuple(weight.shape), split, (layout.hidden_axis, vocab_axis) + sub_axes, layout.replica_axes)
-    device = device if device is not None else default_device(mesh)
-    return set_shard_spec(nn.Parameter(spec.take(weight.detach()).to(device)), spec)
+    return shard_param(module, "weight", weight, spec, device if device is not None else default_device(mesh))
 
 
 class _GridEmbeddingBase(layouts.GridModule):
@@ -83,7 +84,7 @@ class GridEmbedding(_GridEmbeddingBase):
 
     def _place(self, weight: torch.Tensor, device) -> None:
         layouts.check_hidden_parts(type(self).__name__, "embedding_dim", self.embedding_dim, self.mesh, self.layout)
-        self.weight = layouts.hidden_param(weight, 1, self.mesh, self.layout, device)
+        layouts.hidden_param(self, "weight", weight, 1, self.mesh, self.layout, device)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [B/parts, ...] (this rank's batch block, ``shard_input``) -> [B/parts, ..., H/q]
@@ -101,10 +102,10 @@ class GridVocabParallelEmbedding(_GridEmbeddingBase):
     def _place(self, weight: torch.Tensor, device) -> None:
         q = self.mesh.size(self.layout.hidden_axis)
         layouts.check_divisible(type(self).__name__, "embedding_dim", self.embedding_dim, q, f"q={q}")
-        self.weight = vocab_parallel_param(weight, self.mesh, self.layout, device)
+        vocab_parallel_param(self, weight, self.mesh, self.layout, device)
         self.vocab_axis, self.vocab_sub_axes = vocab_axes(self.layout)
         sub = self.mesh.size(*self.vocab_sub_axes) if self.vocab_sub_axes else 1
-        self.vocab_block = self.weight.shard_spec.local_shape[0] * sub
+        self.vocab_block = get_shard_spec(self, "weight").local_shape[0] * sub
         self.vocab_start = self.mesh.rank(self.vocab_axis) * self.vocab_block
 
     def gathered_weight(self) -> torch.Tensor:

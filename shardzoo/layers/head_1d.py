@@ -20,6 +20,7 @@ from shardzoo.comm import collectives as comm
 from shardzoo.layers.common_1d import SEQ_DIM, enter_sequence_parallel, local_param, require_sequence_layout, split_spec
 from shardzoo.layers.cross_entropy import vocab_parallel_cross_entropy
 from shardzoo.layers.embedding_1d import VocabParallelEmbedding1D
+from shardzoo.layers.shard_spec import tie_param
 
 
 class ParallelLMHead1D(nn.Module):
@@ -70,15 +71,12 @@ class ParallelLMHead1D(nn.Module):
                 )
             if tie_to.mesh is not mesh:
                 raise ValueError("ParallelLMHead1D(tie_to=...) must use the embedding's mesh; pass mesh=embedding.mesh")
-            self.weight = tie_to.weight
+            tie_param(self, "weight", tie_to)
             self.register_parameter("bias", None)
             return
         serial = _serial if _serial is not None else nn.Linear(in_features, vocab_size, bias, dtype=dtype)
-        self.weight = local_param(serial.weight, spec, device)
-        if serial.bias is None:
-            self.register_parameter("bias", None)
-        else:
-            self.bias = local_param(serial.bias, split_spec((vocab_size,), 0, mesh), device)
+        local_param(self, "weight", serial.weight, spec, device)
+        local_param(self, "bias", serial.bias, split_spec((vocab_size,), 0, mesh), device)
 
     @classmethod
     def from_serial(cls, linear: nn.Linear, mesh, **kwargs) -> "ParallelLMHead1D":
@@ -109,6 +107,12 @@ class ParallelLMHead1D(nn.Module):
     def shard_input(self, x_full: torch.Tensor) -> torch.Tensor:
         """``[b, s, H]`` -> ``[b, s/p, H]`` under sequence parallelism; identity otherwise."""
         return enter_sequence_parallel(x_full, self.mesh) if self.sequence_parallel else x_full
+
+    def shard_target(self, target_full: torch.Tensor) -> torch.Tensor:
+        """Target ids ``[b, s]`` -> the same tensor: the logits hold every row and position
+        (also with ``sequence_parallel``, whose input is gathered), so layout-generic code can
+        call ``head.shard_target`` as on the grid heads."""
+        return target_full
 
     def gather_output(self, y_local: torch.Tensor) -> torch.Tensor:
         """Vocab-parallel ``[.., ceil(V/p)]`` -> full ``[.., V]`` logits, padding dropped."""

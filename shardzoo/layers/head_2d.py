@@ -22,7 +22,7 @@ from shardzoo.layers import layouts
 from shardzoo.layers.cross_entropy import vocab_parallel_cross_entropy
 from shardzoo.layers.embedding_2d import GridVocabParallelEmbedding, vocab_parallel_param
 from shardzoo.layers.layouts import ActivationLayout
-from shardzoo.layers.shard_spec import ShardSpec, set_shard_spec
+from shardzoo.layers.shard_spec import ShardSpec, get_shard_spec, shard_param, tie_param
 from shardzoo.layers.summa_2d import Grid2D, summa_linear_t
 
 
@@ -74,12 +74,12 @@ class GridClassifier(layouts.GridModule):
         self._bind(mesh, layout)
         self.in_features, self.num_classes = serial.in_features, serial.out_features
         layouts.check_hidden_parts(type(self).__name__, "in_features", self.in_features, mesh, self.layout)
-        self.weight = layouts.hidden_param(serial.weight, 1, mesh, self.layout, device)
+        layouts.hidden_param(self, "weight", serial.weight, 1, mesh, self.layout, device)
         if serial.bias is None:
             self.register_parameter("bias", None)
         else:
             spec = ShardSpec((self.num_classes,), (0,), (self.num_classes,), (), ("tp",))
-            self.bias = set_shard_spec(nn.Parameter(serial.bias.detach().to(self.weight.device).clone()), spec)
+            shard_param(self, "bias", serial.bias, spec, self.weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B/parts, ..., H/q] -> logits [B/parts, ..., C] (same on the hidden group)."""
@@ -121,7 +121,7 @@ class SummaLMHead(layouts.GridModule):
                              f"num_embeddings=vocab_size")
         self._bind(mesh, None)
         self.in_features, self.vocab_size = in_features, vocab_size
-        self.weight = tie_to.weight
+        tie_param(self, "weight", tie_to)
         self.register_parameter("bias", None)
         self._finish()
 
@@ -139,16 +139,16 @@ class SummaLMHead(layouts.GridModule):
         q = mesh.q
         layouts.check_divisible(type(self).__name__, "in_features", self.in_features, q, f"q={q}")
         # the placement of the vocab-parallel embedding, so that tie_to can share it
-        self.weight = vocab_parallel_param(serial.weight, mesh, self.layout, device)
+        vocab_parallel_param(self, serial.weight, mesh, self.layout, device)
         if serial.bias is None:
             self.register_parameter("bias", None)
         else:
-            self.bias = layouts.block_param(serial.bias, 0, mesh, self.layout, device)
+            layouts.block_param(self, "bias", serial.bias, 0, mesh, self.layout, device)
         self._finish()
 
     def _finish(self) -> None:
         self.grid = Grid2D(self.mesh)
-        self.vocab_per_rank = self.weight.shard_spec.local_shape[0]
+        self.vocab_per_rank = get_shard_spec(self, "weight").local_shape[0]
         self.vocab_start = self.grid.j * self.vocab_per_rank  # logits hold vocabulary block j
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from shardzoo.layers.embedding_2d import GridVocabParallelEmbedding, vocab_paral
 from shardzoo.layers.head_2d import GridClassifier, grid_cross_entropy
 from shardzoo.layers.layouts import ActivationLayout
 from shardzoo.layers.linear_3d import linear_3d
-from shardzoo.layers.shard_spec import ShardSpec, set_shard_spec
+from shardzoo.layers.shard_spec import ShardSpec, get_shard_spec, shard_param, tie_param
 
 
 class Classifier3D(GridClassifier):
@@ -49,7 +49,7 @@ class LMHead3D(layouts.GridModule):
                              f"tie to a VocabParallelEmbedding3D of the same mesh and layout with "
                              f"embedding_dim=in_features, num_embeddings=vocab_size")
         self.in_features, self.vocab_size = in_features, vocab_size
-        self.weight = tie_to.weight
+        tie_param(self, "weight", tie_to)
         self.register_parameter("bias", None)
         self._finish()
 
@@ -65,7 +65,7 @@ class LMHead3D(layouts.GridModule):
         self._bind(mesh, layout)
         self.in_features, self.vocab_size = serial.in_features, serial.out_features
         layouts.check_divisible("LMHead3D", "in_features", self.in_features, mesh.q, f"q={mesh.q}")
-        self.weight = vocab_parallel_param(serial.weight, mesh, self.layout, device)
+        vocab_parallel_param(self, serial.weight, mesh, self.layout, device)
         self._finish()
         if serial.bias is None:
             self.register_parameter("bias", None)
@@ -73,10 +73,10 @@ class LMHead3D(layouts.GridModule):
         out = self.output_layout
         spec = ShardSpec((self.vocab_size,), (self.vocab_start,), (self.vocab_per_rank,), (out.hidden_axis,),
                          out.batch_axes)
-        self.bias = set_shard_spec(nn.Parameter(spec.take(serial.bias.detach()).to(self.weight.device)), spec)
+        shard_param(self, "bias", serial.bias, spec, self.weight.device)
 
     def _finish(self) -> None:
-        self.vocab_per_rank = self.weight.shard_spec.local_shape[0] * self.mesh.q  # after the gather over I
+        self.vocab_per_rank = get_shard_spec(self, "weight").local_shape[0] * self.mesh.q  # after the gather over I
         self.vocab_start = self.mesh.rank(self.output_layout.hidden_axis) * self.vocab_per_rank
 
     @property

@@ -34,7 +34,7 @@ from torch import nn
 
 from shardzoo import comm
 from shardzoo.comm.mesh import default_device
-from shardzoo.layers.shard_spec import ShardSpec, set_shard_spec
+from shardzoo.layers.shard_spec import ShardSpec, shard_param
 
 @dataclass(frozen=True)
 class ActivationLayout:
@@ -211,10 +211,12 @@ def check_hidden_parts(who: str, what: str, value: int, mesh, layout: Activation
     check_divisible(who, what, value, parts, f"{rule}={parts}")
 
 
-def hidden_param(full: torch.Tensor, dim: int, mesh, layout: ActivationLayout, device) -> nn.Parameter:
-    """This rank's piece of ``full`` cut along ``dim`` into q * size(param_axes) chunks: chunk
-    ``hidden_rank * size(param_axes) + param_rank``, so gathering over ``param_axes`` yields the
-    hidden block of this rank. Replicated over ``replica_axes``; ShardSpec attached."""
+def hidden_param(module: nn.Module, name: str, full: torch.Tensor, dim: int, mesh, layout: ActivationLayout,
+                 device) -> nn.Parameter:
+    """Register as ``module.<name>`` this rank's piece of ``full`` cut along ``dim`` into
+    q * size(param_axes) chunks: chunk ``hidden_rank * size(param_axes) + param_rank``, so
+    gathering over ``param_axes`` yields the hidden block of this rank. Replicated over
+    ``replica_axes``; its ShardSpec recorded on ``module``."""
     parts = hidden_parts(mesh, layout)
     sub = mesh.size(*layout.param_axes) if layout.param_axes else 1
     sub_rank = mesh.rank(*layout.param_axes) if layout.param_axes else 0
@@ -222,8 +224,7 @@ def hidden_param(full: torch.Tensor, dim: int, mesh, layout: ActivationLayout, d
     dim = dim % full.dim()
     spec = ShardSpec.split(tuple(full.shape), {dim: (index, parts)}, (layout.hidden_axis,) + layout.param_axes,
                            layout.replica_axes)
-    device = device if device is not None else default_device(mesh)
-    return set_shard_spec(nn.Parameter(spec.take(full.detach()).to(device)), spec)
+    return shard_param(module, name, full, spec, device if device is not None else default_device(mesh))
 
 
 def gather_hidden_param(param: torch.Tensor, dim: int, mesh, layout: ActivationLayout) -> torch.Tensor:
@@ -236,14 +237,14 @@ def gather_hidden_param(param: torch.Tensor, dim: int, mesh, layout: ActivationL
     return param
 
 
-def block_param(full: torch.Tensor, dim: int, mesh, layout: ActivationLayout, device) -> nn.Parameter:
-    """This rank's hidden block of a small vector-like ``full`` (LayerNorm weight, bias): split
-    along ``dim`` over ``hidden_axis`` only, replicated over the batch axes (gradient summed
-    there by :func:`use_block_param`)."""
+def block_param(module: nn.Module, name: str, full: torch.Tensor, dim: int, mesh, layout: ActivationLayout,
+                device) -> nn.Parameter:
+    """Register as ``module.<name>`` this rank's hidden block of a small vector-like ``full``
+    (LayerNorm weight, bias): split along ``dim`` over ``hidden_axis`` only, replicated over the
+    batch axes (gradient summed there by :func:`use_block_param`); spec recorded on ``module``."""
     split = {dim % full.dim(): (mesh.rank(layout.hidden_axis), mesh.size(layout.hidden_axis))}
     spec = ShardSpec.split(tuple(full.shape), split, (layout.hidden_axis,), layout.batch_axes)
-    device = device if device is not None else default_device(mesh)
-    return set_shard_spec(nn.Parameter(spec.take(full.detach()).to(device)), spec)
+    return shard_param(module, name, full, spec, device if device is not None else default_device(mesh))
 
 
 def use_block_param(param: torch.Tensor, mesh, layout: ActivationLayout) -> torch.Tensor:

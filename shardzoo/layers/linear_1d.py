@@ -95,13 +95,9 @@ class ParallelLinear1D(nn.Module):
         self.sequence_parallel = sequence_parallel
         serial = _serial if _serial is not None else nn.Linear(in_features, out_features, bias, dtype=dtype)
         device = device if device is not None else serial.weight.device
-        self.weight = local_param(serial.weight, split_spec((out_features, in_features), split_dim, mesh), device)
-        if serial.bias is None:
-            self.register_parameter("bias", None)
-        elif style == "column":
-            self.bias = local_param(serial.bias, split_spec((out_features,), 0, mesh), device)
-        else:
-            self.bias = local_param(serial.bias, replicated_spec((out_features,)), device)
+        local_param(self, "weight", serial.weight, split_spec((out_features, in_features), split_dim, mesh), device)
+        bias_spec = split_spec((out_features,), 0, mesh) if style == "column" else replicated_spec((out_features,))
+        local_param(self, "bias", serial.bias, bias_spec, device)
 
     @classmethod
     def from_serial(cls, linear: nn.Linear, mesh, *, style: str = "column", **kwargs) -> "ParallelLinear1D":

@@ -18,7 +18,7 @@ from torch import nn
 from shardzoo import comm
 from shardzoo.comm.mesh import default_device
 from shardzoo.layers import layouts
-from shardzoo.layers.shard_spec import ShardSpec, set_shard_spec
+from shardzoo.layers.shard_spec import ShardSpec, shard_param
 from shardzoo.layers.summa_2d import Grid2D, summa_linear
 
 
@@ -63,12 +63,10 @@ class SummaLinearBase(layouts.GridModule):
         w_spec = ShardSpec.split(
             tuple(serial.weight.shape), {0: (j, q), 1: (i, q)}, ("tp_row", "tp_col"), replicas
         )
-        self.weight = nn.Parameter(w_spec.take(serial.weight.detach()).to(device))
-        set_shard_spec(self.weight, w_spec)
+        shard_param(self, "weight", serial.weight, w_spec, device)
         if serial.bias is not None:
             b_spec = ShardSpec.split((self.out_features,), {0: (j, q)}, ("tp_col",), replicas + ("tp_row",))
-            self.bias = nn.Parameter(b_spec.take(serial.bias.detach()).to(device))
-            set_shard_spec(self.bias, b_spec)
+            shard_param(self, "bias", serial.bias, b_spec, device)
         else:
             self.register_parameter("bias", None)
 

@@ -30,7 +30,7 @@ from shardzoo import comm
 from shardzoo.comm.mesh import default_device
 from shardzoo.layers import layouts
 from shardzoo.layers.layouts import ActivationLayout
-from shardzoo.layers.shard_spec import ShardSpec, set_shard_spec
+from shardzoo.layers.shard_spec import ShardSpec, shard_param
 
 
 def linear_3d(x: torch.Tensor, weight: torch.Tensor, mesh, layout: ActivationLayout) -> torch.Tensor:
@@ -91,15 +91,13 @@ class ParallelLinear3D(layouts.GridModule):
         self.in_features, self.out_features = serial.in_features, serial.out_features
         device = device if device is not None else default_device(mesh)
         w_spec = weight_spec_3d(tuple(serial.weight.shape), mesh, self.input_layout)
-        self.weight = nn.Parameter(w_spec.take(serial.weight.detach()).to(device))
-        set_shard_spec(self.weight, w_spec)
+        shard_param(self, "weight", serial.weight, w_spec, device)
         if serial.bias is not None:
             out_axis = self.output_layout.hidden_axis
             b_spec = ShardSpec.split(
                 (self.out_features,), {0: (mesh.rank(out_axis), mesh.q)}, (out_axis,), self.output_layout.batch_axes
             )
-            self.bias = nn.Parameter(b_spec.take(serial.bias.detach()).to(device))
-            set_shard_spec(self.bias, b_spec)
+            shard_param(self, "bias", serial.bias, b_spec, device)
         else:
             self.register_parameter("bias", None)
 

@@ -35,10 +35,7 @@ class _Norm1D(nn.Module):
     def _set_params(self, serial: nn.Module, device) -> None:
         for name in ("weight", "bias"):
             p = getattr(serial, name, None)
-            if p is None:
-                self.register_parameter(name, None)
-            else:
-                setattr(self, name, local_param(p, replicated_spec(p.shape), device))
+            local_param(self, name, p, None if p is None else replicated_spec(p.shape), device)
 
     def _params(self):
         sp = self.sequence_parallel

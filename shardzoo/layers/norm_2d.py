@@ -85,7 +85,7 @@ class GridLayerNorm(layouts.GridModule):
             if full is None:
                 self.register_parameter(pname, None)
             else:
-                setattr(self, pname, layouts.block_param(full, 0, mesh, self.layout, device))
+                layouts.block_param(self, pname, full, 0, mesh, self.layout, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B/parts, ..., H/q] -> [B/parts, ..., H/q]."""

@@ -81,8 +81,11 @@ class GridPatchEmbedding(layouts.GridModule):
         self.patch_embeddings.projection = _Holder(mesh)
         full = {"weight": proj.weight, "bias": proj.bias, "cls_token": cls_token, "position_embeddings": positions}
         for owner, pname, dim in _PARAMS:
-            value = None if full[pname] is None else layouts.hidden_param(full[pname], dim, mesh, self.layout, device)
-            self.get_submodule(owner).register_parameter(pname, value)
+            module = self.get_submodule(owner)
+            if full[pname] is None:
+                module.register_parameter(pname, None)
+            else:
+                layouts.hidden_param(module, pname, full[pname], dim, mesh, self.layout, device)
 
     def _gathered(self, owner: str, name: str, dim: int):
         p = getattr(self.get_submodule(owner), name)

@@ -1,8 +1,13 @@
 """ShardSpec: which slice of a global (serial) tensor a rank's parameter holds.
 
-Every sharded parameter carries ``param.shard_spec``. Checkpoint save, reshard-load, Hugging
-Face loading and ``full_state_dict`` all derive from it; nothing parses parameter names to
-find out how a tensor is split. A parameter without a spec is replicated on every rank.
+The spec of a sharded parameter lives on the module that owns it, keyed by the parameter's
+name (``set_shard_spec(module, "weight", spec)`` / ``get_shard_spec(module, "weight")``), not
+on the Parameter object: FSDP2's ``fully_shard``, DDP, ``torch.compile``, pipelining and
+meta-device materialisation replace Parameter objects freely, and a spec stored on the object
+would silently vanish with it. Checkpoint save, reshard-load, Hugging Face loading, gradient
+norms and ``full_state_dict`` all read specs through :func:`get_shard_spec`; nothing parses
+parameter names to find out how a tensor is split. A parameter without a spec is replicated
+on every rank.
 
 A spec describes one rectangle: ``offsets`` and ``local_shape`` in the coordinates of the
 global tensor of shape ``global_shape``. The rectangle may run past the end of the global
@@ -17,7 +22,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from torch.distributed.tensor import DTensor
+
 from shardzoo.comm import ops
+
+_SPECS = "_shard_specs"  # module attribute: {parameter or buffer name: ShardSpec}
 
 
 @dataclass(frozen=True)
@@ -73,25 +82,113 @@ class ShardSpec:
         return local
 
 
-def set_shard_spec(param: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
-    """Attach ``spec`` to ``param`` after checking it fits; returns ``param``."""
-    if tuple(param.shape) != spec.local_shape:
-        raise ValueError(f"parameter of shape {tuple(param.shape)} does not match its spec's local shape {spec.local_shape}")
-    param.shard_spec = spec
+class ShardSpecError(ValueError):
+    """A tensor does not fit its ShardSpec, or a spec that must be there is missing."""
+
+
+def set_shard_spec(module: nn.Module, name: str, spec: ShardSpec | None) -> None:
+    """Record that ``module``'s parameter (or buffer) ``name`` holds the piece ``spec`` of its
+    global tensor (None: replicated, the record is removed). The tensor must be registered
+    first and have shape ``spec.local_shape``."""
+    t = module._parameters.get(name, module._buffers.get(name))
+    who = f"{type(module).__name__}.{name}"
+    if t is None:
+        raise ShardSpecError(f"{who}: no parameter or buffer of that name to attach a ShardSpec to; register the "
+                             f"tensor on the module before its spec")
+    specs = module.__dict__.setdefault(_SPECS, {})
+    if spec is None:
+        specs.pop(name, None)
+        return
+    check_local(who, t, spec)
+    specs[name] = spec
+
+
+def get_shard_spec(module: nn.Module, name: str) -> ShardSpec | None:
+    """The ShardSpec of ``module``'s tensor ``name`` (a dotted path such as
+    ``"blocks.0.fc1.weight"`` is looked up on the owning submodule), or None when replicated."""
+    owner_path, _, leaf = name.rpartition(".")
+    owner = module.get_submodule(owner_path) if owner_path else module
+    return owner.__dict__.get(_SPECS, {}).get(leaf)
+
+
+def shard_param(module: nn.Module, name: str, full: torch.Tensor, spec: ShardSpec, device=None) -> nn.Parameter:
+    """Register ``spec.take(full)`` (this rank's piece, on ``device``; default ``full``'s) as
+    parameter ``name`` of ``module`` with its spec; returns the Parameter."""
+    local = spec.take(full.detach())
+    param = nn.Parameter(local.to(device) if device is not None else local)
+    module.register_parameter(name, param)
+    set_shard_spec(module, name, spec)
     return param
 
 
-def get_shard_spec(param: torch.Tensor) -> ShardSpec | None:
-    """The parameter's ShardSpec, or None when it is replicated everywhere."""
-    return getattr(param, "shard_spec", None)
+def tie_param(module: nn.Module, name: str, owner: nn.Module, owner_name: str = "weight") -> nn.Parameter:
+    """Make ``module.<name>`` the very Parameter ``owner.<owner_name>`` (weight tying), with the
+    owner's spec; returns it."""
+    param = owner._parameters[owner_name]
+    module.register_parameter(name, param)
+    set_shard_spec(module, name, get_shard_spec(owner, owner_name))
+    return param
+
+
+def check_local(who: str, t: torch.Tensor, spec: ShardSpec | None) -> None:
+    """Raise unless ``t`` (a plain tensor: this rank's piece) has its spec's local shape."""
+    if spec is not None and tuple(t.shape) != spec.local_shape:
+        raise ShardSpecError(
+            f"{who} has local shape {tuple(t.shape)} but its ShardSpec says {spec.local_shape} (global "
+            f"{spec.global_shape}); the tensor was replaced by one of another shape after the layer set its spec. "
+            f"Rebuild the layer, or record the new piece with set_shard_spec(module, name, spec)")
+
+
+def local_piece(who: str, t: torch.Tensor, spec: ShardSpec | None) -> torch.Tensor:
+    """This rank's piece of a tensor, checked against ``spec`` (collective for a DTensor).
+
+    A DTensor (a parameter FSDP2's ``fully_shard`` sharded over dp, or its gradient) is first
+    gathered over its own device mesh (``full_tensor``), which gives back the piece the layer
+    placed on this rank; a plain tensor is that piece already."""
+    t = t.detach()
+    if isinstance(t, DTensor):
+        t = t.full_tensor()
+    check_local(who, t, spec)
+    return t
+
+
+def named_specs(module: nn.Module) -> dict[str, ShardSpec]:
+    """Every ShardSpec recorded in ``module`` and its submodules, by full tensor name."""
+    out: dict[str, ShardSpec] = {}
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
+        for name, spec in mod.__dict__.get(_SPECS, {}).items():
+            out[f"{mod_name}.{name}" if mod_name else name] = spec
+    return out
+
+
+def check_specs(module: nn.Module, who: str | None = None) -> None:
+    """Raise :class:`ShardSpecError` where ``module``'s own specs and tensors disagree: a spec
+    whose tensor is gone, or a parameter without a spec on a module that records specs (a
+    sharded layer states the placement of every parameter it owns, so a missing one would be
+    read as replicated and come back in a wrong shape)."""
+    who = who or type(module).__name__
+    specs = module.__dict__.get(_SPECS)
+    if not specs:
+        return
+    present = set(module._parameters) | set(module._buffers)
+    for name in specs:
+        if name not in present or (module._parameters.get(name, module._buffers.get(name)) is None):
+            raise ShardSpecError(f"{who}.{name} has a ShardSpec but the module holds no such tensor any more; "
+                                 f"drop it with set_shard_spec(module, {name!r}, None)")
+    for name, p in module._parameters.items():
+        if p is not None and name not in specs:
+            raise ShardSpecError(f"{who}.{name} has no ShardSpec, though {type(module).__name__} records one for "
+                                 f"its other parameters; a replaced parameter lost its placement. Record it with "
+                                 f"set_shard_spec(module, {name!r}, spec)")
 
 
 def gather_full(local: torch.Tensor, spec: ShardSpec | None, mesh) -> torch.Tensor:
     """The global tensor assembled from every rank's piece (collective over the spec's axes).
 
     ``local``: this rank's tensor of shape ``spec.local_shape``. Returns ``spec.global_shape``
-    on every rank, padding dropped."""
-    local = local.detach()
+    on every rank, padding dropped. A DTensor ``local`` (FSDP2) is first gathered over its
+    own mesh (:func:`local_piece`)."""
+    local = local_piece("gather_full", local, spec)
     if spec is None:
         return local.clone()
     group = mesh.group(*spec.partitioned_over) if spec.partitioned_over else None
@@ -110,21 +207,26 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
 
     Collective: every rank of each sharded parameter's group must call it. Parameters and
     buffers without a ShardSpec are returned as they are (replicated). Sharded tensors are
-    found through ``module.mesh`` of the module that owns them."""
+    found through ``module.mesh`` of the module that owns them. Parameters FSDP2's
+    ``fully_shard`` turned into DTensors are gathered over their dp mesh first, then over the
+    tensor-parallel axes of their spec. Raises :class:`ShardSpecError` naming the tensor when
+    a piece does not match its spec, or a sharded module's parameter has none."""
     out: dict[str, torch.Tensor] = {}
     for mod_name, mod in module.named_modules():
         mesh = getattr(mod, "mesh", None)
+        check_specs(mod, mod_name or type(mod).__name__)
         for name, t in list(mod.named_parameters(recurse=False)) + list(mod.named_buffers(recurse=False)):
             if name in getattr(mod, "_non_persistent_buffers_set", ()):
                 continue
             key = f"{mod_name}.{name}" if mod_name else name
-            spec = get_shard_spec(t)
-            if spec is not None and mesh is None:
-                raise ValueError(f"{key} has a ShardSpec but its module {type(mod).__name__} has no .mesh")
-            out[key] = gather_full(t, spec, mesh)
+            spec = get_shard_spec(mod, name)
+            if spec is not None and spec.partitioned_over and mesh is None:
+                raise ShardSpecError(f"{key} has a ShardSpec but its module {type(mod).__name__} has no .mesh; set "
+                                     f"module.mesh to the ParallelMesh the spec's axes refer to")
+            out[key] = gather_full(local_piece(key, t, spec), spec, mesh)
     return out
 
 
 def is_sharded(module: nn.Module) -> bool:
-    """True when any parameter of ``module`` carries a ShardSpec."""
-    return any(get_shard_spec(p) is not None for p in module.parameters())
+    """True when any parameter of ``module`` has a ShardSpec."""
+    return bool(named_specs(module))

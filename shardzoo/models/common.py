@@ -134,7 +134,7 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor], stric
                 raise KeyError(f"load_full_state_dict: {name} is missing from the state dict")
             continue
         full = state[name].to(t.dtype)
-        spec = get_shard_spec(t)
+        spec = get_shard_spec(model, name)
         t.copy_(spec.take(full) if spec is not None else full)
         used.add(name)
     return [n for n in state if n not in used]
@@ -170,17 +170,17 @@ def run_dense(module: nn.Module, x: torch.Tensor, mesh, layout) -> torch.Tensor:
     return relayout(module(x), mesh, tpl.layout_after(module, layout), layout)
 
 
-def vocab_bias(head: nn.Module, vocab_size: int, mesh, layout, device=None) -> nn.Parameter:
-    """A zero output bias [V] split like ``head``'s vocab-parallel logits (BERT's
-    ``cls.predictions.bias``); add it with :func:`add_vocab_bias`."""
-    from shardzoo.layers.shard_spec import ShardSpec, set_shard_spec
+def vocab_bias(owner: nn.Module, head: nn.Module, vocab_size: int, mesh, layout, device=None) -> nn.Parameter:
+    """Register ``owner.bias``: a zero output bias [V] split like ``head``'s vocab-parallel
+    logits (BERT's ``cls.predictions.bias``); add it with :func:`add_vocab_bias`."""
+    from shardzoo.layers.shard_spec import ShardSpec, shard_param
 
     per_rank = getattr(head, "vocab_per_rank")
     out = tpl.layout_after(head, layout)
     part = ("tp",) if out is None else (out.hidden_axis,)
     repl = () if out is None else out.batch_axes
     spec = ShardSpec((vocab_size,), (head.vocab_start,), (per_rank,), part, repl)
-    return set_shard_spec(nn.Parameter(torch.zeros(per_rank, device=device)), spec)
+    return shard_param(owner, "bias", torch.zeros(vocab_size, device=device), spec)
 
 
 def add_vocab_bias(logits: torch.Tensor, bias: torch.Tensor, head: nn.Module, mesh, layout) -> torch.Tensor:

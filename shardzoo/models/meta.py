@@ -3,7 +3,8 @@
 A model is built on the meta device: it holds shapes, dtypes and ShardSpecs but no data, and
 the serial twins its layers slice from (``from_serial``) cost nothing either.
 :func:`materialize` then gives every parameter uninitialised storage of its local shape, keeping
-each Parameter's attributes (``shard_spec``) and sharing (tied weights stay one Parameter).
+each Parameter's attributes and sharing (tied weights stay one Parameter); ShardSpecs live on
+the modules (layers/shard_spec.py), so replacing the Parameter objects keeps them.
 The caller fills every value: from a checkpoint, or :func:`seeded_normal_piece`, which draws
 this rank's piece of a seeded full tensor without forming the full tensor.
 """
@@ -32,7 +33,7 @@ def materialize(model: nn.Module, device: torch.device | str = "cpu") -> nn.Modu
                 if id(t) not in memo:
                     data = torch.empty(t.shape, dtype=t.dtype, device=device)
                     new = nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else data
-                    new.__dict__.update(t.__dict__)  # shard_spec and any other marks
+                    new.__dict__.update(t.__dict__)  # any marks set on the Parameter object
                     memo[id(t)] = new
                 store[name] = memo[id(t)]
     return model

@@ -1,10 +1,11 @@
 """Training utilities: global gradient norm / clipping across tp, pp, dp and sp shards, data
 parallelism through torch DDP, and bf16 autocast.
 
-Gradient convention: every rank's loss is the mean over its own tokens (and the tp group's
-rows), so the gradient of the global mean is the *average* of the ranks' gradients over the dp
-and sp axes; ``data_parallel`` wraps a model or a pipeline stage in DDP over
-``mesh.group("dp", "sp")``, which does exactly that (``torch.distributed.pipelining`` runs a
+Gradient convention: ``model.loss`` returns the global token mean and scales the gradient it
+backpropagates on each rank (this rank's sum over the global count, times dp x sp; see
+layers/batch_loss.py), so the gradient of the global mean is the *average* of the ranks'
+gradients over the dp and sp axes; ``data_parallel`` wraps a model or a pipeline stage in DDP
+over ``mesh.group("dp", "sp")``, which does exactly that (``torch.distributed.pipelining`` runs a
 DDP-wrapped stage's microbatches under ``no_sync`` and reduces in the last backward). Pipeline
 stages with tied embeddings also need ``pipeline.sync_tied_grads``.
 """
@@ -21,10 +22,10 @@ from torch import nn
 from shardzoo.layers.shard_spec import get_shard_spec
 
 
-def _copy_axes(param: torch.Tensor, mesh) -> tuple[str, ...]:
-    """Mesh axes over which this rank's piece of ``param`` is repeated (every axis but pp and
-    the ones its ShardSpec partitions it over)."""
-    spec = get_shard_spec(param)
+def _copy_axes(model: nn.Module, name: str, mesh) -> tuple[str, ...]:
+    """Mesh axes over which this rank's piece of parameter ``name`` is repeated (every axis
+    but pp and the ones its ShardSpec partitions it over)."""
+    spec = get_shard_spec(model, name)
     parted = set(mesh.expand_axes(*spec.partitioned_over)) if spec is not None and spec.partitioned_over else set()
     return tuple(a for a in mesh.axis_names if a != "pp" and a not in parted)
 
@@ -45,7 +46,7 @@ def global_grad_norm(models: nn.Module | list[nn.Module], mesh, norm_type: float
         for name, p in model.named_parameters():
             if p.grad is None or name in skip:
                 continue
-            axes = _copy_axes(p, mesh)
+            axes = _copy_axes(model, name, mesh)
             if axes and mesh.rank(*axes) != 0:
                 continue
             g = p.grad.detach().double()
@@ -90,7 +91,8 @@ def data_parallel(model: nn.Module, mesh) -> nn.Module:
 @torch.no_grad()
 def average_grads(models: nn.Module | list[nn.Module], mesh) -> None:
     """Average gradients over the dp x sp group in place, one all-reduce per parameter: for
-    custom loops that neither wrap in DDP (:func:`data_parallel`) nor run a schedule."""
+    custom loops that neither wrap in DDP (:func:`data_parallel`) nor run a schedule. After
+    ``model.loss`` the result is the gradient of the global token mean."""
     if mesh.size("dp", "sp") == 1:
         return
     group, n = mesh.group("dp", "sp"), mesh.size("dp", "sp")

@@ -270,11 +270,12 @@ class GridCosts:
                      elems=LOOKUP_PASSES * qv * rows * (h // q))
 
     def loss(self, vocab, rows, e, layout) -> Piece:
-        """Cross entropy over the head's vocabulary axis, then the mean over the batch axes."""
+        """Per-target cross entropy over the head's vocabulary axis (the global mean is
+        ``model.loss_reduction``'s)."""
         out = self.after_head(layout)
         q = self.hidden_parts(out)
         return vocab_loss((out.hidden_axis,), q, out.batch_axes, self.batch_parts(out), rows,
-                          self.vocab_pad(vocab) // q, e, batch_mean=True)
+                          self.vocab_pad(vocab) // q, e, batch_mean=False)
 
     def classifier(self, classes, h, rows, e, layout) -> Piece:
         """Weight gathered like a table, partial logits all-reduced over the hidden axis."""

@@ -18,7 +18,8 @@ from shardzoo.planner.block_costs import Call, Illegal, Piece, layout_costs
 from shardzoo.planner.comm import DP_AXES, Traffic, dp_reduction, pipeline_p2p, tied_sync
 from shardzoo.planner.hardware import Hardware
 from shardzoo.planner.memory import MemoryBreakdown, stage_memory
-from shardzoo.planner.model import Batch, ModelShape, StageCost, assemble, stage_parts
+from shardzoo.planner.model import (COUNT_BYTES, LOSS_PAIR_BYTES, Batch, ModelShape, StageCost, assemble, loss_reduction,
+                                    stage_parts, target_axes)
 
 
 @dataclass(frozen=True)
@@ -147,12 +148,19 @@ class Pricer:
         one.merge(self._summed("piece", cost.first, cost.first.calls))
         one.merge(self._summed("piece", cost.last, cost.last.calls))
         one.merge(self._summed("block", cost.block, [c for p in cost.block for c in p.calls]), cost.blocks)
+        if stage == layout.pp - 1:
+            one.add(loss_reduction(self._target_axes(layout), LOSS_PAIR_BYTES, layout.pp))
         return one.add(pipeline_p2p(cost.boundary, layout.pp, stage == 0, stage == layout.pp - 1))
+
+    def _target_axes(self, layout: Layout) -> list[tuple[str, int]]:
+        costs = layout_costs(layout.tp_mode, layout.tp, layout.tp_depth, self.problem.param_bytes)
+        return target_axes(self.problem.shape, costs, layout.dp, layout.sp)
 
     def _reduction(self, cost: StageCost, layout: Layout, zero: int) -> tuple[Traffic, Traffic]:
         """(per micro-batch, per step) calls of the gradient reduction and the tied sync."""
         n, tied = layout.dp * layout.sp, cost.tied_table and layout.pp > 1
-        key = (cost.params, cost.first.params + cost.last.params, cost.blocks, n, zero, tied)
+        key = (cost.params, cost.first.params + cost.last.params, cost.blocks, n, zero, tied, cost.is_last,
+               layout.pp, layout.dp, layout.tp_mode, layout.tp, layout.tp_depth)
         if key not in self._reductions:
             self._reductions[key] = self._reduction_calls(cost, layout, zero)
         return self._reductions[key]
@@ -165,6 +173,8 @@ class Pricer:
             (step if c.phase == "step" else one).add([c])
         if cost.tied_table and layout.pp > 1:
             step.add(tied_sync(cost.tied_table * ep))
+        if layout.pp > 1 and cost.is_last:  # build_schedule counts the step's targets once
+            step.add(loss_reduction(self._target_axes(layout), COUNT_BYTES, layout.pp, phase="step"))
         return one, step
 
     def price_stage(self, layout: Layout, cost: StageCost, stage: int, checkpointing: bool,

@@ -10,6 +10,8 @@ with the same sharing of saved tensors.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -223,10 +225,6 @@ def _head(shape: ModelShape, costs, b: Batch, batch: int, seq: int, tied: bool) 
                     + calls("bwd", ("sp",), "reduce", batch * (h // costs.hidden_parts(lay)) * e, b.sp))
         out = costs.layer_norm(h, rows, e, lay) + cls + costs.classifier(c.num_labels, h, batch, e, lay)
         out = out + Piece([], 0, batch * (c.num_labels * e + ID_BYTES) + e)  # F.cross_entropy: logits, targets
-        if costs.mode != "1d":  # ViT.loss: a row count summed over the batch axes, then the mean
-            parts = costs.batch_parts(lay)
-            out = out + Piece(calls("fwd", lay.batch_axes, "all_reduce", 4, parts, counted=False)
-                              + calls("fwd", lay.batch_axes, "all_reduce", e, parts))
         return out
     out = Piece()
     if fam == "gpt2" or (fam == "opt" and c.do_layer_norm_before and not c._remove_final_layer_norm):
@@ -242,6 +240,27 @@ def _head(shape: ModelShape, costs, b: Batch, batch: int, seq: int, tied: bool) 
     if fam == "bert":
         out = out + costs.vocab_bias(shape.vocab, rows, e, lay)
     return out + costs.loss(shape.vocab, rows, e, lay)
+
+
+LOSS_PAIR_BYTES = 16  # model.loss all-reduces [sum, count] in fp64
+COUNT_BYTES = 8  # count_targets all-reduces one int64
+
+
+def target_axes(shape: ModelShape, costs, dp: int, sp: int) -> list[tuple[str, int]]:
+    """(axis, size) of the mesh axes the targets are split over (layers/batch_loss.py): dp, sp
+    (not for ViT, whose labels every sp rank holds) and the batch axes of the head's layout."""
+    lay = costs.canonical
+    batch = [(a, costs.size(a)) for a in lay.batch_axes] if lay is not None else []
+    return [("dp", dp)] + ([] if shape.family == "vit" else [("sp", sp)]) + batch
+
+
+def loss_reduction(axes: list[tuple[str, int]], payload: int, pp: int, phase: str = "fwd") -> list:
+    """The global-mean loss's all-reduce of ``payload`` bytes over the target axes: one call
+    over their combined group, or one per axis on a pipeline's last stage."""
+    axes = [(a, n) for a, n in axes if n > 1]
+    if pp == 1:
+        return calls(phase, tuple(a for a, _ in axes), "all_reduce", payload, math.prod(n for _, n in axes)) if axes else []
+    return [c for a, n in axes for c in calls(phase, (a,), "all_reduce", payload, n)]
 
 
 def tied(shape: ModelShape) -> bool:

@@ -77,7 +77,7 @@ def load_model(model: str | ModelShape) -> ModelShape:
     if os.path.isdir(model) or os.path.isfile(model):
         from shardzoo.models.config import read_json
 
-        data = read_json(model)
+        data, _ = read_json(model)
         model_type = data.get("model_type") if isinstance(data, dict) else None
         fams = [f for f in FAMILIES.values() if f.model_type == model_type]
         if not fams:

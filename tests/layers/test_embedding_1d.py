@@ -29,7 +29,7 @@ def check_embedding(case):
         kwargs, cls = {}, Embedding1D
     par = cls.from_serial(serial, mesh, **kwargs) if case["from_serial"] else cls(
         vocab, hidden, pad, mesh=mesh, dtype=dtype, **kwargs)
-    assert par.mesh is mesh and get_shard_spec(par.weight) is not None
+    assert par.mesh is mesh and get_shard_spec(par, "weight") is not None
     state = full_state_dict(par)
     assert state["weight"].shape == (vocab, hidden)
     assert torch.equal(state["weight"], serial.weight.detach()), "init differs from nn.Embedding's"
@@ -44,8 +44,8 @@ def check_embedding(case):
     y = par.gather_output(par(par.shard_input(ids)))
     y.backward(gy)
     assert_close(y, y_ref.detach(), "output", tp)
-    assert_close(gather_full(par.weight.grad, get_shard_spec(par.weight), mesh), serial.weight.grad, "weight grad", tp)
-    spec = get_shard_spec(par.weight)
+    assert_close(gather_full(par.weight.grad, get_shard_spec(par, "weight"), mesh), serial.weight.grad, "weight grad", tp)
+    spec = get_shard_spec(par, "weight")
     padding_rows = par.weight[spec.valid_local()[0].stop:]
     assert not padding_rows.any() and not par.weight.grad[spec.valid_local()[0].stop:].any()
     return tuple(y.shape)

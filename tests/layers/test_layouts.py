@@ -57,14 +57,14 @@ def check_state_matches(par, serial, what):
     for k, v in ref.items():
         assert torch.equal(state[k], v), f"{what}: initial {k} differs from serial"
     for n, p in par.named_parameters():
-        assert get_shard_spec(p) is not None, f"{what}: parameter {n} has no ShardSpec"
+        assert get_shard_spec(par, n) is not None, f"{what}: parameter {n} has no ShardSpec"
 
 
 def check_grads_match(par, serial, mesh, what, scale=SCALE):
     ref = dict(serial.named_parameters())
     for n, p in par.named_parameters():
         assert p.grad is not None, f"{what}: {n} got no gradient"
-        assert_close(gather_full(p.grad, get_shard_spec(p), mesh), ref[n].grad, f"{what} grad {n}", scale)
+        assert_close(gather_full(p.grad, get_shard_spec(par, n), mesh), ref[n].grad, f"{what} grad {n}", scale)
 
 
 def compare_module(par, serial, mesh, x_full, what, loss_weight_seed):

@@ -23,7 +23,7 @@ def _randn(seed, shape, dtype):
 
 def full_grads(module, mesh):
     """Every parameter's gradient gathered to its global (serial) shape, by parameter name."""
-    return {n: gather_full(p.grad, get_shard_spec(p), mesh) for n, p in module.named_parameters()}
+    return {n: gather_full(p.grad, get_shard_spec(module, n), mesh) for n, p in module.named_parameters()}
 
 
 def check_linear(case):
@@ -43,8 +43,8 @@ def check_linear(case):
     else:
         par = ParallelLinear1D(fin, fout, case["bias"], mesh=mesh, dtype=dtype, **kwargs)
     assert par.mesh is mesh
-    for p in par.parameters():
-        assert get_shard_spec(p) is not None
+    for n, _ in par.named_parameters():
+        assert get_shard_spec(par, n) is not None
     state = full_state_dict(par)
     assert state.keys() == serial.state_dict().keys()
     for k, v in serial.state_dict().items():

@@ -36,7 +36,7 @@ def check_norm(case):
         for p in serial.parameters():
             p.copy_(_randn(gen, p.shape, dtype))
     par = cls.from_serial(serial, mesh, sequence_parallel=case["sp"])
-    assert par.mesh is mesh and all(get_shard_spec(p) is not None for p in par.parameters())
+    assert par.mesh is mesh and all(get_shard_spec(par, n) is not None for n, _ in par.named_parameters())
     x = _randn(gen, (case["batch"], case["seq"], hidden), dtype).requires_grad_(True)
     gy = _randn(gen, x.shape, dtype)
     serial(x).backward(gy)
@@ -109,7 +109,7 @@ def check_mlp_training(case):
         for opt, lo in ((opt_serial, loss_ref), (opt_par, loss)):
             opt.zero_grad()
             lo.backward()
-        grads = {n: gather_full(p.grad, get_shard_spec(p), mesh) for n, p in par.named_parameters()}
+        grads = {n: gather_full(p.grad, get_shard_spec(par, n), mesh) for n, p in par.named_parameters()}
         for n, p in serial.named_parameters():
             assert_close(grads[n], p.grad, f"step {step} {n} grad", scale)
         opt_serial.step()

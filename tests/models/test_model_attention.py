@@ -79,7 +79,7 @@ def check_attention(layout, case):
     for name, p in attn.named_parameters():
         # each sp rank saw its own tokens: parameter gradients sum over sp, as over dp
         torch.distributed.all_reduce(p.grad, group=mesh.sp_group)
-        assert_close(gather_full(p.grad, get_shard_spec(p), mesh), grads[name], f"{layout} grad {name}", scale=5)
+        assert_close(gather_full(p.grad, get_shard_spec(attn, name), mesh), grads[name], f"{layout} grad {name}", scale=5)
     return tuple(y.shape)
 
 
@@ -153,7 +153,7 @@ def check_dropout_twin(layout, case):
         grads = {}
         for name, p in attn.named_parameters():
             torch.distributed.all_reduce(p.grad, group=mesh.sp_group)
-            grads[name] = gather_full(p.grad, get_shard_spec(p), mesh)
+            grads[name] = gather_full(p.grad, get_shard_spec(attn, name), mesh)
         results.append((y.detach() * mask[..., None], x_in.grad, grads))
     (y_ser, dx_ser, g_ser), (y_par, dx_par, g_par) = results
     assert_close(y_par, y_ser, f"{layout} output with dropout", scale=5)

@@ -80,8 +80,8 @@ def stage_allocation(layout):
     with LargestAllocation() as alloc:
         model = GPT2(config, mesh=mesh, stage=(mesh.pp_rank, mesh.pp_size), seed=0)
     storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
-    shard_bytes = sum(4 * torch.Size(get_shard_spec(p).local_shape).numel() for p in model.parameters())
-    full_bytes = sum(4 * torch.Size(get_shard_spec(p).global_shape).numel() for p in model.parameters())
+    shard_bytes = sum(4 * torch.Size(get_shard_spec(model, n).local_shape).numel() for n, _ in model.named_parameters())
+    full_bytes = sum(4 * torch.Size(get_shard_spec(model, n).global_shape).numel() for n, _ in model.named_parameters())
     # no full-size tensor ever existed: at most a piece, or a block of full rows the seeded init
     # draws (2d tp4: a full row is q=2 local rows wide)
     bound = max(max(p.numel(), ROWS_PER_DRAW * p[0].numel() * 2) for p in model.parameters())
@@ -147,6 +147,16 @@ def test_unimplemented_hf_options_are_refused(family, key, value):
     assert "use a checkpoint" in str(info.value)
     supported = cls.SUPPORTED[key][0]
     assert cls.from_json({key: supported}) is not None  # the supported value passes
+
+
+@pytest.mark.parametrize("family", ["BERT", "OPT"])
+def test_null_pad_token_id_means_no_padding_row(family):
+    from shardzoo import models
+
+    cls = getattr(models, f"{family}Config")
+    assert cls.from_json({"pad_token_id": None}).pad_token_id is None  # as transformers reads it
+    with pytest.raises(ValueError, match="field vocab_size must not be null"):
+        cls.from_json({"vocab_size": None})  # a size stays required
 
 
 # -- pipelined data parallelism through DDP -----------------------------------------------------

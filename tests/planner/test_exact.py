@@ -15,6 +15,7 @@ shared worker pools.
 
 from fractions import Fraction
 
+import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -100,14 +101,14 @@ def _spec(family, world, mode, tp, depth=1, sp=1, pp=1, micro=1, ckpt=False, sp_
                 steps=2, checkpointing=ckpt, sp_mode=sp_mode)
 
 
-@settings(max_examples=3)
+@settings(max_examples=3, derandomize=True)
 @given(specs(2))
 @example(_spec("gpt2", 2, "1d", 1, pp=2, micro=2))
 def test_exact_on_2_ranks(spec):
     check_exact(spec)
 
 
-@settings(max_examples=3)
+@settings(max_examples=3, derandomize=True)
 @given(specs(4))
 @example(_spec("gpt2", 4, "2d", 4, ckpt=True, dropout=0.1))
 @example(_spec("opt", 4, "1d", 2, sp=2, sp_mode="ulysses", ckpt=True))
@@ -115,10 +116,19 @@ def test_exact_on_4_ranks(spec):
     check_exact(spec)
 
 
-@settings(max_examples=3)
+@settings(max_examples=3, derandomize=True)
 @given(specs(8))
 @example(_spec("bert", 8, "3d", 8, ckpt=True))
 @example(_spec("vit", 8, "2.5d", 8, depth=2))
 @example(_spec("gpt2", 8, "2d", 4, pp=2, micro=2, ckpt=True))
 def test_exact_on_8_ranks(spec):
+    check_exact(spec)
+
+
+@pytest.mark.xfail(strict=True, reason="known gap: with activation checkpointing, OPT on 2d recomputes one more SUMMA "
+                   "product (fc2's forward, 1024 bytes here) than the planner's recompute model counts")
+def test_opt_2d_checkpointing_recompute():
+    spec = _spec("opt", 4, "2d", 4, ckpt=True)
+    spec["config"] = config_of("opt", 1, 33, 32, 0.0)
+    spec["batch"] = 2
     check_exact(spec)
