@@ -82,20 +82,22 @@ def step_loss(model, mesh, step: int, micro: int = 1) -> torch.Tensor:
 
 def train(layout: str, zero: int, dtype=torch.float32, steps: int = STEPS, clip: float | None = None,
           micro: int = 1, **options):
-    """(model, optimizer) after ``steps`` AdamW steps of ``layout`` under ``zero``."""
+    """(model, optimizer, clipping norms) after ``steps`` AdamW steps of ``layout`` under
+    ``zero`` (``clip``: by the global norm, which is recorded per step)."""
     import shardzoo
     from shardzoo.models.training import clip_grad_norm_
 
     mesh = mesh_of(layout)
     model = shardzoo.data_parallel(build(mesh, dtype), mesh, zero=zero, **options)
     opt = shardzoo.zero_optimizer(model, torch.optim.AdamW, lr=LR, eps=EPS)
+    norms = []
     for step in range(steps):
         opt.zero_grad()
         step_loss(model, mesh, step, micro)
         if clip is not None:
-            clip_grad_norm_(getattr(model, "module", model), clip, mesh)
+            norms.append(float(clip_grad_norm_(getattr(model, "module", model), clip, mesh)))
         opt.step()
-    return model, opt
+    return model, opt, norms
 
 
 def full_weights(model) -> dict[str, torch.Tensor] | None:
@@ -107,9 +109,127 @@ def full_weights(model) -> dict[str, torch.Tensor] | None:
 
 
 def trained_weights(layout: str, zeros: tuple[int, ...], dtype=torch.float32, **options) -> dict | None:
-    """{zero: full weights after training} for each stage in ``zeros`` (rank 0; others None)."""
+    """{zero: (full weights, clipping norms) after training} for each stage in ``zeros`` (rank
+    0; others None)."""
     out = {}
     for zero in zeros:
-        model, _ = train(layout, zero, dtype, **options)
-        out[zero] = full_weights(model)
+        model, _, norms = train(layout, zero, dtype, **options)
+        out[zero] = (full_weights(model), norms)
     return out if dist.get_rank() == 0 else None
+
+
+# -- optimizer state, checkpoints -------------------------------------------------------------
+def full_optimizer_state(model, opt) -> dict[str, torch.Tensor]:
+    """Every AdamW state tensor at full (serial) size, by "<param>/<key>" (collective). A
+    ZeroRedundancyOptimizer's state is summed over its group from the rank that owns it."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from shardzoo.layers.shard_spec import gather_full, get_shard_spec, unwrap_ddp
+    from shardzoo.parallel import info_of
+
+    inner, zero = unwrap_ddp(model), isinstance(opt, ZeroRedundancyOptimizer)
+    state = opt.optim.state if zero else opt.state
+    out = {}
+    for name, p in inner.named_parameters():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            t = state[p][key] if p in state else None
+            if zero:  # only the owner holds it
+                t = t.clone() if t is not None else torch.zeros(() if key == "step" else p.shape)
+                dist.all_reduce(t, group=info_of(model).group)
+            spec = get_shard_spec(inner, name) if key != "step" else None
+            out[f"{name}/{key}"] = gather_full(t, spec, inner.mesh)
+    return out
+
+
+def train_and_save(layout: str, zero: int, ckpt_dir: str):
+    """Train ``layout`` under ``zero``, save model + optimizer; (full weights, full optimizer
+    state) from rank 0."""
+    from shardzoo import checkpoint
+
+    model, opt, _ = train(layout, zero)
+    checkpoint.save(model, ckpt_dir, opt, config=CONFIG)
+    weights, state = full_weights(model), full_optimizer_state(model, opt)
+    return (weights, state) if dist.get_rank() == 0 else None
+
+
+def load_into(layout: str, zero: int, ckpt_dir: str):
+    """A fresh (other seed) model of ``layout`` under ``zero`` with a fresh AdamW (other lr),
+    loaded from ``ckpt_dir``; (full weights, full optimizer state, lr) from rank 0."""
+    import shardzoo
+    from shardzoo import checkpoint
+    from shardzoo.models import GPT2, GPT2Config
+
+    mesh = mesh_of(layout)
+    model = shardzoo.data_parallel(GPT2(GPT2Config(**CONFIG), mesh=mesh, seed=5), mesh, zero=zero)
+    opt = shardzoo.zero_optimizer(model, torch.optim.AdamW, lr=0.5)
+    opt.zero_grad()
+    step_loss(model, mesh, 9)
+    opt.step()  # the state exists (and is wrong) before the load
+    result = checkpoint.load(model, ckpt_dir, opt)
+    assert result == checkpoint.LoadResult([], []), result
+    weights, state = full_weights(model), full_optimizer_state(model, opt)
+    return (weights, state, opt.param_groups[0]["lr"]) if dist.get_rank() == 0 else None
+
+
+# -- gradient norms, accumulation, pipelines -----------------------------------------------------
+def serial_clipped(clip: float, dtype=torch.float32) -> tuple[dict, list[float]]:
+    """Serial weights after STEPS AdamW steps clipped by torch.nn.utils.clip_grad_norm_, and
+    the norms it returned (runs on one rank)."""
+    mesh = mesh_of("serial")
+    model = build(mesh, dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    norms = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        step_loss(model, mesh, step)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+    return {k: v.clone() for k, v in model.state_dict().items()}, norms
+
+
+def no_sync_leaves_grads_local(layout: str, zero: int) -> bool:
+    """After a backward inside ``no_sync`` nothing was reduced over dp: FSDP2 has produced no
+    sharded gradient yet, DDP's gradients still differ between the dp replicas."""
+    import shardzoo
+    from shardzoo.parallel import no_sync
+
+    mesh = mesh_of(layout)
+    model = shardzoo.data_parallel(build(mesh), mesh, zero=zero)
+    inner = getattr(model, "module", model)
+    ids, target = (dp_rows(t, mesh) for t in batch(0))
+    with no_sync(model):
+        inner.loss(model(inner.shard_input(ids)), inner.shard_target(target)).backward()
+    if zero >= 2:
+        return all(p.grad is None for p in model.parameters())
+    g = inner.transformer.wpe.weight.grad
+    replicas = [torch.empty_like(g) for _ in range(mesh.dp_size)]
+    dist.all_gather(replicas, g, group=mesh.dp_group)
+    return not torch.equal(replicas[0], replicas[1])
+
+
+def train_pipelined(layout: str, zero: int, clip: float):
+    """Pipeline stages (1F1B, 2 microbatches) each wrapped by data_parallel, clipped by the
+    global norm; ({name: full weight} of this stage, norms) from dp = tp = 0 ranks."""
+    import shardzoo
+    from shardzoo.models.pipeline import build_schedule, sync_tied_grads
+    from shardzoo.models.training import clip_grad_norm_
+
+    mesh = mesh_of(layout)
+    stage = build(mesh, stage=(mesh.pp_rank, mesh.pp_size))
+    stage = shardzoo.data_parallel(stage, mesh, zero=zero)
+    inner = getattr(stage, "module", stage)
+    opt = shardzoo.zero_optimizer(stage, torch.optim.AdamW, lr=LR, eps=EPS)
+    schedule = build_schedule([(mesh.pp_rank, stage)], mesh, n_microbatches=2, loss_fn=inner.loss)
+    norms = []
+    for step in range(STEPS):
+        ids, target = (dp_rows(t, mesh) for t in batch(step))
+        opt.zero_grad()
+        if inner.is_first:
+            schedule.step(inner.shard_input(ids))
+        else:
+            schedule.step(target=inner.shard_target(target))
+        sync_tied_grads([inner], mesh)
+        norms.append(float(clip_grad_norm_([inner], clip, mesh)))
+        opt.step()
+    weights = shardzoo.full_state_dict(stage)
+    return (weights, norms) if mesh.rank("dp", "tp") == 0 else None
