@@ -64,9 +64,9 @@ def run_layout(kwargs, args):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     captured = {}  # the first microbatch a stage sees in the warm-up step, for the busy time
 
-    def loss_fn(out, target):
+    def loss_fn(out, target, **loss_kwargs):  # num_targets: the step's count, from the schedule
         captured.setdefault("target", target)
-        return model.loss(out, target)
+        return model.loss(out, target, **loss_kwargs)
 
     def remember_input(module, call_args, call_kwargs):
         captured.setdefault("input", (call_args, call_kwargs))

@@ -106,19 +106,19 @@ def train(args, mesh, build, batches, units_per_batch: int, unit: str) -> list[f
                 call = (first.shard_input(inputs),) if first.is_first else ()
                 kwargs = dict(target=last.shard_target(targets), losses=mb) if last.is_last else {}
                 schedule.step(*call, **kwargs)
-                loss = torch.stack(mb).mean().float() if last.is_last else torch.zeros((), device=device)
+                # each microbatch's loss is its share of the step's global mean
+                loss = torch.stack(mb).sum().float() if last.is_last else torch.zeros((), device=device)
             else:
                 loss = first.loss(wrapped[0](first.shard_input(inputs)), first.shard_target(targets))
                 loss.backward()
         sync_tied_grads(models, mesh)
         norm = clip_grad_norm_(models, args.clip, mesh)
         opt.step()
-        value = loss.detach().float().clone()
-        dist.all_reduce(value, group=mesh.group("dp", "sp"))
+        value = loss.detach().float().clone()  # the global mean, the same on every rank of the last stage
         if schedule is not None:  # the last stage holds the loss: send it to rank 0's display
             dist.all_reduce(value, group=mesh.pp_group)
-        elapsed = time.perf_counter() - start  # after the loss reduction: the step is done on every rank
-        value = value.item() / mesh.size("dp", "sp")
+        value = value.item()
+        elapsed = time.perf_counter() - start  # after reading the loss: the step is done on this rank
         losses.append(value)
         if progress is not None:
             progress.update(step, value, norm.item(), units_per_batch / elapsed)

@@ -4,7 +4,7 @@ Entry points: ``ParallelMesh`` (process groups), ``launch`` (run on N local rank
 torchrun), ``shardzoo.comm`` (autograd collectives), ``shardzoo.layers`` (parallel layers and
 attention), ``full_state_dict`` (gather any parallel module to serial names and shapes),
 ``data_parallel`` / ``zero_optimizer`` (DDP and ZeRO 1-3 on the dp axis, ``shardzoo.parallel``),
-``shardzoo.testing`` (worker pools and parallel-vs-serial asserts).
+``shardzoo.testing`` (worker pools and parallel-vs-serial asserts), ``plan`` (the layout planner).
 """
 
 from shardzoo.comm import ParallelMesh, launch
@@ -12,4 +12,15 @@ from shardzoo.layers.shard_spec import ShardSpec, full_state_dict
 from shardzoo.parallel import data_parallel, zero_optimizer
 
 __version__ = "0.1.0"
-__all__ = ["ParallelMesh", "launch", "ShardSpec", "full_state_dict", "data_parallel", "zero_optimizer", "__version__"]
+__all__ = ["ParallelMesh", "launch", "ShardSpec", "full_state_dict", "data_parallel", "zero_optimizer", "plan",
+           "__version__"]
+
+
+def plan(*args, **kwargs):
+    """Every legal layout of a model on a world, priced and sorted (fitting by step time, then
+    the rest by peak memory): ``shardzoo.plan(model, world, device_memory_gib, global_batch, seq,
+    hardware="h100", nodes=None, devices_per_node=None, top=None, ...)``; see
+    :func:`shardzoo.planner.api.plan` and docs/planner.md."""
+    from shardzoo.planner.api import plan as _plan
+
+    return _plan(*args, **kwargs)

@@ -63,8 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--ranks", type=int, default=4, help="local processes, = tp x sp (default 4)")
     demo.set_defaults(func=_demo)
     from shardzoo.checkpoint.cli import add_convert_parser
+    from shardzoo.planner.cli import add_plan_parser
 
     add_convert_parser(sub)
+    add_plan_parser(sub)
     return parser
 
 

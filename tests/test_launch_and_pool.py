@@ -160,3 +160,46 @@ def test_short_function_timeout_does_not_cut_startup():
     """Spawning ranks takes seconds; a 0.5 s per-function timeout must only apply to functions."""
     with WorkerPool(2, timeout=0.5) as pool:
         assert [r[0] for r in pool.run(rank_info, 1)] == [0, 1]
+
+
+def test_torchrun_rank_exits_promptly_after_an_error(tmp_path):
+    """A rank started the torchrun way (init_from_env) that raises while its peer hangs exits at
+    once: the atexit teardown does not wait on the peer for the collective timeout (60 s here),
+    so the launcher sees the failure."""
+    import socket
+
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(
+        """
+        import sys, time
+        import torch.distributed as dist
+        from shardzoo.comm.launch import init_from_env
+
+        init_from_env("gloo", timeout=60)
+        dist.barrier()
+        if dist.get_rank() == 1:
+            time.sleep(300)  # a hung peer
+        sys.stdout.write("RAISING\\n")
+        sys.stdout.flush()
+        raise RuntimeError("rank 0 fails")
+        """))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    try:
+        line = procs[0].stdout.readline()
+        assert line == "RAISING\n", line + procs[0].stderr.read()[-2000:]
+        start = time.monotonic()
+        code = procs[0].wait(timeout=50)
+        assert time.monotonic() - start < 20 and code != 0
+        assert "rank 0 fails" in procs[0].stderr.read()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

@@ -183,3 +183,25 @@ def test_close_destroys_the_mesh_groups():
     assert built > before, "building a mesh creates gloo groups"
     assert after == before, f"close() left {after - before} of the mesh's {built - before} gloo groups running"
     assert total == 8.0
+
+
+def _bad_timeouts():
+    import datetime
+
+    messages = []
+    for timeout in (-1, 0, 0.0, datetime.timedelta(0), datetime.timedelta(seconds=-5)):
+        try:
+            ParallelMesh(tp=2, timeout=timeout)
+        except ValueError as e:
+            messages.append(str(e))
+    mesh = ParallelMesh(tp=2, timeout=30)  # nothing was left half-made: a valid mesh still works
+    total = torch.ones(1)
+    dist.all_reduce(total, group=mesh.tp_group)
+    mesh.close()
+    return messages, float(total)
+
+
+def test_non_positive_timeout_refused_before_any_group():
+    for messages, total in run_on_ranks(_bad_timeouts, 2, timeout=120):
+        assert len(messages) == 5 and all("the collective timeout must be positive" in m for m in messages), messages
+        assert total == 2.0

@@ -2,9 +2,9 @@
 
     from shardzoo import checkpoint
 
-    checkpoint.save(model, "ckpt/step-1000", optimizer, config=config)   # every rank
-    checkpoint.load(model, "ckpt/step-1000", optimizer)                  # any mesh / world size
-    checkpoint.export_plain("ckpt/step-1000", "hf-out")                  # one process
+    checkpoint.save(model, "ckpt/step-1000", optimizer)   # every rank; records model.config
+    checkpoint.load(model, "ckpt/step-1000", optimizer)   # any mesh / world size
+    checkpoint.export_plain("ckpt/step-1000", "hf-out")   # one process
 
 The format, the writer rule, atomicity and verification are described in docs/checkpoint.md.
 """

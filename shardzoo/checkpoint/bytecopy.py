@@ -19,8 +19,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from shardzoo.checkpoint.errors import CheckpointError
-from shardzoo.checkpoint.reading import piece_range
-from shardzoo.checkpoint.safetensors_io import dtype_from_name, nbytes, read_header
+from shardzoo.checkpoint.paths import show
+from shardzoo.checkpoint.reading import crc_error, keys_by_file, piece_range, shard_header, shard_path
+from shardzoo.checkpoint.safetensors_io import dtype_from_name, nbytes
+from shardzoo.checkpoint.st_header import entries
 
 _FIX = "Restore the file from the original save or re-save the checkpoint"
 
@@ -65,21 +67,28 @@ class Shards:
     """The checkpoint's shard files, memory-mapped once; pieces located and checked against
     the index, crc32 verified on a worker thread."""
 
-    def __init__(self, ckpt_dir: str):
-        self.ckpt_dir = ckpt_dir
+    def __init__(self, ckpt_dir: str, index: dict):
+        self.ckpt_dir, self.listed = ckpt_dir, keys_by_file(index)
         self._open: dict[str, tuple[int, mmap.mmap, dict, int]] = {}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardzoo-crc32")
         self._checks: list[Future] = []
 
     def _file(self, file: str):
         if file not in self._open:
-            path = os.path.join(self.ckpt_dir, file)
-            header, data_start = read_header(path)
-            fd = os.open(path, os.O_RDONLY)
+            path, header, data_start = shard_header(self.ckpt_dir, file, self.listed[file])
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError as e:
+                raise CheckpointError(f"{path}: cannot open it ({e.strerror}). {_FIX}") from None
             try:  # copy-on-write: a writable buffer for torch.frombuffer, pages shared with the cache
                 mm = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
-            except BaseException:
+                if len(mm) != data_start + sum(e["data_offsets"][1] - e["data_offsets"][0] for e in entries(header).values()):
+                    raise CheckpointError(f"{path} changed size after its header was checked; another program is "
+                                          f"writing it. {_FIX}")
+            except BaseException as e:
                 os.close(fd)
+                if isinstance(e, OSError):
+                    raise CheckpointError(f"{path}: cannot map it into memory ({e.strerror}). {_FIX}") from None
                 raise
             self._open[file] = (fd, mm, header, data_start)
         return self._open[file]
@@ -88,7 +97,7 @@ class Shards:
         """(fd, mmap, absolute start) of ``piece``'s bytes, after checking its header entry
         against the index; queues its crc32 check."""
         fd, mm, header, data_start = self._file(piece["file"])
-        path = os.path.join(self.ckpt_dir, piece["file"])
+        path = shard_path(self.ckpt_dir, piece["file"])
         start, _ = piece_range(path, name, dtype, piece, header)
         begin = data_start + start
         self._checks.append(self._pool.submit(self._check, path, name, piece, mm, begin))
@@ -99,8 +108,7 @@ class Shards:
         with memoryview(mm) as view:
             crc = zlib.crc32(view[begin:begin + piece["bytes"]])
         if crc != piece["crc32"]:
-            raise CheckpointError(f"{path}: piece {piece['key']!r} of tensor {name!r} fails its crc32 check (index "
-                                  f"{piece['crc32']:08x}, file {crc:08x}): the file is corrupted. {_FIX}")
+            raise crc_error(path, name, piece, crc)
 
     def wait_checks(self) -> None:
         """Raise the first failed crc32 check of the pieces located so far."""
@@ -202,5 +210,5 @@ def check_covered(name: str, entry: dict) -> None:
         total *= s
     got = sum(nbytes(p["shape"], torch.uint8) for p in entry["pieces"])
     if got != total:
-        raise CheckpointError(f"the saved pieces of {name!r} hold {got} of its {total} elements; the index is "
+        raise CheckpointError(f"the saved pieces of {show(name)} hold {got} of its {total} elements; the index is "
                               f"inconsistent. Re-save the checkpoint")

@@ -19,9 +19,18 @@ def parse_size(text: str) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from shardzoo.checkpoint import CheckpointError, export_plain
+    from shardzoo.checkpoint import CheckpointError, export_plain, read_index
+    from shardzoo.checkpoint.exporting import has_hf_names
 
     try:
+        if args.names == "hf" and not has_hf_names(read_index(args.ckpt)):
+            print(f"shardzoo convert: {args.ckpt} was saved without the config of a shardzoo model family (GPT-2, BERT, "
+                  f"ViT, OPT), so its tensors have no Hugging Face names and there is no config.json that transformers "
+                  f"could load; nothing was written. Save the model with checkpoint.save(model, dir) from a shardzoo "
+                  f"family model (it records model.config) or pass config=<the family's config>, then convert again; "
+                  f"or export the saved names and config as they are with --names shardzoo (not a Hugging Face model "
+                  f"directory)")
+            return 1
         written = export_plain(args.ckpt, args.out, max_shard_bytes=args.max_shard_size, names=args.names,
                                progress=not args.no_progress)
     except CheckpointError as e:
@@ -46,8 +55,9 @@ def add_convert_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--max-shard-size", type=parse_size, default=DEFAULT_MAX_SHARD_BYTES,
                         help="largest output file before splitting, e.g. 5GB (default), 500MB, 2GiB")
     parser.add_argument("--names", choices=("hf", "shardzoo"), default="hf",
-                        help="hf (default): Hugging Face names, layouts and config.json for shardzoo's model families "
-                             "(other checkpoints keep their names); shardzoo: the saved names and config unchanged")
+                        help="hf (default): Hugging Face names, layouts and config.json; only for checkpoints of "
+                             "shardzoo's model families (others exit with status 1 and write nothing); shardzoo: the "
+                             "saved names and config unchanged, for any checkpoint (not a Hugging Face directory)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=_convert)
     return parser

@@ -18,84 +18,34 @@ on meta tensors). Each output tensor is written at its known position in its fil
 
 Every piece's crc32 is checked on a worker thread over the memory-mapped shard bytes while the
 main thread copies; another thread starts the writeback of each 64 MiB written, so the closing
-fsync waits for little. An output file is written as ``<name>.partial``, and is fsynced and renamed
-into place only once all of its bytes are written and every piece read so far passed its
-check; on any error the partial file is removed. Memory: about one global tensor (plus what
-the mapping makes of it) on the decoding path, nothing on the copying path.
+fsync waits for little. Every output file is written as ``<name>.partial`` and fsynced; only when
+all of them are written and every piece passed its check are they renamed into place, config.json
+last (export_files.py), so a failed export leaves the previous output as it was and a killed one
+never leaves a directory that looks complete. Memory: about one global tensor (plus what the
+mapping makes of it) on the decoding path, nothing on the copying path.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import os
-import struct
 import sys
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
 
 from shardzoo.checkpoint.bytecopy import Shards, assemble, check_covered, copy_tensor, pwritev_all
 from shardzoo.checkpoint.errors import CheckpointError
-from shardzoo.checkpoint.index import read_index
-from shardzoo.checkpoint.reading import entries_of, verify
-from shardzoo.checkpoint.safetensors_io import ST_DTYPES, dtype_from_name, dtype_name, nbytes, tensor_bytes
+from shardzoo.checkpoint.export_files import (CONFIG_FILE, INDEX_FILE, Out, OutFile, layout_files, make_dir, publish,
+                                              remove_partial, write_hf_index, write_json)
+from shardzoo.checkpoint.index import INDEX_NAME, read_index
+from shardzoo.checkpoint.reading import entries_of, keys_by_file, shard_header, verify
+from shardzoo.checkpoint.safetensors_io import ST_DTYPES, dtype_from_name, dtype_name, nbytes, tensor_bytes, write_error
 
 Rename = Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]]
 DEFAULT_MAX_SHARD_BYTES = 5_000_000_000  # Hugging Face's default shard size ("5GB")
 NAMES = ("hf", "shardzoo")
-_FLUSH_BYTES = 64 << 20  # output written between writeback starts
-
-
-@dataclass
-class _Out:
-    """One output tensor: its name, dtype, shape, and whether the mapping passed the source
-    tensor through unchanged (then its bytes are the source's bytes)."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    same: bool
-    file_no: int = -1
-    start: int = 0  # absolute byte offset in its output file
-
-
-@dataclass
-class _OutFile:
-    path: str  # final path; data goes to path + ".partial" first
-    outs: list[_Out]
-    header: bytes
-    size: int
-    fd: int = -1
-    left: int = 0  # tensors still to write
-    flushed: int = 0  # bytes before this have been handed to writeback
-    flushing: list[Future] = field(default_factory=list)  # those writeback starts
-
-    def written_up_to(self, end: int, pool: ThreadPoolExecutor) -> None:
-        """Every byte before ``end`` is written: start writing the last ``_FLUSH_BYTES`` or more
-        to disk now, on ``pool``'s thread, so the closing fsync overlaps with the copying and
-        waits for less. On Linux, POSIX_FADV_DONTNEED starts writeback of dirty pages (it
-        drops only clean ones, and these are not)."""
-        if end - self.flushed >= _FLUSH_BYTES and hasattr(os, "posix_fadvise"):
-            self.flushing.append(pool.submit(os.posix_fadvise, self.fd, self.flushed, end - self.flushed,
-                                             os.POSIX_FADV_DONTNEED))
-            self.flushed = end
-
-    def close(self, sync: bool) -> None:
-        """Wait for the writeback starts, fsync when ``sync`` (errors of either are raised), close."""
-        if self.fd < 0:
-            return
-        try:
-            for f in self.flushing:
-                f.result()
-            if sync:
-                os.fsync(self.fd)
-        finally:
-            self.flushing = []
-            os.close(self.fd)
-            self.fd = -1
 
 
 def _mapping(index: dict, names: str, rename: Rename | None) -> tuple[Rename | None, dict | None]:
@@ -116,7 +66,13 @@ def _mapping(index: dict, names: str, rename: Rename | None) -> tuple[Rename | N
     return rename or functools.partial(family.code.shardzoo_to_hf, config=typed), family.hf_config(typed)
 
 
-def _plan(index: dict, rename: Rename | None) -> list[tuple[str, list[_Out]]]:
+def has_hf_names(index: dict) -> bool:
+    """Whether ``names="hf"`` gives checkpoint ``index`` Hugging Face names and a Hugging Face
+    config.json (it was saved with the config of a shardzoo model family)."""
+    return _mapping(index, "hf", None)[0] is not None
+
+
+def _plan(index: dict, rename: Rename | None) -> list[tuple[str, list[Out]]]:
     """Per source tensor, the outputs it maps to: ``rename`` run on meta tensors, so the output
     headers are known before any data is read."""
     plan, seen = [], {}
@@ -135,41 +91,9 @@ def _plan(index: dict, rename: Rename | None) -> list[tuple[str, list[_Out]]]:
                 raise CheckpointError(f"tensor {out_name!r} has dtype {t.dtype}, which safetensors cannot store; "
                                       f"cast it to one of {', '.join(dtype_name(d) for d in ST_DTYPES)}")
             seen[out_name] = name
-            row.append(_Out(out_name, t.dtype, tuple(t.shape), same=t is meta))
+            row.append(Out(out_name, t.dtype, tuple(t.shape), same=t is meta))
         plan.append((name, row))
     return plan
-
-
-def _layout_files(plan, max_shard_bytes: int, out_dir: str) -> list[_OutFile]:
-    """Output tensors grouped into files of at most ``max_shard_bytes`` (a bigger tensor gets its
-    own), each with its header and every tensor's position."""
-    groups, current, size = [], [], 0
-    for _, row in plan:
-        for out in row:
-            n = nbytes(out.shape, out.dtype)
-            if current and size + n > max_shard_bytes:
-                groups.append(current)
-                current, size = [], 0
-            current.append(out)
-            size += n
-    groups.append(current)
-    many = len(groups) > 1
-    files = []
-    for i, outs in enumerate(groups):
-        header, offset = {"__metadata__": {"format": "pt"}}, 0
-        for out in outs:
-            n = nbytes(out.shape, out.dtype)
-            header[out.name] = {"dtype": ST_DTYPES[out.dtype], "shape": list(out.shape), "data_offsets": [offset, offset + n]}
-            out.file_no, out.start = i, offset
-            offset += n
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # keep the data section 8-byte aligned
-        raw = struct.pack("<Q", len(raw)) + raw
-        for out in outs:
-            out.start += len(raw)
-        name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" if many else "model.safetensors"
-        files.append(_OutFile(os.path.join(out_dir, name), outs, raw, len(raw) + offset, left=len(outs)))
-    return files
 
 
 class _Progress:
@@ -197,12 +121,6 @@ class _Progress:
             self._bar.close()
 
 
-def _write_json(path: str, data: dict) -> None:
-    with open(path + ".partial", "w") as f:
-        json.dump(data, f, indent=2)
-    os.replace(path + ".partial", path)
-
-
 def export_plain(ckpt_dir: str, out_dir: str, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, names: str = "hf",
                  rename: Rename | None = None, progress: bool = True) -> list[str]:
     """Write the model tensors of checkpoint ``ckpt_dir`` as plain safetensors into ``out_dir``.
@@ -228,35 +146,57 @@ def export_plain(ckpt_dir: str, out_dir: str, *, max_shard_bytes: int = DEFAULT_
         The paths written.
     """
     index = read_index(ckpt_dir)
-    hook, config_json = _mapping(index, names, rename)
+    try:
+        hook, config_json = _mapping(index, names, rename)
+    except CheckpointError as e:  # the saved config does not make a valid family config
+        raise CheckpointError(f"{os.path.join(ckpt_dir, INDEX_NAME)}, config: {e}") from None
     entries = entries_of(index, ("model",))
     verify(ckpt_dir, index, entries, 0, 1, checksums=False)  # sizes now; headers and crc32 as pieces are read
+    for file, listed in keys_by_file(index).items():  # every listed file holds exactly the pieces placed there
+        shard_header(ckpt_dir, file, listed)
     plan = _plan(index, hook)
-    os.makedirs(out_dir, exist_ok=True)
-    files = _layout_files(plan, max_shard_bytes, out_dir)
-    shards = Shards(ckpt_dir)
+    make_dir(out_dir)
+    files = layout_files(plan, max_shard_bytes, out_dir)
+    index_path = os.path.join(out_dir, INDEX_FILE) if len(files) > 1 else None
+    config_path = os.path.join(out_dir, CONFIG_FILE) if config_json is not None else None
+    written = [f.path for f in files] + [p for p in (index_path, config_path) if p is not None]  # config.json last
+    try:
+        _write_weights(ckpt_dir, index, plan, files, hook, progress)
+        if index_path is not None:
+            write_hf_index(files, index_path)
+        if config_path is not None:
+            write_json(config_path, config_json)
+        publish(out_dir, written)
+    except BaseException:
+        for path in written:
+            remove_partial(path)
+        raise
+    return written
+
+
+def _write_weights(ckpt_dir: str, index: dict, plan, files: list[OutFile], hook, progress: bool) -> None:
+    """Write every output tensor into its file (module docstring); each file is renamed into
+    place when complete, and on any error the unfinished ones are removed."""
+    shards = Shards(ckpt_dir, index)
     flusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardzoo-writeback")
     bar = _Progress(len(plan), progress)
-    current: list[_OutFile] = []
+    current: list[OutFile] = []
 
-    def output(out: _Out) -> _OutFile:
+    def output(out: Out) -> OutFile:
         return opened(files[out.file_no])
 
-    def opened(f: _OutFile) -> _OutFile:
+    def opened(f: OutFile) -> OutFile:
         if f.fd < 0:
-            f.fd = os.open(f.path + ".partial", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             current.append(f)
-            pwritev_all(f.fd, [memoryview(f.header)], 0)
+            f.open()
         return f
 
-    def finish(f: _OutFile) -> None:
+    def finish(f: OutFile) -> None:
         shards.wait_checks()  # every piece copied into it so far passed its crc32 check
-        if os.fstat(f.fd).st_size != f.size:
-            raise CheckpointError(f"{f.path}: wrote {os.fstat(f.fd).st_size} of {f.size} bytes")
-        f.close(sync=True)  # the bytes are on disk before the name says the file is complete
-        os.replace(f.path + ".partial", f.path)
+        f.finish()
         current.remove(f)
 
+    name = None
     try:
         for name, row in plan:
             entry = index["tensors"][name]
@@ -280,25 +220,11 @@ def export_plain(ckpt_dir: str, out_dir: str, *, max_shard_bytes: int = DEFAULT_
             bar.step(name)
         if not files[0].outs:  # a model without tensors: still a valid (empty) file
             finish(opened(files[0]))
-    except BaseException:
-        for f in current:
-            f.close(sync=False)
-            if os.path.exists(f.path + ".partial"):
-                os.unlink(f.path + ".partial")
-        raise
+    except OSError as e:  # a write or copy into an output file (ENOSPC, EIO, ...)
+        raise write_error(" / ".join(f.path + ".partial" for f in current) or os.path.dirname(files[0].path), e) from None
     finally:
+        for f in list(current):
+            f.discard()
         bar.close()
         shards.close()
         flusher.shutdown(wait=True)
-    written = [f.path for f in files]
-    if len(files) > 1:
-        path = os.path.join(out_dir, "model.safetensors.index.json")
-        weight_map = {out.name: os.path.basename(f.path) for f in files for out in f.outs}
-        total = sum(f.size - len(f.header) for f in files)
-        _write_json(path, {"metadata": {"total_size": total}, "weight_map": weight_map})
-        written.append(path)
-    if config_json is not None:
-        path = os.path.join(out_dir, "config.json")
-        _write_json(path, config_json)
-        written.append(path)
-    return written

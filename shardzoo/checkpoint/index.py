@@ -24,6 +24,10 @@ import json
 import os
 
 from shardzoo.checkpoint.errors import CheckpointError
+from shardzoo.checkpoint.index_schema import check_index
+from shardzoo.checkpoint.jsontypes import load_json_file
+from shardzoo.checkpoint.paths import resolve_in
+from shardzoo.checkpoint.safetensors_io import write_all, write_error
 
 FORMAT = "shardzoo-checkpoint"
 VERSION = 1
@@ -42,6 +46,17 @@ def mesh_layout(mesh, world_size: int) -> dict:
             "tp_mode": mesh.tp_mode, "tp_depth": mesh.tp_depth}
 
 
+def own_config(model) -> object | None:
+    """``model.config`` (or, under a DDP-style wrapper, ``model.module.config``) when it is a
+    config that can be stored: a dataclass instance (shardzoo's families) or an object with
+    ``to_dict`` (a transformers config); else None."""
+    for holder in (model, getattr(model, "module", None)):
+        config = getattr(holder, "config", None)
+        if (dataclasses.is_dataclass(config) and not isinstance(config, type)) or hasattr(config, "to_dict"):
+            return config
+    return None
+
+
 def config_to_json(config) -> tuple[dict | None, str | None]:
     """(config as a JSON dict, its class path); accepts None, a dict or a dataclass instance."""
     if config is None:
@@ -58,39 +73,46 @@ def config_to_json(config) -> tuple[dict | None, str | None]:
         raise CheckpointError(f"config must be a dict or a dataclass instance; got {type(config).__name__}. "
                               f"Pass dataclasses.asdict(...) or a plain dict")
     try:
-        json.dumps(data)
-    except TypeError as e:
-        raise CheckpointError(f"config is not JSON-serialisable ({e}); keep to numbers, strings, lists and dicts") from None
+        json.dumps(data, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"config is not JSON-serialisable ({e}); keep to finite numbers, strings, lists and "
+                              f"dicts") from None
     return data, name
 
 
 def read_index(ckpt_dir: str) -> dict:
-    """The parsed index of ``ckpt_dir``, with errors that say what is wrong and what to do."""
-    path = os.path.join(ckpt_dir, INDEX_NAME)
+    """The parsed and checked index of ``ckpt_dir`` (every field's type and range, the pieces
+    against each other: index_schema.py), with errors that name the file, the field and the rule."""
     if not os.path.isdir(ckpt_dir):
-        parent, base = os.path.split(os.path.abspath(ckpt_dir))
-        aside = [n for n in os.listdir(parent) if n.startswith(base + ".old-")] if os.path.isdir(parent) else []
-        hint = (f"; a save was interrupted while swapping directories and the previous checkpoint is at "
-                f"{os.path.join(parent, aside[0])}: rename it to {ckpt_dir}") if aside else ""
-        raise CheckpointError(f"checkpoint directory {ckpt_dir} does not exist{hint}")
+        raise CheckpointError(f"checkpoint directory {ckpt_dir} does not exist{_aside_hint(ckpt_dir)}")
+    path = resolve_in(ckpt_dir, INDEX_NAME, source=f"checkpoint {ckpt_dir}")
     if not os.path.isfile(path):
         raise CheckpointError(f"{ckpt_dir} has no {INDEX_NAME}, so it is not a complete shardzoo checkpoint "
                               f"(a save that did not finish never writes one); point at a finished checkpoint")
-    try:
-        with open(path) as f:
-            index = json.load(f)
-    except ValueError as e:
-        raise CheckpointError(f"{path} is not valid JSON ({e}); the index is corrupted, restore it from a backup") from None
-    if index.get("format") != FORMAT:
-        raise CheckpointError(f"{path} has format {index.get('format')!r}, not {FORMAT!r}; it is not a shardzoo checkpoint")
-    if index.get("version", 0) > VERSION:
-        raise CheckpointError(f"{path} is format version {index['version']}; this shardzoo reads up to {VERSION}. Upgrade shardzoo")
-    return index
+    return check_index(load_json_file(path), path, ckpt_dir, FORMAT, VERSION)
+
+
+def _aside_hint(ckpt_dir: str) -> str:
+    """Where the previous checkpoint is when a save was interrupted with ``ckpt_dir`` moved aside."""
+    parent, base = os.path.split(os.path.abspath(ckpt_dir))
+    aside = [n for n in os.listdir(parent) if n.startswith(base + ".old-")] if os.path.isdir(parent) else []
+    if not aside:
+        return ""
+    return (f"; a save was interrupted while swapping directories and the previous checkpoint is at "
+            f"{os.path.join(parent, aside[0])}: rename it to {ckpt_dir}, or save again (which restores it first)")
 
 
 def write_json_durably(path: str, data: dict) -> None:
-    """Write ``data`` to ``path`` and fsync it."""
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+    """Write ``data`` to the new file ``path`` (never through a symlink) and fsync it."""
+    raw = json.dumps(data, indent=1, allow_nan=False).encode()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        raise write_error(path, e) from None
+    try:
+        write_all(fd, raw, path)
+        os.fsync(fd)
+    except OSError as e:
+        raise write_error(path, e) from None
+    finally:
+        os.close(fd)

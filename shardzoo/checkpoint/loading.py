@@ -110,7 +110,7 @@ def load(model: nn.Module, ckpt_dir: str, optimizer=None, *, strict: bool = True
 
     error = None
     try:
-        with PieceReader(ckpt_dir) as reader:
+        with PieceReader(ckpt_dir, index) as reader:
             for lt in local:
                 if lt.name in index["tensors"]:
                     reader.fill(lt, index["tensors"][lt.name])

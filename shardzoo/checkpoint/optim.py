@@ -14,6 +14,8 @@ owns. The class recorded is the inner optimizer's, so checkpoints move between Z
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -70,8 +72,12 @@ def _json_value(v):
         return v.item()
     if isinstance(v, tuple):
         return [_json_value(x) for x in v]
-    if v is None or isinstance(v, (bool, int, float, str, list)):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None  # JSON has no NaN / infinity
+    if v is None or isinstance(v, (bool, int, float, str)):
         return v
+    if isinstance(v, list):
+        return [_json_value(x) for x in v]
     return None  # not representable; the current optimizer's value is kept on load
 
 
@@ -117,6 +123,18 @@ def merge_metas(metas: list[dict]) -> dict:
     return merged
 
 
+def _same_kind(current, saved) -> bool:
+    """Whether a saved option value (JSON) may replace the optimizer's ``current`` one."""
+    number = (int, float, torch.Tensor)
+    if isinstance(current, bool) or isinstance(saved, bool):
+        return isinstance(current, bool) and isinstance(saved, bool)
+    if isinstance(current, number) or current is None:
+        return isinstance(saved, (int, float)) if current is not None else True
+    if isinstance(current, (tuple, list)):
+        return isinstance(saved, list) and len(saved) == len(current) and all(_same_kind(c, x) for c, x in zip(current, saved))
+    return isinstance(saved, type(current))
+
+
 def load_optimizer(model: nn.Module, optimizer, saved: dict, model_tensors: list[LocalTensor], read) -> None:
     """Fill ``optimizer`` from the checkpoint's optimizer section.
 
@@ -149,6 +167,10 @@ def load_optimizer(model: nn.Module, optimizer, saved: dict, model_tensors: list
         options = {k: v for k, v in group.items() if k != "params"}
         for k, v in saved_group["options"].items():
             if k in options and v is not None:
+                if not _same_kind(options[k], v):
+                    raise CheckpointError(f"checkpoint index, optimizer.param_groups[{g}].options[{k!r}] is "
+                                          f"{type(v).__name__}, but the optimizer's {k} is {type(options[k]).__name__}; "
+                                          f"the index was edited or was saved from another optimizer")
                 options[k] = tuple(v) if isinstance(options[k], tuple) else v
         groups.append({**options, "params": list(range(index, index + len(names)))})
         for name in names:

@@ -18,6 +18,7 @@ import zlib
 import torch
 
 from shardzoo.checkpoint.errors import CheckpointError
+from shardzoo.checkpoint.st_header import read_header  # noqa: F401  (the reader lives there; imported from here too)
 
 ST_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -35,11 +36,35 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+DTYPE_NAMES = {str(d).removeprefix("torch."): d for d in ST_DTYPES}  # the dtypes index.json may name
+
+
 def dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise CheckpointError(f"unknown dtype {name!r} in the checkpoint index; it was written by a newer torch or is corrupted")
+    """``"float32"`` -> ``torch.float32``, for the dtypes safetensors stores."""
+    dtype = DTYPE_NAMES.get(name) if isinstance(name, str) else None
+    if dtype is None:
+        raise CheckpointError(f"unknown dtype in the checkpoint index (known: {', '.join(DTYPE_NAMES)}); it was written "
+                              f"by a newer shardzoo or is corrupted")
     return dtype
+
+
+def write_all(fd: int, data, path: str, offset: int | None = None) -> None:
+    """Write all of ``data`` to ``fd`` (at ``offset``, else at the current position); a failed
+    write (full disk, I/O error) becomes a CheckpointError naming ``path``."""
+    view = memoryview(data).cast("B")
+    try:
+        while view.nbytes:
+            done = os.write(fd, view) if offset is None else os.pwrite(fd, view, offset)
+            view = view[done:]
+            offset = None if offset is None else offset + done
+    except OSError as e:
+        raise write_error(path, e) from None
+
+
+def write_error(path: str, e: OSError) -> CheckpointError:
+    """The CheckpointError for a failed write or fsync of ``path``."""
+    return CheckpointError(f"{path}: writing failed ({e.strerror or type(e).__name__}). Free space or fix the file "
+                           f"system, then run it again")
 
 
 def nbytes(shape, dtype: torch.dtype) -> int:
@@ -88,8 +113,15 @@ class SafetensorsWriter:
         self.data_start = 8 + len(raw)
         self.total_bytes = self.data_start + offset
         self._next = 0
-        self._file = open(path, "wb")
-        self._file.write(struct.pack("<Q", len(raw)) + raw)
+        try:
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            raise write_error(path, e) from None
+        try:
+            write_all(self._fd, struct.pack("<Q", len(raw)) + raw, path)
+        except BaseException:
+            self.abort()
+            raise
 
     def write(self, key: str, t: torch.Tensor) -> tuple[int, int]:
         """Append the data of entry ``key`` (the next one in order); returns (bytes, crc32)."""
@@ -97,51 +129,42 @@ class SafetensorsWriter:
         data = tensor_bytes(t)
         if key != want_key or data.nbytes != want_size:
             raise RuntimeError(f"{self.path}: got {key!r} ({data.nbytes} bytes), expected {want_key!r} ({want_size} bytes)")
-        self._file.write(data)
+        write_all(self._fd, data, self.path)
         self._next += 1
         return data.nbytes, zlib.crc32(data)
 
     def close(self, fsync: bool = True) -> None:
         """Flush, fsync (so the bytes survive a crash once the index names them) and close."""
-        if self._next != len(self._expected):
-            self._file.close()
-            raise RuntimeError(f"{self.path}: closed after {self._next} of {len(self._expected)} tensors")
-        self._file.flush()
-        if fsync:
-            os.fsync(self._file.fileno())
-        self._file.close()
+        try:
+            if self._next != len(self._expected):
+                raise RuntimeError(f"{self.path}: closed after {self._next} of {len(self._expected)} tensors")
+            if fsync:
+                os.fsync(self._fd)
+        except OSError as e:
+            raise write_error(self.path, e) from None
+        finally:
+            self.abort()
 
     def abort(self) -> None:
-        self._file.close()
-
-
-def read_header(path: str) -> tuple[dict, int]:
-    """The JSON header of a safetensors file and the offset of its data section."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise CheckpointError(f"{path} is {size} bytes, too short to be a safetensors file")
-        n = struct.unpack("<Q", raw)[0]
-        if 8 + n > size:
-            raise CheckpointError(f"{path}: header length {n} runs past the end of the {size}-byte file")
-        try:
-            header = json.loads(f.read(n))
-        except ValueError as e:
-            raise CheckpointError(f"{path}: the safetensors header is not valid JSON ({e})") from None
-    return header, 8 + n
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 def crc32_of_range(path: str, start: int, end: int) -> int:
     """crc32 of bytes ``[start, end)`` of ``path``, read in chunks (bounded memory)."""
     crc = 0
-    with open(path, "rb") as f:
-        f.seek(start)
-        left = end - start
-        while left > 0:
-            chunk = f.read(min(_CHUNK, left))
-            if not chunk:
-                raise CheckpointError(f"{path} ends at byte {end - left}, before byte {end}")
-            crc = zlib.crc32(chunk, crc)
-            left -= len(chunk)
+    try:
+        with open(path, "rb") as f:
+            f.seek(start)
+            left = end - start
+            while left > 0:
+                chunk = f.read(min(_CHUNK, left))
+                if not chunk:
+                    raise CheckpointError(f"{path} ends at byte {end - left}, before byte {end}; it was truncated while "
+                                          f"it was read")
+                crc = zlib.crc32(chunk, crc)
+                left -= len(chunk)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read it ({e.strerror or type(e).__name__})") from None
     return crc

@@ -1,7 +1,8 @@
 """``save``: every rank writes the pieces it owns; rank 0 writes the index and swaps it in.
 
 Steps (each one agreed by all ranks, so a failure anywhere raises everywhere):
-1. rank 0 checks the target, removes leftovers of earlier saves, creates ``<dir>.tmp-<token>``;
+1. rank 0 checks the target, creates and locks ``<dir>.tmp-<token>`` (refused while another save
+   into ``<dir>`` runs), restores or removes what earlier saves left (atomic.py);
 2. every rank offers the valid boxes the writer rule gives it; one all-gather, and every rank
    computes the same plan (each distinct piece to the lowest rank offering it);
 3. each writing rank streams its pieces into ``shard-<rank>.safetensors`` and fsyncs it;
@@ -19,7 +20,8 @@ from torch import nn
 
 from shardzoo.checkpoint import atomic
 from shardzoo.checkpoint.errors import CheckpointError
-from shardzoo.checkpoint.index import FORMAT, INDEX_NAME, VERSION, config_to_json, mesh_layout, shard_file_name, write_json_durably
+from shardzoo.checkpoint.index import (FORMAT, INDEX_NAME, VERSION, config_to_json, mesh_layout, own_config, shard_file_name,
+                                       write_json_durably)
 from shardzoo.checkpoint.optim import merge_metas, optimizer_tensors
 from shardzoo.checkpoint.plan import Offer, pieces_of_rank, plan_writes
 from shardzoo.checkpoint.safetensors_io import SafetensorsWriter, dtype_name
@@ -38,18 +40,22 @@ def save(model: nn.Module, ckpt_dir: str, optimizer=None, *, config=None, layout
         model: a parallel model (modules with ``.mesh``, parameters with ShardSpecs) or a plain one.
         ckpt_dir: target directory (created; replaced atomically if it holds a checkpoint).
         optimizer: an optimizer over ``model.parameters()`` (e.g. torch AdamW) to save too.
-        config: the model config (dict or dataclass), stored in the index and exported as config.json.
+        config: the model config (dict or dataclass), stored in the index and exported as config.json;
+            by default the model's own ``model.config`` when it has one (shardzoo's model families,
+            transformers models; also under a DDP wrapper's ``.module``).
         layout: extra layout fields to record (default: the model mesh's sizes and tp_mode).
     """
+    config = own_config(model) if config is None else config
     config_to_json(config)  # a config that cannot be stored fails here, on every rank alike
     mesh = find_mesh(model)
     timeout = getattr(mesh, "timeout", None) or datetime.timedelta(minutes=10)
     ranks = Ranks(timeout)
     what = f"saving checkpoint {ckpt_dir}"
-    error, tmp, token = None, None, uuid.uuid4().hex[:12]
+    error, tmp, token, staging = None, None, uuid.uuid4().hex[:12], None
     if ranks.rank == 0:
         try:
-            tmp = atomic.prepare(ckpt_dir, token)
+            staging = atomic.prepare(ckpt_dir, token)
+            tmp = staging.path
         except Exception as e:
             error = describe(e)
     error, tmp, token = ranks.broadcast((error, tmp, token))
@@ -60,13 +66,12 @@ def save(model: nn.Module, ckpt_dir: str, optimizer=None, *, config=None, layout
         error = None
         if ranks.rank == 0:
             try:
-                atomic.commit(tmp, ckpt_dir, token)
+                atomic.commit(staging, ckpt_dir, token)
             except Exception as e:
                 error = describe(e)
         ranks.agree(error, what)
     except BaseException:
-        if ranks.rank == 0:
-            atomic.discard(tmp)
+        atomic.discard(staging)  # rank 0 only (None elsewhere)
         raise
 
 

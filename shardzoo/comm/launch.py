@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import sys
 from typing import Any, Callable
 
 import torch
@@ -44,10 +45,21 @@ def init_from_env(backend: str = "auto", timeout: float = 600.0) -> None:
     atexit.register(_destroy_at_exit)
 
 
+def _exiting_on_error() -> bool:
+    """Whether the interpreter is exiting because of an uncaught exception (Python records it
+    in ``sys.last_value`` / ``sys.last_exc`` before the atexit handlers run)."""
+    return getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None
+
+
 def _destroy_at_exit() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    """At a normal exit, wait for every rank and destroy the group. After an uncaught error do
+    not wait: a peer may be hung or dead (maybe the error's cause), and waiting would keep this
+    process alive until the collective timeout, so the launcher (torchrun) would not see the
+    failure and stop the job."""
+    if not dist.is_initialized() or _exiting_on_error():
+        return
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def launch(

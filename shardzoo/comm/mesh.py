@@ -144,6 +144,10 @@ class ParallelMesh:
         *,
         timeout: datetime.timedelta | float | None = 600.0,
     ):
+        seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+        if timeout is not None and not seconds > 0:  # checked before any group exists
+            raise ValueError(f"ParallelMesh(timeout={timeout!r}): the collective timeout must be positive (seconds or a "
+                             f"timedelta), or None for torch's default")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "ParallelMesh needs an initialised torch.distributed default process group; run "

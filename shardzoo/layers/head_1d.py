@@ -108,6 +108,12 @@ class ParallelLMHead1D(nn.Module):
         """``[b, s, H]`` -> ``[b, s/p, H]`` under sequence parallelism; identity otherwise."""
         return enter_sequence_parallel(x_full, self.mesh) if self.sequence_parallel else x_full
 
+    def shard_target(self, target_full: torch.Tensor) -> torch.Tensor:
+        """Target ids ``[b, s]`` -> the same tensor: the logits hold every row and position
+        (also with ``sequence_parallel``, whose input is gathered), so layout-generic code can
+        call ``head.shard_target`` as on the grid heads."""
+        return target_full
+
     def gather_output(self, y_local: torch.Tensor) -> torch.Tensor:
         """Vocab-parallel ``[.., ceil(V/p)]`` -> full ``[.., V]`` logits, padding dropped."""
         return y_local if self.output_gathered else self._gather(y_local)

@@ -50,7 +50,7 @@ class BERTConfig(HFConfig):
     max_position_embeddings: int = 512
     type_vocab_size: int = 2
     layer_norm_eps: float = 1e-12
-    pad_token_id: int = 0
+    pad_token_id: int | None = 0  # null in config.json: no padding row (nn.Embedding padding_idx=None)
     tie_word_embeddings: bool = True
 
     SUPPORTED = {"hidden_act": ACTIVATION_NAMES, "position_embedding_type": ("absolute",), "is_decoder": (False,),
@@ -84,7 +84,9 @@ class BERT(StagedModel):
     """BERT with MLM head (forward) and pooler (:meth:`pool`) on ``mesh``.
 
     Args as :class:`GPT2`, plus ``mlm_head``: build the masked-LM head (False: the bare encoder
-    of ``BertModel``, e.g. sentence-embedding checkpoints). Forward: ids [b, s] (first stage;
+    of ``BertModel``, e.g. sentence-embedding checkpoints), and ``pooler``: build the pooler
+    (False: as ``BertForMaskedLM``, which has none; :meth:`from_pretrained` follows the
+    checkpoint, so an export holds exactly what was loaded). Forward: ids [b, s] (first stage;
     ``token_type_ids`` [b, s] optional, zeros by default) or hidden [b, s, H_l] -> hidden, or on
     the last stage MLM logits [b, s, V_local] (final hidden states without the MLM head).
     ``key_padding_mask`` bool [b, s] (``shard_mask``) on every stage."""
@@ -93,7 +95,8 @@ class BERT(StagedModel):
     head_name = "cls.predictions.decoder"
 
     def __init__(self, config: BERTConfig, *, mesh, stage=None, stage_layers=None, sp_mode: str = "ring",
-                 checkpointing: bool = False, mlm_head: bool = True, device=None, seed: int | None = None):
+                 checkpointing: bool = False, mlm_head: bool = True, pooler: bool = True, device=None,
+                 seed: int | None = None):
         super().__init__()
         with self.building(device, seed) as device:  # meta: shapes only, then this rank's shards
             check_heads("BERT", config.hidden_size, config.num_attention_heads, mesh, sp_mode)
@@ -119,9 +122,10 @@ class BERT(StagedModel):
             self.bert.encoder.layer = nn.ModuleDict({str(i): BertLayer(config, mesh, sp_mode, device, layout)
                                                      for i in blocks})
             if self.is_last:
+                self.target_layout = layout
+            if self.is_last and pooler:
                 self.bert.pooler = nn.Module()
                 self.bert.pooler.dense = common.dense(nn.Linear(h, h), mesh, layout, device)
-                self.target_layout = layout
             if self.is_last and mlm_head:
                 self.cls = nn.Module()
                 self.cls.predictions = pred = nn.Module()
@@ -166,6 +170,9 @@ class BERT(StagedModel):
     def pool(self, x: torch.Tensor) -> torch.Tensor:
         """Final hidden [b, s, H_l] -> tanh(dense(hidden of token 0)) [b, H_l] on every sp rank
         (token 0 lives on sp rank 0 and is broadcast from there)."""
+        if not hasattr(self.bert, "pooler"):
+            raise ValueError("this BERT has no pooler (built with pooler=False, or loaded from a checkpoint without "
+                             "one, e.g. BertForMaskedLM); build it with pooler=True to pool")
         first = comm.broadcast(x[:, 0].contiguous(), self.mesh.sp_group, 0)
         return torch.tanh(common.run_dense(self.bert.pooler.dense, first, self.mesh, self.layout))
 
@@ -176,12 +183,14 @@ class BERT(StagedModel):
 
     @classmethod
     def pretrained_kwargs(cls, hf_dir: str, kwargs: dict) -> dict:
-        """``mlm_head`` defaults to whether the checkpoint holds one (``BertModel`` files do not)."""
-        if "mlm_head" not in kwargs:
-            from shardzoo.models.pretrained import HFWeights
+        """``mlm_head`` and ``pooler`` default to whether the checkpoint holds them (``BertModel``
+        files have no MLM head, ``BertForMaskedLM`` files no pooler)."""
+        from shardzoo.models.families import family_named
+        from shardzoo.models.pretrained import HFWeights
 
-            kwargs = dict(kwargs, mlm_head=any(k.startswith("cls.predictions.") for k in HFWeights(hf_dir).entries))
-        return kwargs
+        keys = [family_named("bert").canonical(k) for k in HFWeights(hf_dir).entries]
+        held = {"mlm_head": "cls.predictions.", "pooler": "bert.pooler."}
+        return {**{arg: any(k.startswith(prefix) for k in keys) for arg, prefix in held.items()}, **kwargs}
 
 
 _BLOCK = [("attention.self.query", "attention.q_proj"), ("attention.self.key", "attention.k_proj"),

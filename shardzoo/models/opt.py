@@ -44,7 +44,7 @@ class OPTConfig(HFConfig):
     activation_function: str = "relu"
     enable_bias: bool = True
     layer_norm_elementwise_affine: bool = True
-    pad_token_id: int = 1
+    pad_token_id: int | None = 1  # null in config.json: no padding row
     tie_word_embeddings: bool = True
 
     SUPPORTED = {"activation_function": ACTIVATION_NAMES}

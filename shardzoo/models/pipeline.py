@@ -5,8 +5,10 @@ A stage holds a contiguous range of globally numbered blocks; the embeddings sit
 stage and the head on the last. A model built whole is a single stage holding everything.
 ``build_schedule`` wraps this rank's stage(s) in ``PipelineStage`` over ``mesh.pp_group`` and
 returns a GPipe / 1F1B / interleaved 1F1B schedule; ``schedule.step(ids, target=...)`` on the
-first / last stage runs one training step (``scale_grads=True``: gradients are those of the
-mean loss over the microbatches, as the unpipelined model's mean loss).
+first / last stage runs one training step. The step counts the real targets of its whole batch
+once and passes them to every microbatch's loss (``num_targets``), whose gradients are summed
+(``scale_grads=False``): the gradients are those of the step's global token mean, as the
+unpipelined model's, and the microbatch losses add up to that mean.
 
 With tied input / output embeddings the last stage holds its own copy of the table
 (``lm_head.weight``); :func:`sync_tied_grads` sums the two gradients between the first and the
@@ -31,12 +33,14 @@ from shardzoo.layers import random as tp_random
 from shardzoo.layers.dp_shard import local_tensor
 from shardzoo.layers.shard_spec import get_shard_spec
 from shardzoo.models import common
+from shardzoo.models.loss import GlobalLoss
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
-class StagedModel(nn.Module):
-    """Base of the model families: token sharding, gathering, loss, activation checkpointing.
+class StagedModel(GlobalLoss, nn.Module):
+    """Base of the model families: token sharding, gathering, loss (models/loss.py), activation
+    checkpointing.
 
     Subclasses set ``causal`` and, in ``__init__``: ``mesh``, ``layout``, ``is_first``,
     ``is_last``, ``checkpointing`` and on the last stage the head's ``target_layout``."""
@@ -112,15 +116,6 @@ class StagedModel(nn.Module):
             return common.gather_tokens(y, self.mesh, None, zigzag=self.causal)
         y = tpl.gather_hidden(y_local, self.mesh, self.layout)
         return common.gather_tokens(y, self.mesh, None, zigzag=self.causal)
-
-    def loss(self, logits: torch.Tensor, target: torch.Tensor, **kwargs) -> torch.Tensor:
-        """Mean cross entropy over this rank's tokens (vocab-parallel; equal to the global
-        mean over the tp group). Averaging the gradients over dp and sp (DDP on
-        ``mesh.group("dp", "sp")``) then gives the gradient of the global mean."""
-        if self.head_name is None:
-            raise ValueError(f"this {type(self).__name__} was built without a head (its last stage returns hidden "
-                             f"states), so it has no loss; build it with its head to train it")
-        return self.get_submodule(self.head_name).loss(logits, target, **kwargs)
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> list[str]:
         """Load full-size shardzoo-named tensors (e.g. from ``hf_to_shardzoo``) into this stage;
@@ -217,8 +212,12 @@ def build_schedule(stages: list[tuple[int, nn.Module]], mesh, *, n_microbatches:
     1F1B, v pairs (indices ``pp_rank + i * pp``) for the interleaved schedule. A stage may be
     wrapped in DDP (``training.data_parallel``): gradients are then averaged over dp x sp in
     the last microbatch's backward.
-    ``loss_fn(output, target)``: the loss on the last stage (e.g. ``model.loss``). Pass it on
-    every rank: a schedule built without one skips backward on that rank (and the others wait)."""
+    ``loss_fn(output, target, **loss_kwargs)``: the loss on the last stage (e.g. ``model.loss``).
+    Pass it on every rank: a schedule built without one skips backward on that rank (and the
+    others wait). ``schedule.step(..., target=t, loss_kwargs=...)`` on the last stage counts
+    the real targets of ``t`` (``model.count_targets``, with ``loss_kwargs``' ``ignore_index``)
+    and passes ``num_targets`` to every microbatch's loss, unless ``loss_kwargs`` gives it or
+    another reduction than "mean"; the microbatch losses (``losses=``) sum to the step's loss."""
     if loss_fn is None:
         raise ValueError("build_schedule needs loss_fn on every rank (the schedules run backward only when they have "
                          "one); pass the last stage's model.loss, or any callable on the other ranks")
@@ -230,15 +229,39 @@ def build_schedule(stages: list[tuple[int, nn.Module]], mesh, *, n_microbatches:
     device = device or default_device(mesh)  # where the stages' p2p buffers live (CUDA under NCCL)
     total = pp * len(stages)
     wrapped = [PipelineStage(m, index, total, device, group=mesh.pp_group) for index, m in stages]
+    last = [getattr(m, "module", m) for _, m in stages if getattr(getattr(m, "module", m), "is_last", False)]
     if schedule == "interleaved":
         if len(stages) < 2:
             raise ValueError("the interleaved schedule needs >= 2 stages per rank (virtual stages); build the model as "
                              "stages pp_rank + i * pp for i in range(v)")
-        return ScheduleInterleaved1F1B(wrapped, n_microbatches, loss_fn=loss_fn)
-    if len(stages) != 1:
+        cls, held = ScheduleInterleaved1F1B, wrapped
+    elif len(stages) != 1:
         raise ValueError(f"schedule={schedule!r} takes one stage per rank; got {len(stages)} (use 'interleaved')")
-    cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-    return cls(wrapped[0], n_microbatches, loss_fn=loss_fn)
+    else:
+        cls, held = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B, wrapped[0]
+    # the loss of a microbatch is its share of the step's mean: gradients add up, unscaled
+    result = _counting(cls)(held, n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    result.count_targets = last[0].count_targets if last else None
+    return result
+
+
+_COUNTING: dict[type, type] = {}
+
+
+def _counting(cls: type) -> type:
+    """The torch schedule ``cls`` with a ``step`` (also behind ``eval``) that counts the real
+    targets of the whole step once, before torch splits them, and gives the count to every
+    microbatch's loss as ``num_targets``."""
+    if cls not in _COUNTING:
+        def step(self, *args, target=None, losses=None, loss_kwargs=None, **kwargs):
+            loss_kwargs = dict(loss_kwargs or {})
+            if (target is not None and self.count_targets is not None and "num_targets" not in loss_kwargs
+                    and loss_kwargs.get("reduction", "mean") == "mean"):
+                loss_kwargs["num_targets"] = self.count_targets(target, loss_kwargs.get("ignore_index", -100))
+            return cls.step(self, *args, target=target, losses=losses, loss_kwargs=loss_kwargs, **kwargs)
+
+        _COUNTING[cls] = type(cls.__name__, (cls,), {"step": step, "__module__": __name__, "__doc__": cls.__doc__})
+    return _COUNTING[cls]
 
 
 _tied_groups: "weakref.WeakKeyDictionary[object, object]" = weakref.WeakKeyDictionary()

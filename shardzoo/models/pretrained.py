@@ -16,25 +16,18 @@ and shape mismatches are reported by name.
 from __future__ import annotations
 
 import datetime
-import json
 import os
 from typing import NamedTuple
 
 import torch
-from safetensors import safe_open
 
 from shardzoo.checkpoint.errors import CheckpointError
-from shardzoo.checkpoint.safetensors_io import read_header
+from shardzoo.checkpoint.hf_files import HFWeights
+from shardzoo.checkpoint.jsontypes import load_json_file, obj
+from shardzoo.checkpoint.paths import resolve_in
 from shardzoo.checkpoint.sync import Ranks, describe
-from shardzoo.checkpoint.tensors import Box, LocalTensor, fill_local, find_mesh, model_tensors
+from shardzoo.checkpoint.tensors import LocalTensor, fill_local, find_mesh, model_tensors
 from shardzoo.models.families import FAMILIES, Family, family_of
-
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-_ST_TO_TORCH = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                "BOOL": torch.bool}
-
 
 class PretrainedLoadResult(NamedTuple):
     """Names not loaded."""
@@ -42,74 +35,6 @@ class PretrainedLoadResult(NamedTuple):
     missing_keys: list[str]  # model tensors the checkpoint lacks (left as initialised)
     # (with strict=True only the family's optional ones, e.g. BERT's pooler from BertForMaskedLM)
     unexpected_keys: list[str]  # checkpoint tensors that no rank's model takes
-
-
-class HFWeights:
-    """The tensors of a Hugging Face model directory (``model.safetensors`` or a sharded
-    ``model.safetensors.index.json``), by checkpoint key: shapes from the headers, data read
-    by slices from memory-mapped files."""
-
-    def __init__(self, hf_dir: str):
-        self.hf_dir = os.fspath(hf_dir)
-        single, index = os.path.join(self.hf_dir, SINGLE_FILE), os.path.join(self.hf_dir, INDEX_FILE)
-        if os.path.isfile(single):
-            files = [SINGLE_FILE]
-        elif os.path.isfile(index):
-            with open(index) as f:
-                weight_map = json.load(f).get("weight_map", {})
-            files = sorted(set(weight_map.values()))
-        else:
-            present = sorted(os.listdir(self.hf_dir)) if os.path.isdir(self.hf_dir) else None
-            what = f"holds {present}" if present is not None else "does not exist"
-            raise CheckpointError(
-                f"{self.hf_dir} has neither {SINGLE_FILE} nor {INDEX_FILE} (it {what}). Point to a Hugging Face model "
-                f"directory saved as safetensors; a pytorch_model.bin model converts with transformers: "
-                f"AutoModel.from_pretrained(d).save_pretrained(out)")
-        self.entries: dict[str, tuple[str, tuple[int, ...], str]] = {}  # key -> (file, shape, st dtype)
-        for file in files:
-            path = os.path.join(self.hf_dir, file)
-            if not os.path.isfile(path):
-                raise CheckpointError(f"{INDEX_FILE} in {self.hf_dir} names {file}, which is missing; download or copy "
-                                      f"every shard the index lists")
-            header, _ = read_header(path)
-            for key, info in header.items():
-                if key != "__metadata__":
-                    self.entries[key] = (file, tuple(info["shape"]), info["dtype"])
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        return self.entries[key][1]
-
-    def _open(self, key: str):
-        # A fresh memory map per tensor: pages a read touches (a transposed read touches every page
-        # of its tensor) stay resident while the file is mapped, so keeping one map open for the
-        # whole load would make every rank's memory peak the size of the file.
-        return safe_open(os.path.join(self.hf_dir, self.entries[key][0]), framework="pt", device="cpu")
-
-    def read(self, key: str, box: Box, transposed: bool = False, row=None) -> torch.Tensor:
-        """Region ``box`` (offsets, shape) of the tensor that checkpoint tensor ``key`` becomes
-        after an optional 2-D transpose and a row map (row r of the result is row ``row(r)``)."""
-        offsets, shape = box
-        with self._open(key) as handle:
-            data = handle.get_slice(key)
-            if not shape:
-                return data[...]
-            rest = tuple(slice(o, o + s) for o, s in zip(offsets[1:], shape[1:]))
-            rows = [row(r) for r in range(offsets[0], offsets[0] + shape[0])] if row else None
-            runs = _runs(rows) if rows else [(offsets[0], shape[0])]
-            parts = [data[rest[0], start:start + n].t() if transposed else data[(slice(start, start + n),) + rest]
-                     for start, n in runs]
-            return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
-
-
-def _runs(rows: list[int]) -> list[tuple[int, int]]:
-    """[3, 4, 5, 9, 10] -> [(3, 3), (9, 2)]: maximal runs of consecutive indices."""
-    runs: list[tuple[int, int]] = []
-    for r in rows:
-        if runs and runs[-1][0] + runs[-1][1] == r:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((r, 1))
-    return runs
 
 
 class _Source(NamedTuple):
@@ -152,6 +77,10 @@ def _plan(model, fam: Family, weights: HFWeights, local: list[LocalTensor], prod
                 continue
             expected, transposed, row = _meta(lt.global_shape), False, None
         key = by_canonical[canon]
+        if lt.tensor.is_floating_point() and not weights.is_float(key):
+            problems.append(f"{weights.path(key)}: {key!r} holds {weights.entries[key][2]} values but {lt.name!r} is "
+                            f"floating point; the file does not hold these weights")
+            continue
         if tuple(weights.shape(key)) != tuple(expected.shape):
             problems.append(f"{key!r} is {list(weights.shape(key))} in the checkpoint but {lt.name!r} needs "
                             f"{list(expected.shape)}; the config.json does not describe these weights")
@@ -218,17 +147,17 @@ def load_pretrained(model, hf_dir: str, *, strict: bool = True) -> PretrainedLoa
 
 
 def config_from_dir(fam: Family, hf_dir: str):
-    """The family's config dataclass from ``hf_dir/config.json``, checking ``model_type``."""
-    path = os.path.join(os.fspath(hf_dir), "config.json")
+    """The family's config dataclass from ``hf_dir/config.json``, checking ``model_type`` and
+    every field's type and range (errors name the file and the field)."""
+    path = resolve_in(hf_dir, "config.json", source=f"Hugging Face model directory {hf_dir}")
     if not os.path.isfile(path):
         raise CheckpointError(f"{hf_dir} has no config.json; a Hugging Face model directory holds config.json next to "
                               f"its weights")
-    with open(path) as f:
-        data = json.load(f)
+    data = obj(load_json_file(path), path, optional=None)
     model_type = data.get("model_type")
     if model_type is not None and model_type != fam.model_type:
         match = [f.model_class for f in FAMILIES.values() if f.model_type == model_type]
         hint = f"load it with {match[0]}.from_pretrained" if match else f"shardzoo loads only {sorted(FAMILIES)}"
-        raise CheckpointError(f"{path} has model_type {model_type!r}, but {fam.model_class} loads {fam.model_type!r} "
-                              f"checkpoints; {hint}")
-    return fam.config.from_json(data)
+        named = f"model_type {model_type!r}" if match else "a model_type shardzoo does not know"
+        raise CheckpointError(f"{path} has {named}, but {fam.model_class} loads {fam.model_type!r} checkpoints; {hint}")
+    return fam.config.from_json(data, source=path)

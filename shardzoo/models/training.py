@@ -1,10 +1,11 @@
 """Training utilities: global gradient norm / clipping across tp, pp, dp and sp shards, data
 parallelism through torch DDP, and bf16 autocast.
 
-Gradient convention: every rank's loss is the mean over its own tokens (and the tp group's
-rows), so the gradient of the global mean is the *average* of the ranks' gradients over the dp
-and sp axes; ``data_parallel`` wraps a model or a pipeline stage in DDP over
-``mesh.group("dp", "sp")``, which does exactly that (``torch.distributed.pipelining`` runs a
+Gradient convention: ``model.loss`` returns the global token mean and scales the gradient it
+backpropagates on each rank (this rank's sum over the global count, times dp x sp; see
+layers/batch_loss.py), so the gradient of the global mean is the *average* of the ranks'
+gradients over the dp and sp axes; ``data_parallel`` wraps a model or a pipeline stage in DDP
+over ``mesh.group("dp", "sp")``, which does exactly that (``torch.distributed.pipelining`` runs a
 DDP-wrapped stage's microbatches under ``no_sync`` and reduces in the last backward). Pipeline
 stages with tied embeddings also need ``pipeline.sync_tied_grads``.
 """
@@ -91,7 +92,8 @@ def data_parallel(model: nn.Module, mesh, zero: int = 0, **options) -> nn.Module
 @torch.no_grad()
 def average_grads(models: nn.Module | list[nn.Module], mesh) -> None:
     """Average gradients over the dp x sp group in place, one all-reduce per parameter: for
-    custom loops that neither wrap in DDP (:func:`data_parallel`) nor run a schedule."""
+    custom loops that neither wrap in DDP (:func:`data_parallel`) nor run a schedule. After
+    ``model.loss`` the result is the gradient of the global token mean."""
     if mesh.size("dp", "sp") == 1:
         return
     group, n = mesh.group("dp", "sp"), mesh.size("dp", "sp")

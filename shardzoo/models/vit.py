@@ -190,16 +190,17 @@ class ViT(StagedModel):
         y = comm.gather_from(y, self.mesh.sp_group, 1) if self.mesh.sp_size > 1 else y
         return y[:, : self.config.num_tokens]
 
-    def loss(self, logits: torch.Tensor, target: torch.Tensor, **kwargs) -> torch.Tensor:
-        """Mean cross entropy over the whole batch of the tp group (logits [b, C], target [b])."""
-        if self.layout is None:
-            return F.cross_entropy(logits, target, **kwargs)
-        group = self.mesh.group(*self.layout.batch_axes)
-        rows = torch.tensor(float(target.numel()))
-        total = rows.clone()
-        torch.distributed.all_reduce(total, group=group)
-        # each rank adds its rows' share; every rank continues with the sum (identity backward)
-        return comm.reduce_from(F.cross_entropy(logits, target, reduction="sum", **kwargs) / total, group)
+    @property
+    def target_axes(self) -> tuple[str, ...]:
+        """dp and the classifier's batch axes: every sp rank holds the logits of the same images
+        (the cls token is broadcast over sp), so the labels are not split over sp."""
+        return ("dp",) + tuple(getattr(self.target_layout, "batch_axes", ()))
+
+    def per_target_loss(self, logits: torch.Tensor, target: torch.Tensor, ignore_index: int,
+                        label_smoothing: float) -> torch.Tensor:
+        """Per-image cross entropy of logits [b, C] (full over the classes) against labels [b]."""
+        return F.cross_entropy(logits, target, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                               reduction="none")
 
 
 # checkpoint-file names (all transformers versions) -> shardzoo; transformers >= 5 names its

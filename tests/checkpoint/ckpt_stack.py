@@ -204,3 +204,41 @@ def load_error(layout: str, ckpt_dir: str) -> str:
     except checkpoint.CheckpointError as e:
         return str(e)
     return ""
+
+
+def load_outcome(layout: str, ckpt_dir: str, expected_seed: int, verify: bool) -> tuple[str, str]:
+    """("error", message) when loading raises CheckpointError, else ("equal" | "DIFFERENT", "")
+    comparing with the serial model of ``expected_seed``."""
+    model = build(layout, seed=expected_seed + 1000)
+    try:
+        checkpoint.load(model, ckpt_dir, verify_checksums=verify)
+    except checkpoint.CheckpointError as e:
+        return "error", str(e)
+    state = full_state_dict(model) if layout != "serial" else model.state_dict()
+    ref = serial_stack(expected_seed).state_dict()
+    return ("equal" if all(torch.equal(v, ref[k]) for k, v in state.items()) else "DIFFERENT"), ""
+
+
+def tiny_gpt2_export(out_dir: str, ckpt_dir: str) -> bool:
+    """On 2 ranks: a tiny GPT-2 saved (its own config recorded); rank 0 exports it as a
+    Hugging Face directory."""
+    import torch.distributed as dist
+
+    from shardzoo.models.gpt2 import GPT2, GPT2Config
+
+    model = GPT2(GPT2Config(vocab_size=11, n_positions=8, n_embd=8, n_layer=1, n_head=2), mesh=cached_mesh(tp=2))
+    checkpoint.save(model, ckpt_dir)
+    if dist.get_rank() == 0:
+        checkpoint.export_plain(ckpt_dir, out_dir, progress=False)
+    dist.barrier()
+    return True
+
+
+def hf_load_error(hf_dir: str) -> str:
+    from shardzoo.models.gpt2 import GPT2
+
+    try:
+        GPT2.from_pretrained(hf_dir, mesh=cached_mesh(tp=2))
+    except checkpoint.CheckpointError as e:
+        return str(e)
+    return ""

@@ -117,11 +117,16 @@ def test_interrupted_save_keeps_previous(tmp_path):
         run("2d", save_failing_on, 2, ckpt, 2)
     assert sorted(os.listdir(tmp_path)) == ["ckpt"] and sorted(os.listdir(ckpt)) == before
     run("1d_tp2", load_stack, ckpt, 1)  # the previous checkpoint, intact
-    # a temp dir of a save that died is cleaned by the next save
+    # a temp dir of a save that died (marked, no process holds its lock) is cleaned by the next
+    # save; directories of the same pattern that no save marked are the user's and stay
+    from shardzoo.checkpoint.atomic import MARKER
+
+    os.makedirs(ckpt + ".tmp-0123456789ab")
+    (tmp_path / "ckpt.tmp-0123456789ab" / MARKER).write_bytes(b"")
+    (tmp_path / "ckpt.tmp-0123456789ab" / "shard-00000.safetensors").write_bytes(b"partial")
     os.makedirs(ckpt + ".tmp-deadbeef")
-    (tmp_path / "ckpt.tmp-deadbeef" / "shard-00000.safetensors").write_bytes(b"partial")
     run("2d", save_stack, 2, ckpt)
-    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "ckpt.tmp-deadbeef"]
     run("2d", load_stack, ckpt, 2)
 
 

@@ -69,9 +69,14 @@ def test_convert_command(tmp_path):
     run("serial", save_stack, 9, ckpt)
     code = ("import argparse, sys; from shardzoo.checkpoint.cli import add_convert_parser; p = argparse.ArgumentParser(); "
             "s = p.add_subparsers(); add_convert_parser(s); a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))")
-    done = subprocess.run([sys.executable, "-c", code, "convert", ckpt, out, "--max-shard-size", "1KB", "--no-progress"],
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
+    args = [sys.executable, "-c", code, "convert", ckpt, out, "--max-shard-size", "1KB", "--no-progress"]
+    # not a model family: no Hugging Face names, so the default refuses and writes nothing
+    done = subprocess.run(args, capture_output=True, text=True)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "saved without the config of a shardzoo model family" in done.stdout and "--names shardzoo" in done.stdout
+    assert not os.path.exists(out)
+    done = subprocess.run(args + ["--names", "shardzoo"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
     assert "model.safetensors.index.json" in os.listdir(out)
     assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 << 30 and parse_size("123") == 123
 

@@ -2,8 +2,8 @@
 sharded) and gives the original transformers model's parameters and logits.
 
 Each family: a tiny transformers model (seeded), its weights converted into the shardzoo model
-on 2 or 4 ranks, saved with its config, converted in this process, loaded back with the
-family's transformers class."""
+on 2 or 4 ranks, saved without passing config= (the model's own config is recorded), converted
+in this process, loaded back with the family's transformers class."""
 
 import argparse
 import json
@@ -47,12 +47,12 @@ def hf_model(family: str, seed: int):
 
 def save_family(family: str, config_json: dict, state: dict, ckpt: str) -> bool:
     """On every rank: the shardzoo model of ``family`` with full-size ``state`` (shardzoo
-    names), saved with its config."""
+    names), saved without ``config=`` (save records the model's own config)."""
     fam = FAMILIES[family]
     config = fam.config.from_json(config_json)
     model = fam.model(config, mesh=cached_mesh(**MESHES[family])).eval()
     model.load_full_state_dict(state)
-    checkpoint.save(model, ckpt, config=config)
+    checkpoint.save(model, ckpt)
     return True
 
 
@@ -138,3 +138,31 @@ def test_shardzoo_names_and_unknown_configs(tmp_path):
     assert torch.equal(hf["transformer.h.1.mlp.c_fc.weight"], want["transformer.h.1.mlp.c_fc.weight"])
     with pytest.raises(ValueError, match="names='shardzoo' exports the saved names unchanged"):
         checkpoint.export_plain(ckpt, str(tmp_path / "x"), names="shardzoo", rename=lambda n, t: [(n, t)])
+
+
+def save_own_and_given_config(own: str, other: str) -> bool:
+    """On every rank: a tiny GPT-2 saved without config= and with config={"note": "mine"}."""
+    from shardzoo.models.gpt2 import GPT2, GPT2Config
+
+    config = GPT2Config(**{k: v for k, v in TINY["gpt2"].items() if not k.endswith("token_id")})
+    model = GPT2(config, mesh=cached_mesh(tp=2))
+    checkpoint.save(model, own)
+    checkpoint.save(model, other, config={"note": "mine"})
+    return True
+
+
+def test_config_argument_overrides_the_models_own(tmp_path):
+    """save records the model's config by itself; config= replaces it. Without a family config
+    the default conversion exits 1 and writes nothing."""
+    from shardzoo.models.gpt2 import GPT2Config
+
+    own, other = str(tmp_path / "own"), str(tmp_path / "other")
+    run_on_ranks(save_own_and_given_config, 2, own, other)
+    assert checkpoint.read_index(own)["config_class"] == "shardzoo.models.gpt2.GPT2Config"
+    assert GPT2Config.from_json(checkpoint.read_index(own)["config"]).n_embd == TINY["gpt2"]["n_embd"]
+    assert checkpoint.read_index(other)["config"] == {"note": "mine"}
+    assert checkpoint.read_index(other)["config_class"] is None
+    parser = argparse.ArgumentParser()
+    add_convert_parser(parser.add_subparsers())
+    args = parser.parse_args(["convert", other, str(tmp_path / "out"), "--no-progress"])
+    assert args.func(args) == 1 and not os.path.exists(tmp_path / "out")

@@ -55,7 +55,8 @@ def check_head(case):
     per_rank = -(-vocab // tp)
     assert logits.shape[-1] == (vocab if case["gather"] else per_rank)
     assert_close(head.gather_output(logits), logits_ref.detach(), "logits", 10 * tp)
-    loss = head.loss(logits, target, **ce)
+    assert head.shard_target(target) is target  # 1D: the logits hold every position
+    loss = head.loss(logits, head.shard_target(target), **ce)
     loss.backward()
     assert_close(loss, loss_ref.detach(), "loss", 10 * tp)
     assert_close(x_par.grad, x.grad, "input grad", 10 * tp)

@@ -149,6 +149,16 @@ def test_unimplemented_hf_options_are_refused(family, key, value):
     assert cls.from_json({key: supported}) is not None  # the supported value passes
 
 
+@pytest.mark.parametrize("family", ["BERT", "OPT"])
+def test_null_pad_token_id_means_no_padding_row(family):
+    from shardzoo import models
+
+    cls = getattr(models, f"{family}Config")
+    assert cls.from_json({"pad_token_id": None}).pad_token_id is None  # as transformers reads it
+    with pytest.raises(ValueError, match="field vocab_size must not be null"):
+        cls.from_json({"vocab_size": None})  # a size stays required
+
+
 # -- pipelined data parallelism through DDP -----------------------------------------------------
 def pipelined_dp_grads(layout):
     import torch.distributed as dist

@@ -92,8 +92,8 @@ def shardzoo_twin(family: str, hf, mesh, **kwargs):
 
 
 def check_causal_lm(family: str, hf, layout, case, table: str, pad_id: int | None = None):
-    """A causal LM (GPT-2, OPT) against transformers' ``hf``: logits, each replica's loss and every
-    gradient. ``table``: the tied embedding, whose gradient an untied ``lm_head`` copy gets;
+    """A causal LM (GPT-2, OPT) against transformers' ``hf``: logits, the global batch's loss and
+    every gradient. ``table``: the tied embedding, whose gradient an untied ``lm_head`` copy gets;
     ``pad_id``: the first row starts with padding tokens (they get no gradient, as in HF)."""
     from shardzoo.models.families import family_named
 
@@ -105,19 +105,15 @@ def check_causal_lm(family: str, hf, layout, case, table: str, pad_id: int | Non
         ids_all[0, :3] = pad_id
     ids, target = dp_rows(ids_all[:, :-1], mesh), dp_rows(ids_all[:, 1:], mesh)
     ref = hf(ids).logits
-    ref_loss = F.cross_entropy(ref.flatten(0, 1), target.flatten())
     logits = model(model.shard_input(ids))
     assert_close(model.gather_output(logits), ref, f"{layout} logits")
     loss = model.loss(logits, model.shard_target(target))
     loss.backward()
-    # every dp replica's own mean; the global mean is their average, so compare per replica
-    sp_mean = loss.detach().clone()
-    dist.all_reduce(sp_mean, group=mesh.sp_group)
-    assert_close(sp_mean / mesh.sp_size, ref_loss.detach(), f"{layout} loss")
     hf.zero_grad()
-    # the global batch's mean loss: its gradient is the dp average of the replicas' gradients
+    # every rank's loss is the global batch's mean; its gradient is the dp x sp average of the ranks'
     full_loss = F.cross_entropy(hf(ids_all[:, :-1]).logits.flatten(0, 1), ids_all[:, 1:].flatten())
     full_loss.backward()
+    assert_close(loss.detach(), full_loss.detach(), f"{layout} loss")
     grads = converted({n: p.grad for n, p in hf.named_parameters()}, family_named(family).code.hf_to_shardzoo, config)
     grads.setdefault("lm_head.weight", grads[table])
     grads_vs_reference(model, mesh, grads, layout)

@@ -200,8 +200,9 @@ def _outcome(fn):
 
 # -- 1. every family on every layout, against transformers ----------------------------------------
 VARIANTS = {"gpt2": ["gpt2"], "bert": ["bert", "bert_base"], "vit": ["vit"], "opt": ["opt", "opt350"]}
-# BertForMaskedLM files have no pooler: left as initialised, reported, not an error
-LOAD_RESULTS = {"bert": (["bert.pooler.dense.bias", "bert.pooler.dense.weight"], [])}
+# BertForMaskedLM files have no pooler, so the model is built without one; with pooler=True it
+# is left as initialised and reported missing, not an error
+POOLER = ["bert.pooler.dense.bias", "bert.pooler.dense.weight"]
 
 
 def check_family(family, world, dirs, refs, inputs):
@@ -213,7 +214,9 @@ def check_family(family, world, dirs, refs, inputs):
         mesh = cached_mesh(**LAYOUTS[layout][0])
         for variant in VARIANTS[family]:
             model = cls.from_pretrained(dirs[variant], mesh=mesh).eval()
-            assert model.load_result == LOAD_RESULTS.get(variant, ([], [])), f"{layout} {variant}: {model.load_result}"
+            assert model.load_result == ([], []), f"{layout} {variant}: {model.load_result}"
+            if variant == "bert":
+                assert not hasattr(model.bert, "pooler")
             with torch.no_grad():
                 out = _forward(model, family, inputs)
                 assert_close(out, refs[variant], f"{layout} {variant} output", scale=5)
@@ -300,10 +303,10 @@ def check_variants(dirs, refs, inputs):
     # old BERT names (LayerNorm gamma / beta)
     legacy = BERT.from_pretrained(dirs["bert_legacy"], mesh=mesh).eval()
     normal = BERT.from_pretrained(dirs["bert"], mesh=mesh).eval()
-    assert legacy.load_result == LOAD_RESULTS["bert"]
+    assert legacy.load_result == ([], [])
     for (name, a), (_, b) in zip(legacy.state_dict().items(), normal.state_dict().items()):
-        if not name.startswith("bert.pooler."):  # not in the file: as initialised (randomly)
-            assert torch.equal(a, b), f"gamma/beta names: {name}"
+        assert torch.equal(a, b), f"gamma/beta names: {name}"
+    assert BERT.from_pretrained(dirs["bert"], mesh=mesh, pooler=True).load_result == (POOLER, [])
     with torch.no_grad():
         assert_close(_forward(legacy, "bert", inputs), refs["bert"], "gamma/beta logits", scale=5)
 
@@ -324,8 +327,9 @@ def check_variants(dirs, refs, inputs):
 def test_checkpoint_variants(ckpt):
     """On tp=2: a sharded index loads the same tensors; a GPT2Model file (no prefix, mask
     buffers) loads completely into the tied GPT2, an untied one reports only lm_head.weight
-    missing (strict raises naming it); old BERT gamma / beta names load identically; an fp16
-    file gives the fp16 values in fp32 parameters."""
+    missing (strict raises naming it); old BERT gamma / beta names load identically; a BERT
+    asked for a pooler its file lacks reports it missing; an fp16 file gives the fp16 values
+    in fp32 parameters."""
     d = ckpt["dirs"]
     assert os.path.isfile(os.path.join(d["gpt2_sharded"], "model.safetensors.index.json"))
     assert not os.path.exists(os.path.join(d["gpt2_sharded"], "model.safetensors"))
@@ -333,6 +337,31 @@ def test_checkpoint_variants(ckpt):
     strict = run_on_ranks(check_variants, 2, d, ckpt["refs"], ckpt["inputs"])
     for kind, message in strict:
         assert kind == "CheckpointError" and "lm_head.weight" in message and "missing" in message, message
+
+
+def save_loaded_bert(hf_dir, out):
+    from shardzoo import checkpoint
+    from shardzoo.models import BERT
+
+    model = BERT.from_pretrained(hf_dir, mesh=cached_mesh(tp=2))
+    checkpoint.save(model, out, config=model.config)
+    return sorted(n for n, _ in model.named_parameters())
+
+
+def test_bert_export_holds_what_was_loaded(ckpt, tmp_path):
+    """A BertForMaskedLM file (no pooler) loaded on tp=2, saved and exported: transformers'
+    BertForMaskedLM loads the export with no missing or unexpected keys, and every weight equal."""
+    from transformers import BertForMaskedLM
+
+    from shardzoo import checkpoint
+
+    names = run_on_ranks(save_loaded_bert, 2, ckpt["dirs"]["bert"], str(tmp_path / "ckpt"))[0]
+    assert not [n for n in names if n.startswith("bert.pooler.")]
+    checkpoint.export_plain(str(tmp_path / "ckpt"), str(tmp_path / "hf"), progress=False)
+    loaded, info = BertForMaskedLM.from_pretrained(str(tmp_path / "hf"), output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    original = BertForMaskedLM.from_pretrained(ckpt["dirs"]["bert"]).state_dict()
+    assert [k for k, v in loaded.state_dict().items() if not torch.equal(v, original[k])] == []
 
 
 # -- 6. each rank reads only its slices ----------------------------------------------------------
@@ -372,9 +401,9 @@ class _CountingOpen:
 
 
 def check_reads(hf_dir):
+    from shardzoo.checkpoint import hf_files as pretrained  # HFWeights and the safe_open it calls
     from shardzoo.checkpoint.tensors import model_tensors
     from shardzoo.models import GPT2
-    from shardzoo.models import pretrained
 
     mesh = cached_mesh(tp=4, tp_mode="2d")
     read, real_open = pretrained.HFWeights.read, pretrained.safe_open

@@ -1,0 +1,166 @@
+"""``shardzoo.plan(...)``: every legal layout of a model on a world, priced and sorted.
+
+    plan = shardzoo.plan("gpt3-175b", 4096, 80, 1536, 2048, hardware="a100")
+    best = plan[0]                      # a Candidate; plan.to_json() is what --json prints
+    best.layout                         # {"dp": ..., "pp": ..., "sp": ..., "tp": ..., "tp_mode": ..., "tp_depth": ...}
+
+Candidates are sorted: those that fit by step time, then the rest by peak memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from fractions import Fraction
+
+from shardzoo.comm.mesh import TP_MODES
+from shardzoo.planner.block_costs import Illegal
+from shardzoo.planner.enumerate import ZERO_STAGES, Problem, Pruned, layouts
+from shardzoo.planner.evaluate import Layout, Pricer, step_seconds
+from shardzoo.planner.hardware import GIB, Hardware, calibrate
+from shardzoo.planner.presets import CALIBRATED, HARDWARE, load_model
+
+CANDIDATE_KEYS = ("layout", "micro_batches", "activation_checkpointing", "zero", "param_bytes_per_rank",
+                  "peak_bytes_per_rank", "comm_bytes_per_rank_per_step", "step_seconds", "tokens_per_second", "fits")
+DTYPES = {"fp32": (4, 4), "bf16": (2, 4)}  # (activation bytes, parameter bytes): bf16 is autocast, fp32 weights
+
+
+@dataclass
+class Candidate:
+    """One layout with its predicted costs (the worst rank's; ``comm_bytes_per_rank_per_step``
+    exact, as a Fraction). ``reports`` (not a field): per-stage breakdowns of the stages priced."""
+
+    layout: dict
+    micro_batches: int
+    activation_checkpointing: bool
+    zero: int
+    param_bytes_per_rank: int
+    peak_bytes_per_rank: int
+    comm_bytes_per_rank_per_step: Fraction
+    step_seconds: float
+    tokens_per_second: float
+    fits: bool
+
+    def to_json(self) -> dict:
+        out = {k: getattr(self, k) for k in CANDIDATE_KEYS}
+        c = self.comm_bytes_per_rank_per_step
+        out["comm_bytes_per_rank_per_step"] = int(c) if c.denominator == 1 else float(c)
+        return out
+
+    def describe(self) -> str:
+        lay = self.layout
+        depth = f" d={lay['tp_depth']}" if lay["tp_mode"] == "2.5d" else ""
+        return (f"dp={lay['dp']} pp={lay['pp']} sp={lay['sp']} tp={lay['tp']} {lay['tp_mode']}{depth}, "
+                f"{self.micro_batches} micro-batch{'es' if self.micro_batches > 1 else ''}, "
+                f"checkpointing {'on' if self.activation_checkpointing else 'off'}, zero={self.zero}")
+
+
+class Plan(list):
+    """The sorted candidates (a list), with ``hardware``, ``pruned`` (choices dropped and why),
+    ``problem``, ``memory_gib``, ``count`` (candidates priced before ``top`` cut the list) and
+    ``pricer`` (for breakdowns of a candidate)."""
+
+    def __init__(self, candidates, hardware: Hardware, pruned: list[Pruned], problem: Problem, count: int,
+                 memory_gib: float, pricer: Pricer):
+        super().__init__(candidates)
+        self.hardware, self.pruned, self.problem, self.count = hardware, pruned, problem, count
+        self.memory_gib, self.pricer = memory_gib, pricer
+
+    @property
+    def fits(self) -> bool:
+        """Whether any candidate fits (the first one does, if any)."""
+        return bool(self) and self[0].fits
+
+    def to_json(self) -> dict:
+        return {"hardware": self.hardware.to_json(), "candidates": [c.to_json() for c in self]}
+
+
+def resolve_hardware(hardware: str | Hardware, nodes: int | None, devices_per_node: int | None, world: int,
+                     recalibrate: bool = False) -> Hardware:
+    """A preset name, "cpu" / "calibrate" (this host, measured and cached) or a Hardware, with
+    the node size set by ``nodes`` (world / nodes devices each) or ``devices_per_node``."""
+    if isinstance(hardware, Hardware):
+        hw = hardware
+    elif hardware in CALIBRATED:
+        hw = calibrate(use_cache=not recalibrate)
+    elif hardware in HARDWARE:
+        hw = HARDWARE[hardware]
+    else:
+        raise ValueError(f"unknown hardware {hardware!r}; use one of {', '.join(sorted(HARDWARE) + list(CALIBRATED))}")
+    if nodes is not None and devices_per_node is not None:
+        raise ValueError("pass --nodes or --devices-per-node, not both (nodes = world / devices per node)")
+    if nodes is not None:
+        if nodes < 1 or world % nodes:
+            raise ValueError(f"--nodes {nodes} must divide the world size {world}; choose a divisor of {world}")
+        devices_per_node = world // nodes
+    if devices_per_node is not None:
+        if devices_per_node < 1:
+            raise ValueError(f"--devices-per-node {devices_per_node} must be a positive integer")
+        hw = dataclasses.replace(hw, devices_per_node=devices_per_node)
+    return hw
+
+
+def _check_inputs(world, device_memory_gib, global_batch, seq, shape, sp_mode, schedule, dtype):
+    for name, value in (("world", world), ("global_batch", global_batch), ("seq", seq)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer")
+    if not device_memory_gib or device_memory_gib <= 0:
+        raise ValueError(f"device_memory_gib={device_memory_gib!r} must be a positive number of GiB")
+    if shape.family != "vit" and seq > shape.max_seq:
+        raise ValueError(f"--seq {seq} exceeds {shape.name or shape.family}'s {shape.max_seq} learned positions; "
+                         f"plan a sequence of at most {shape.max_seq} tokens")
+    if sp_mode not in ("ring", "ulysses"):
+        raise ValueError(f"sp_mode={sp_mode!r} is not 'ring' or 'ulysses'")
+    if schedule not in ("1f1b", "gpipe"):
+        raise ValueError(f"schedule={schedule!r} is not '1f1b' or 'gpipe'")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not one of {sorted(DTYPES)}")
+
+
+def candidates(pricer: Pricer, layout: Layout, costs, checkpointing, zeros, memory_bytes: int) -> list[Candidate]:
+    """``layout`` priced for every (checkpointing, zero) choice."""
+    problem = pricer.problem
+    tokens = problem.global_batch * (problem.shape.config.num_tokens if problem.shape.family == "vit" else problem.seq)
+    out = []
+    for (ckpt, zero), reports in pricer.price(layout, checkpointing, zeros, costs).items():
+        peak = max(r.memory.peak for r in reports)
+        seconds = step_seconds(layout, reports)
+        cand = Candidate(layout.mesh_kwargs(), layout.micro_batches, ckpt, zero, max(r.param_bytes for r in reports),
+                         peak, max(reports, key=lambda r: r.comm_scaled).comm_bytes, seconds, tokens / seconds,
+                         peak <= memory_bytes)
+        cand.reports = reports
+        out.append(cand)
+    return out
+
+
+def plan(model, world: int, device_memory_gib: float, global_batch: int, seq: int, hardware="h100",
+         nodes: int | None = None, devices_per_node: int | None = None, top: int | None = None, *,
+         sp_mode: str = "ring", schedule: str = "1f1b", dtype: str | None = None, zero_stages=ZERO_STAGES,
+         tp_modes=TP_MODES, checkpointing=(False, True), recalibrate: bool = False) -> Plan:
+    """Every legal layout of ``model`` (a preset name or a Hugging Face directory) on ``world``
+    devices of ``device_memory_gib`` GiB each, for a global batch of ``global_batch``
+    sequences of ``seq`` tokens, priced on ``hardware``; the ``top`` best (all by default).
+
+    ``dtype``: "bf16" (autocast, fp32 weights; default on accelerator presets) or "fp32"
+    (default on "cpu" / "calibrate"). ``sp_mode``: attention over sp; ``schedule``: the
+    pipeline schedule ("1f1b" or "gpipe")."""
+    shape = load_model(model)
+    hw = resolve_hardware(hardware, nodes, devices_per_node, world, recalibrate)
+    dtype = dtype or ("fp32" if hw.cores_per_node else "bf16")
+    _check_inputs(world, device_memory_gib, global_batch, seq, shape, sp_mode, schedule, dtype)
+    e, ep = DTYPES[dtype]
+    problem = Problem(shape, world, global_batch, seq, sp_mode, e, ep, e if hw.cores_per_node else 1)
+    memory_bytes = int(device_memory_gib * GIB)
+    pricer = Pricer(problem, hw, schedule)
+    pruned: list[Pruned] = []
+    out: list[Candidate] = []
+    for layout in layouts(problem, tp_modes, pruned):
+        try:
+            costs = pricer.distinct_stages(layout)
+        except Illegal as err:
+            pruned.append(Pruned(str(layout), str(err)))
+            continue
+        zeros = [z for z in zero_stages if z == 0 or layout.dp * layout.sp > 1]  # zero > 0 needs ranks to shard over
+        out += candidates(pricer, layout, costs, checkpointing, zeros, memory_bytes)
+    out.sort(key=lambda c: (not c.fits, c.step_seconds if c.fits else c.peak_bytes_per_rank, c.peak_bytes_per_rank))
+    return Plan(out[:top] if top else out, hw, pruned, problem, len(out), device_memory_gib, pricer)

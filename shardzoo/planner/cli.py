@@ -1,0 +1,74 @@
+"""``shardzoo plan``: the layout planner on the command line (docs/planner.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_plan_parser(sub) -> None:
+    p = sub.add_parser("plan", help="rank every legal dp x pp x sp x tp layout of a model by predicted step time",
+                       description="Enumerate every legal layout (dp x pp x sp x tp, tp_mode, micro-batches, "
+                       "activation checkpointing, ZeRO stage) of MODEL, predict memory, communication and step time, "
+                       "and print the fastest that fit. Exit code 1 when none fits.")
+    p.add_argument("model", metavar="MODEL", help="a preset (gpt2, gpt2-medium, gpt2-xl, gpt3-175b, bert-base, "
+                   "bert-large, opt-1.3b, opt-13b, opt-175b, vit-base, vit-huge) or a Hugging Face model directory")
+    p.add_argument("--world", type=int, required=True, metavar="N", help="number of devices (ranks)")
+    p.add_argument("--device-memory-gib", type=float, required=True, metavar="M", help="memory per device, GiB")
+    p.add_argument("--global-batch", type=int, required=True, metavar="B", help="sequences per training step")
+    p.add_argument("--seq", type=int, required=True, metavar="S", help="tokens per sequence (ViT: its image tokens)")
+    p.add_argument("--hardware", default="h100", metavar="PRESET|calibrate",
+                   help="a100, h100, h200, or cpu / calibrate: this host, measured once and cached (default h100)")
+    nodes = p.add_mutually_exclusive_group()
+    nodes.add_argument("--nodes", type=int, metavar="K", help="the world is K nodes of world/K devices")
+    nodes.add_argument("--devices-per-node", type=int, metavar="D", help="devices per node (default: the preset's)")
+    p.add_argument("--top", type=int, default=None, metavar="K", help="candidates shown (default 10; --json: all)")
+    p.add_argument("--json", action="store_true", help='print {"hardware": {...}, "candidates": [...]}')
+    p.add_argument("--explain", metavar="LAYOUT", help="why a layout is legal or not and what it costs, e.g. "
+                   "dp=2,pp=1,sp=1,tp=4,tp_mode=2d")
+    p.add_argument("--sp-mode", default="ring", choices=["ring", "ulysses"], help="attention over sp (default ring)")
+    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeline schedule (default 1f1b)")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], help="bf16 autocast (default on accelerators) or fp32 "
+                   "(default on cpu / calibrate)")
+    p.add_argument("--recalibrate", action="store_true", help="with --hardware calibrate: measure again")
+    p.set_defaults(func=run_plan)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from shardzoo.planner.api import plan
+    from shardzoo.planner.report import explain_text, nothing_fits, table, why
+
+    if args.top is not None and args.top < 1:
+        print(f"shardzoo plan: error: --top {args.top} must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        result = plan(args.model, args.world, args.device_memory_gib, args.global_batch, args.seq,
+                      hardware=args.hardware, nodes=args.nodes, devices_per_node=args.devices_per_node,
+                      top=args.top if args.json or args.explain else None, sp_mode=args.sp_mode,
+                      schedule=args.schedule, dtype=args.dtype, recalibrate=args.recalibrate)
+    except ValueError as err:  # bad input: the message names the value, the rule and the fix
+        print(f"shardzoo plan: error: {err}", file=sys.stderr)
+        return 2
+    if args.explain:
+        try:
+            print(explain_text(result, args.explain))
+        except ValueError as err:
+            print(f"shardzoo plan: error: {err}", file=sys.stderr)
+            return 2
+        return 0
+    if args.json:
+        print(json.dumps(result.to_json(), indent=1))
+    else:
+        top = args.top or 10
+        print(f"{result.problem.shape.name or args.model} on {args.world} x {result.hardware.name} "
+              f"({args.device_memory_gib:g} GiB each), global batch {args.global_batch} x {args.seq} tokens: "
+              f"{result.count} candidates, {sum(c.fits for c in result)} fit")
+        print(table(result[:top]))
+        if result.fits:
+            print(why(result, result[0]))
+    if not result.fits:
+        print(f"shardzoo plan: {nothing_fits(result)}" if result else "shardzoo plan: no legal layout (see --explain)",
+              file=sys.stderr)
+        return 1
+    return 0

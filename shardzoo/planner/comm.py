@@ -1,0 +1,178 @@
+"""Communication that does not depend on the tp layout, and adding calls up into bytes and
+messages per group.
+
+* sequence parallelism over ``sp``: ring attention (K, V passed round the ring) and Ulysses
+  (all-to-alls trading the sequence shard for a head shard);
+* pipeline p2p over ``pp``: each stage sends its output forward and its input gradient back;
+* the gradient reduction over ``dp x sp`` per ZeRO stage: DDP's all-reduce (stage 0), and the
+  reduce-scatter of gradients with the all-gather of parameters per block (FSDP2, stages 1-3);
+* the tied-embedding sync between the first and last pipeline stage.
+
+Bytes follow ``shardzoo.comm.accounting`` (the ring model) through ``CommRecord`` itself, so a
+predicted byte is counted exactly as the counter counts a sent one.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+from shardzoo.comm.accounting import CommRecord
+from shardzoo.planner.block_costs import Call, Piece, calls
+
+DP_AXES = ("dp", "sp")  # data_parallel reduces gradients over the dp x sp group
+DDP_BUCKET_BYTES = 25 << 20  # torch DDP's default bucket_cap_mb
+
+# messages (latency terms) one rank starts per call, under the ring algorithms of the byte model
+_STEPS = {"all_reduce": lambda p: 2 * (p - 1), "all_gather": lambda p: p - 1, "reduce_scatter": lambda p: p - 1,
+          "all_to_all": lambda p: p - 1, "broadcast": lambda p: p - 1, "reduce": lambda p: p - 1,
+          "send": lambda p: 1}
+
+
+_FACTORS: dict[tuple[str, int], Fraction] = {}
+_FLOAT_FACTORS: dict[tuple[str, int], tuple[float, int]] = {}
+_SCALED: dict[tuple[str, int, int], int] = {}
+
+
+def byte_factor(kind: str, p: int) -> Fraction:
+    """Bytes one rank sends per payload byte of a ``kind`` call on ``p`` ranks (CommRecord's)."""
+    key = (kind, p)
+    if key not in _FACTORS:
+        _FACTORS[key] = CommRecord(kind, 1, p).bytes_sent
+    return _FACTORS[key]
+
+
+def call_bytes(call: Call) -> Fraction:
+    """Bytes one rank sends for ``call`` (all its repeats)."""
+    return byte_factor(call.kind, call.group_size) * call.payload * call.times
+
+
+class Traffic:
+    """Calls added up: per (phase, group axes, kind, group size, counted), the payload bytes
+    and the number of calls, as integers; bytes sent follow exactly (``byte_factor``)."""
+
+    __slots__ = ("sums",)
+
+    def __init__(self):
+        self.sums: dict[tuple, list[int]] = {}
+
+    def add(self, call_list, times: int = 1, phase: str | None = None) -> "Traffic":
+        sums = self.sums
+        for c in call_list:
+            key = (phase or c.phase, c.axes, c.kind, c.group_size, c.counted)
+            entry = sums.get(key)
+            if entry is None:
+                entry = sums[key] = [0, 0]
+            entry[0] += c.payload * c.times * times
+            entry[1] += c.times * times
+        return self
+
+    def merge(self, other: "Traffic", times: int = 1, phase: str | None = None) -> "Traffic":
+        sums = self.sums
+        for (ph, axes, kind, p, counted), (payload, n) in other.sums.items():
+            key = (phase or ph, axes, kind, p, counted)
+            entry = sums.get(key)
+            if entry is None:
+                entry = sums[key] = [0, 0]
+            entry[0] += payload * times
+            entry[1] += n * times
+        return self
+
+    def bytes_by(self, part=lambda key: None) -> dict:
+        """Exact bytes sent, grouped by ``part(key)`` (key: phase, axes, kind, size, counted)."""
+        payloads: dict = {}
+        for key, (payload, _) in self.sums.items():
+            k = (part(key), key[2], key[3])
+            payloads[k] = payloads.get(k, 0) + payload
+        out: dict = {}
+        for (k, kind, p), payload in payloads.items():  # one exact product per kind and group size
+            out[k] = out.get(k, Fraction(0)) + byte_factor(kind, p) * payload
+        return out
+
+    def total(self) -> Fraction:
+        return self.bytes_by().get(None, Fraction(0))
+
+    def scaled_total(self, denominator: int) -> int:
+        """``total() * denominator`` in integers, for a denominator every group size divides."""
+        out = 0
+        for (_, _, kind, p, _), (payload, _) in self.sums.items():
+            f = _SCALED.get((kind, p, denominator))
+            if f is None:
+                scaled = byte_factor(kind, p) * denominator
+                if scaled.denominator != 1:
+                    raise ValueError(f"group size {p} does not divide {denominator}")
+                f = _SCALED[(kind, p, denominator)] = int(scaled)
+            out += f * payload
+        return out
+
+    def links(self):
+        """(axes, bytes as a float, messages) per entry, for the time model."""
+        for (_, axes, kind, p, _), (payload, n) in self.sums.items():
+            f = _FLOAT_FACTORS.get((kind, p))
+            if f is None:
+                f = _FLOAT_FACTORS[(kind, p)] = (float(byte_factor(kind, p)), _STEPS[kind](p))
+            yield axes, f[0] * payload, f[1] * n
+
+
+# -- sequence parallelism ---------------------------------------------------------------------
+def attention_core(batch, heads, seq, head_dim, e, sp, sp_mode, mask=False) -> Piece:
+    """Attention of this rank's ``heads`` heads over ``seq`` local tokens of ``batch`` rows.
+
+    Saved (every sp_mode): q, k, v, the output and the fp32 log-sum-exp (flash attention never
+    keeps a score matrix). Ring: K, V (+ mask) take sp-1 hops forward; backward K, V take sp-1
+    hops and dK, dV (fp32) sp hops. Ulysses: q, k, v and out cross one all-to-all each way."""
+    acc = 8 if e == 8 else 4
+    kv = batch * heads * seq * head_dim * e
+    mask_bytes = batch * seq if mask else 0
+    saved = 4 * kv + batch * heads * seq * acc + mask_bytes
+    if sp == 1:
+        return Piece([], 0, saved)
+    axes = ("sp",)
+    if sp_mode == "ring":
+        grads = batch * heads * seq * head_dim * acc
+        out = calls("fwd", axes, "send", kv, sp, times=2 * (sp - 1)) + calls("bwd", axes, "send", kv, sp, times=2 * (sp - 1))
+        out += calls("bwd", axes, "send", grads, sp, times=2 * sp)
+        if mask:
+            out += calls("fwd", axes, "send", mask_bytes, sp, times=sp - 1)
+            out += calls("bwd", axes, "send", mask_bytes, sp, times=sp - 1)
+        return Piece(out, 0, saved)
+    out = calls("fwd", axes, "all_to_all", kv, sp, times=4) + calls("bwd", axes, "all_to_all", kv, sp, times=4)
+    if mask:  # gather_padding_mask: the full-sequence mask, uint8
+        out += calls("fwd", axes, "all_gather", batch * seq * sp, sp)
+    return Piece(out, 0, saved)
+
+
+# -- pipeline, data parallelism, ZeRO ----------------------------------------------------------
+def pipeline_p2p(boundary_bytes: int, pp: int, first: bool, last: bool) -> list[Call]:
+    """Per micro-batch: the stage output goes forward, the input gradient back (torch
+    pipelining's PipelineStage; torch.distributed direct, so comm.count does not see it)."""
+    out = [] if last else calls("fwd", ("pp",), "send", boundary_bytes, pp, counted=False)
+    return out + ([] if first else calls("bwd", ("pp",), "send", boundary_bytes, pp, counted=False))
+
+
+def tied_sync(table_bytes: int) -> list[Call]:
+    """pipeline.sync_tied_grads: the tied table's gradient summed by the first and last stage."""
+    return calls("step", ("pp",), "all_reduce", table_bytes, 2, counted=False)
+
+
+def dp_reduction(param_bytes: int, grad_bytes: int, n: int, zero: int, block_bytes: list[int]) -> list[Call]:
+    """The step's gradient reduction over dp x sp (``n`` ranks) for ZeRO stage ``zero``.
+
+    0: DDP all-reduces every gradient (buckets of 25 MiB). 1, 2: reduce-scatter of the gradients
+    (fp32, ``grad_bytes``) and all-gather of the updated parameters (the ZeRO paper's 2*Psi, as
+    DDP). 3: FSDP2 all-gathers each block's parameters before its forward and again before its
+    backward (``block_bytes``: full bytes of each sharded unit) and reduce-scatters gradients."""
+    if n == 1:
+        return []
+    if zero == 0:
+        buckets = max(1, -(-grad_bytes // DDP_BUCKET_BYTES))
+        base, rest = divmod(grad_bytes, buckets)
+        out = calls("step", DP_AXES, "all_reduce", base, n, times=buckets - rest, counted=False)
+        return out + (calls("step", DP_AXES, "all_reduce", base + 1, n, times=rest, counted=False) if rest else [])
+    out = calls("step", DP_AXES, "reduce_scatter", grad_bytes, n, counted=False)
+    if zero < 3:
+        return out + calls("step", DP_AXES, "all_gather", param_bytes, n, counted=False)
+    for b in sorted(set(block_bytes)):
+        k = block_bytes.count(b)
+        out += calls("fwd", DP_AXES, "all_gather", b, n, times=k, counted=False)
+        out += calls("bwd", DP_AXES, "all_gather", b, n, times=k, counted=False)
+    return out

@@ -1,0 +1,165 @@
+"""Every legal layout of a world: dp x pp x sp x tp, each tp_mode (2.5D at every depth >= 2),
+micro-batch counts, activation checkpointing on / off and ZeRO stages, with the reason each
+pruned choice fails (``--explain``).
+
+Choices are made outermost first (tp and its mode, then sp, pp, dp, micro-batches), and a rule
+is checked as soon as the choice it depends on is made, so one failed rule prunes everything
+below it: a tp that does not divide the heads is never combined with any sp, pp or dp.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterator
+
+from shardzoo.comm.mesh import TP_MODES
+from shardzoo.planner.block_costs import Illegal, layout_costs
+from shardzoo.planner.evaluate import Layout
+from shardzoo.planner.model import Batch, ModelShape, check_heads, stage_cost
+
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def tp_grids(world: int, modes=TP_MODES) -> Iterator[tuple[str, int, int]]:
+    """(tp_mode, tp, tp_depth) of every tp grid whose size divides ``world``: 1d any size,
+    2d q*q, 2.5d d*q*q with d >= 2 (d = 1 is 2d), 3d q^3 (q >= 2 for the grids)."""
+    for tp in divisors(world):
+        if "1d" in modes:
+            yield "1d", tp, 1
+        for q in range(2, int(tp**0.5) + 1):
+            if "2d" in modes and q * q == tp:
+                yield "2d", tp, 1
+            if "2.5d" in modes and tp % (q * q) == 0 and tp // (q * q) >= 2:
+                yield "2.5d", tp, tp // (q * q)
+            if "3d" in modes and q**3 == tp:
+                yield "3d", tp, 1
+
+
+@dataclass(frozen=True)
+class Pruned:
+    """A choice the enumeration dropped, and the rule it breaks."""
+
+    what: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What is planned: the model, the world and the global batch of ``seq`` tokens each."""
+
+    shape: ModelShape
+    world: int
+    global_batch: int
+    seq: int
+    sp_mode: str = "ring"
+    e: int = 4
+    param_bytes: int = 4
+    mask_bytes: int = 1  # per dropout-mask element: 1 on CUDA (bool), e on CPU
+
+
+def _grid_rule(problem: Problem, mode: str, tp: int, depth: int, sp: int) -> str | None:
+    """Why the model cannot be built on this tp grid with this sp at all (or None)."""
+    costs = layout_costs(mode, tp, depth, problem.param_bytes)
+    parts = costs.batch_parts(costs.canonical)
+    probe = Batch(parts, problem.seq, sp, problem.sp_mode, problem.e, True, problem.mask_bytes)
+    try:
+        check_heads(problem.shape, costs, probe)
+        stage_cost(problem.shape, costs, probe)
+    except Illegal as err:
+        return str(err)
+    return None
+
+
+def micro_batch_counts(rows: int, pp: int, parts: int) -> list[int]:
+    """Micro-batch counts m of a replica's ``rows``: m divides rows, rows / m divides by the
+    layout's batch parts, and m >= pp (torch's 1F1B / GPipe need a micro-batch per stage);
+    pp = 1 runs the replica's batch as one."""
+    if pp == 1:
+        return [1] if rows % parts == 0 else []
+    return [m for m in divisors(rows) if m >= pp and (rows // m) % parts == 0]
+
+
+def layouts(problem: Problem, modes=TP_MODES, pruned: list[Pruned] | None = None) -> Iterator[Layout]:
+    """Every legal (dp, pp, sp, tp, tp_mode, tp_depth, micro_batches); dropped choices go to
+    ``pruned`` with their reason when a list is given."""
+    shape, world = problem.shape, problem.world
+
+    def drop(what, reason):
+        if pruned is not None:
+            pruned.append(Pruned(what, reason))
+
+    for mode, tp, depth in tp_grids(world, modes):
+        grid = f"tp={tp},tp_mode={mode}" + (f",tp_depth={depth}" if mode == "2.5d" else "")
+        costs = layout_costs(mode, tp, depth, problem.param_bytes)
+        parts = costs.batch_parts(costs.canonical)
+        for sp in divisors(world // tp):
+            reason = _grid_rule(problem, mode, tp, depth, sp)
+            if reason:
+                drop(f"sp={sp},{grid}", reason)
+                continue
+            for pp in divisors(world // (tp * sp)):
+                dp = world // (tp * sp * pp)
+                what = f"dp={dp},pp={pp},sp={sp},{grid}"
+                if pp > shape.layers:
+                    drop(what, f"pp={pp} exceeds the model's {shape.layers} blocks (every stage needs one)")
+                    continue
+                if problem.global_batch % dp:
+                    drop(what, f"the global batch {problem.global_batch} is not divisible by dp={dp}")
+                    continue
+                rows = problem.global_batch // dp
+                counts = micro_batch_counts(rows, pp, parts)
+                if not counts:
+                    need = f" and at least pp={pp} micro-batches" if pp > 1 else ""
+                    drop(what, f"the replica batch {rows} does not split into micro-batches divisible by the "
+                               f"layout's {parts} batch parts{need}")
+                    continue
+                for m in counts:
+                    yield Layout(dp, pp, sp, tp, mode, depth, m)
+
+
+_LAYOUT_KEYS = ("dp", "pp", "sp", "tp", "tp_mode", "tp_depth", "micro_batches")
+
+
+def parse_layout(text: str) -> dict:
+    """``"dp=2,pp=1,sp=1,tp=4,tp_mode=2d"`` (any of the ParallelMesh kwargs and micro_batches;
+    missing sizes are 1, tp_mode 1d) -> a dict."""
+    out: dict = {}
+    for part in filter(None, re.split(r"[,\s]+", text.strip())):
+        key, _, value = part.partition("=")
+        if key not in _LAYOUT_KEYS or not value:
+            raise ValueError(f"--explain {text!r}: {part!r} is not KEY=VALUE with KEY one of {', '.join(_LAYOUT_KEYS)}; "
+                             f"e.g. --explain dp=2,pp=1,sp=1,tp=4,tp_mode=2d")
+        if key == "tp_mode":
+            if value not in TP_MODES:
+                raise ValueError(f"--explain: tp_mode={value!r} is not one of {', '.join(TP_MODES)}")
+            out[key] = value
+        elif not value.isdigit() or int(value) < 1:
+            raise ValueError(f"--explain: {key}={value!r} must be a positive integer")
+        else:
+            out[key] = int(value)
+    return out
+
+
+def explain(problem: Problem, text: str) -> tuple[list[Layout], list[Pruned]]:
+    """The legal layouts matching ``text`` and the reasons of the matching dropped choices."""
+    want = parse_layout(text)
+    pruned: list[Pruned] = []
+    mode = want.get("tp_mode", "1d")
+    found = [lay for lay in layouts(problem, (mode,), pruned)
+             if all(getattr(lay, k) == v for k, v in want.items())]
+    sizes = {k: want.get(k, 1) for k in ("dp", "pp", "sp", "tp")}
+    world = sizes["dp"] * sizes["pp"] * sizes["sp"] * sizes["tp"]
+    if world != problem.world and {"dp", "pp", "sp", "tp"} <= set(want):
+        pruned.insert(0, Pruned(text, f"dp*pp*sp*tp = {world} is not the world size {problem.world}"))
+
+    def matches(p: Pruned) -> bool:
+        items = dict(kv.split("=") for kv in p.what.split(","))
+        return all(str(want[k]) == items[k] for k in want if k in items)
+
+    return found, [p for p in pruned if matches(p)]

@@ -1,0 +1,265 @@
+"""Pricing one layout: per pipeline stage, the bytes sent, the bytes held and the time of a
+training step, for every activation-checkpointing and ZeRO choice.
+
+A training step here is what shardzoo's training loop runs: forward and backward of every
+micro-batch (``schedule.step`` when pp > 1), the gradient reduction over dp x sp (DDP for ZeRO
+stage 0, FSDP2 otherwise), the tied-embedding sync between pipeline ends, then AdamW.
+:class:`Pricer` keeps what layouts share (the pieces of a tp grid x sp x micro-batch size, and
+their summed calls), so a plan over thousands of layouts builds each only once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+
+from shardzoo.planner import time as timing
+from shardzoo.planner.block_costs import Call, Illegal, Piece, layout_costs
+from shardzoo.planner.comm import DP_AXES, Traffic, dp_reduction, pipeline_p2p, tied_sync
+from shardzoo.planner.hardware import Hardware
+from shardzoo.planner.memory import MemoryBreakdown, stage_memory
+from shardzoo.planner.model import (COUNT_BYTES, LOSS_PAIR_BYTES, Batch, ModelShape, StageCost, assemble, loss_reduction,
+                                    stage_parts, target_axes)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """ParallelMesh kwargs plus the micro-batch count."""
+
+    dp: int
+    pp: int
+    sp: int
+    tp: int
+    tp_mode: str
+    tp_depth: int
+    micro_batches: int = 1
+
+    def mesh_kwargs(self) -> dict:
+        return dict(dp=self.dp, pp=self.pp, sp=self.sp, tp=self.tp, tp_mode=self.tp_mode, tp_depth=self.tp_depth)
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.pp * self.sp * self.tp
+
+    def __str__(self) -> str:
+        depth = f",tp_depth={self.tp_depth}" if self.tp_mode == "2.5d" else ""
+        return f"dp={self.dp},pp={self.pp},sp={self.sp},tp={self.tp},tp_mode={self.tp_mode}{depth}"
+
+
+@dataclass
+class StageReport:
+    """One rank of one pipeline stage of a candidate (``Pricer.traffic`` gives its calls)."""
+
+    stage: int
+    memory: MemoryBreakdown
+    param_bytes: int
+    micro_seconds: float  # one micro-batch forward + backward
+    step_seconds: float  # per-step communication and the optimizer
+    compute_seconds: float  # of micro_seconds: matmuls and memory-bound work
+    comm_scaled: int  # bytes of a whole step times ``denominator``
+    denominator: int
+
+    @property
+    def comm_bytes(self) -> Fraction:
+        """Bytes this rank sends in a whole step (exact)."""
+        return Fraction(self.comm_scaled, self.denominator)
+
+
+def recompute_calls(block: list[Piece]) -> list[Call]:
+    """Forward calls activation checkpointing runs again in backward: up to the block's last
+    saved tensor (torch's non-reentrant checkpoint stops recomputing there)."""
+    last = max((i for i, p in enumerate(block) if p.saved), default=-1)
+    out = [c for p in block[:last] for c in p.calls if c.phase == "fwd"]
+    return out + ([c for c in block[last].calls if c.phase == "fwd" and not c.after_save] if last >= 0 else [])
+
+
+def stage_flops(shape: ModelShape, cost: StageCost, batch: int, seq: int, sp: int, tp: int,
+                checkpointing: bool) -> float:
+    """FLOPs of one rank of the stage for one micro-batch, forward + backward (+ recompute)."""
+    vit = shape.family == "vit"
+    tokens = batch * (-(-shape.config.num_tokens // sp) if vit else seq // sp)
+    fwd = cost.blocks * timing.block_flops(shape, tokens, shape.config.num_tokens if vit else seq)
+    ends = timing.end_flops(shape, tokens, batch // sp, cost.is_first, cost.is_last)
+    return (fwd * (3 + (1 if checkpointing else 0)) + 3 * ends) / tp
+
+
+class Pricer:
+    """Prices the layouts of one problem (``enumerate.Problem``) on ``hw``."""
+
+    def __init__(self, problem, hw: Hardware, schedule: str = "1f1b"):
+        self.problem, self.hw, self.schedule = problem, hw, schedule
+        self._parts: dict[tuple, object] = {}
+        self._sums: dict[tuple, tuple[object, Traffic]] = {}
+        self._reductions: dict[tuple, tuple[Traffic, Traffic]] = {}
+        self._totals: dict[int, tuple[Traffic, int]] = {}
+        self.denominator = 2 * problem.world  # every group is a divisor of the world, or the tied pair
+
+    def batch(self, layout: Layout) -> Batch:
+        p = self.problem
+        return Batch(p.global_batch // layout.dp // layout.micro_batches, p.seq, layout.sp, p.sp_mode, p.e, True,
+                     p.mask_bytes)
+
+    def stages(self, layout: Layout) -> list[StageCost]:
+        """Every pipeline stage's StageCost (raises Illegal for a layout that cannot be built)."""
+        parts = self._stage_parts(layout)
+        return [assemble(self.problem.shape, parts, k, layout.pp) for k in range(layout.pp)]
+
+    def distinct_stages(self, layout: Layout) -> list[tuple[int, StageCost]]:
+        """(index, StageCost) of the first stage of each kind (same ends and block count): the
+        one of its kind holding the most micro-batches in flight, so the worst."""
+        parts, shape, pp = self._stage_parts(layout), self.problem.shape, layout.pp
+        base, extra = divmod(shape.layers, pp)
+        picks = {0, pp - 1, 1 if pp > 2 else 0, extra if 0 < extra < pp - 1 else 0}
+        return [(k, assemble(shape, parts, k, pp)) for k in sorted(picks)]
+
+    def _stage_parts(self, layout: Layout):
+        b = self.batch(layout)
+        key = (layout.tp_mode, layout.tp, layout.tp_depth, layout.sp, b.rows)
+        parts = self._parts.get(key)
+        if parts is None:
+            costs = layout_costs(layout.tp_mode, layout.tp, layout.tp_depth, self.problem.param_bytes)
+            try:
+                parts = stage_parts(self.problem.shape, costs, b)
+            except Illegal as err:
+                parts = err
+            self._parts[key] = parts
+        if isinstance(parts, Illegal):
+            raise parts
+        if layout.pp > self.problem.shape.layers:
+            raise Illegal(f"pp={layout.pp} exceeds the model's {self.problem.shape.layers} blocks")
+        return parts
+
+    def _summed(self, what: str, obj, call_list) -> Traffic:
+        """The Traffic of ``call_list``, kept per (what, obj); obj is held so its id stays its own."""
+        entry = self._sums.get((what, id(obj)))
+        if entry is None or entry[0] is not obj:
+            entry = self._sums[(what, id(obj))] = (obj, Traffic().add(call_list))
+        return entry[1]
+
+    def traffic(self, cost: StageCost, layout: Layout, stage: int, checkpointing: bool,
+                zero: int) -> tuple[Traffic, Traffic]:
+        """(per micro-batch, per step) calls of one rank of ``stage``, summed."""
+        one = Traffic().merge(self._base(cost, layout, stage))
+        if checkpointing and cost.blocks:
+            one.merge(self._summed("recompute", cost.block, recompute_calls(cost.block)), cost.blocks, phase="bwd")
+        z_one, step = self._reduction(cost, layout, zero)
+        return one.merge(z_one), step
+
+    def _total(self, traffic: Traffic) -> int:
+        """traffic.total() times ``self.denominator`` (an integer: every group size divides it),
+        kept for the Traffic objects the caches hold, so candidates add integers."""
+        entry = self._totals.get(id(traffic))
+        if entry is None or entry[0] is not traffic:
+            entry = self._totals[id(traffic)] = (traffic, traffic.scaled_total(self.denominator))
+        return entry[1]
+
+    def _base(self, cost: StageCost, layout: Layout, stage: int) -> Traffic:
+        one = Traffic()
+        one.merge(self._summed("piece", cost.first, cost.first.calls))
+        one.merge(self._summed("piece", cost.last, cost.last.calls))
+        one.merge(self._summed("block", cost.block, [c for p in cost.block for c in p.calls]), cost.blocks)
+        if stage == layout.pp - 1:
+            one.add(loss_reduction(self._target_axes(layout), LOSS_PAIR_BYTES, layout.pp))
+        return one.add(pipeline_p2p(cost.boundary, layout.pp, stage == 0, stage == layout.pp - 1))
+
+    def _target_axes(self, layout: Layout) -> list[tuple[str, int]]:
+        costs = layout_costs(layout.tp_mode, layout.tp, layout.tp_depth, self.problem.param_bytes)
+        return target_axes(self.problem.shape, costs, layout.dp, layout.sp)
+
+    def _reduction(self, cost: StageCost, layout: Layout, zero: int) -> tuple[Traffic, Traffic]:
+        """(per micro-batch, per step) calls of the gradient reduction and the tied sync."""
+        n, tied = layout.dp * layout.sp, cost.tied_table and layout.pp > 1
+        key = (cost.params, cost.first.params + cost.last.params, cost.blocks, n, zero, tied, cost.is_last,
+               layout.pp, layout.dp, layout.tp_mode, layout.tp, layout.tp_depth)
+        if key not in self._reductions:
+            self._reductions[key] = self._reduction_calls(cost, layout, zero)
+        return self._reductions[key]
+
+    def _reduction_calls(self, cost: StageCost, layout: Layout, zero: int) -> tuple[Traffic, Traffic]:
+        ep, one, step = self.problem.param_bytes, Traffic(), Traffic()
+        p = cost.params * ep
+        units = [b * ep for b in cost.block_params] + [(cost.first.params + cost.last.params) * ep]
+        for c in dp_reduction(p, p, layout.dp * layout.sp, zero, units):
+            (step if c.phase == "step" else one).add([c])
+        if cost.tied_table and layout.pp > 1:
+            step.add(tied_sync(cost.tied_table * ep))
+        if layout.pp > 1 and cost.is_last:  # build_schedule counts the step's targets once
+            step.add(loss_reduction(self._target_axes(layout), COUNT_BYTES, layout.pp, phase="step"))
+        return one, step
+
+    def price_stage(self, layout: Layout, cost: StageCost, stage: int, checkpointing: bool,
+                    zero: int) -> StageReport:
+        """Everything about one rank of ``stage`` for one (checkpointing, zero) choice."""
+        return self.price_variants(layout, cost, stage, (checkpointing,), (zero,))[(checkpointing, zero)]
+
+    def price_variants(self, layout: Layout, cost: StageCost, stage: int, checkpointing, zeros) -> dict:
+        """{(checkpointing, zero): StageReport} of one rank of ``stage``; what the variants share
+        (the blocks' calls, their seconds) is summed once."""
+        hw, problem, ep = self.hw, self.problem, self.problem.param_bytes
+        n, b, m = layout.dp * layout.sp, self.batch(layout), layout.micro_batches
+        links = timing.Links(timing.axis_strides(**layout.mesh_kwargs()), hw)
+        share = hw.rank_share(min(layout.world, hw.devices_per_node))
+        base = self._base(cost, layout, stage)
+        base_bytes, base_s = self._total(base), links.seconds(base)
+        rc = self._summed("recompute", cost.block, recompute_calls(cost.block))
+        rc_bytes, rc_s = self._total(rc) * cost.blocks, links.seconds(rc) * cost.blocks
+        saved = cost.first.saved + cost.last.saved + cost.blocks * sum(p.saved for p in cost.block)
+        held = cost.params * ep
+        out = {}
+        for zero in zeros:
+            z_one, step = self._reduction(cost, layout, zero)
+            z_bytes, z_s = self._total(z_one), links.seconds(z_one)
+            optimizer = timing.ADAM_BYTES_PER_PARAM_BYTE * held / (n if zero else 1)
+            step_s = (links.seconds(step) + optimizer / hw.mem_bandwidth) / share
+            step_bytes = self._total(step)
+            for ckpt in checkpointing:
+                memory = stage_memory(cost, stage=stage, pp=layout.pp, micro_batches=m, checkpointing=ckpt, zero=zero,
+                                      dp_ranks=n, param_bytes=ep, schedule=self.schedule, runtime=hw.runtime_bytes)
+                flops = stage_flops(problem.shape, cost, b.rows, b.seq, layout.sp, layout.tp, ckpt)
+                compute = (flops / (hw.flops * hw.flops_efficiency)
+                           + timing.MEMORY_PASSES * saved / hw.mem_bandwidth) / share
+                comm_s = base_s + z_s + (rc_s if ckpt and cost.blocks else 0.0)
+                per_mb = base_bytes + z_bytes + (rc_bytes if ckpt and cost.blocks else 0)
+                out[(ckpt, zero)] = StageReport(stage, memory, held // n if zero == 3 else held, compute + comm_s / share,
+                                                step_s, compute, per_mb * m + step_bytes, self.denominator)
+        return out
+
+    def price(self, layout: Layout, checkpointing=(False, True), zeros=(0,),
+              costs: list[StageCost] | None = None) -> dict:
+        """{(checkpointing, zero): [StageReport]} over the stages that can be the worst: the
+        first of each kind (same ends and block count), which holds the most micro-batches."""
+        costs = costs if costs is not None else self.distinct_stages(layout)
+        out = {}
+        for k, cost in costs:
+            for key, report in self.price_variants(layout, cost, k, checkpointing, zeros).items():
+                out.setdefault(key, []).append(report)
+        return out
+
+
+def step_seconds(layout: Layout, reports: list[StageReport]) -> float:
+    slowest = max(r.micro_seconds for r in reports)
+    return (layout.micro_batches + layout.pp - 1) * slowest + max(r.step_seconds for r in reports)
+
+
+def _channel(key) -> str:
+    """Who sends an entry: shardzoo.comm (counted), DDP / FSDP2, torch pipelining, the tied sync."""
+    phase, axes, kind, _, counted = key
+    if counted:
+        return "counted"
+    if axes == DP_AXES:
+        return "ddp"
+    if axes == ("pp",):
+        return "p2p" if kind == "send" else "tied"
+    return "other"
+
+
+def channel_bytes(per_micro_batch: Traffic, per_step: Traffic, micro_batches: int) -> dict[str, Fraction]:
+    """A step's bytes of one stage split by sender: ``counted`` (through shardzoo.comm, which
+    comm.count sees), ``ddp`` (the dp x sp gradient reduction), ``p2p`` (pipeline stage sends),
+    ``tied`` (the tied-table sync), ``other`` (direct torch.distributed calls elsewhere)."""
+    out = {k: Fraction(0) for k in ("counted", "ddp", "p2p", "tied", "other")}
+    for k, v in per_micro_batch.bytes_by(_channel).items():
+        out[k] += v * micro_batches
+    for k, v in per_step.bytes_by(_channel).items():
+        out[k] += v
+    return out

@@ -1,0 +1,202 @@
+"""Run a candidate layout for real and measure it: the check of the planner's predictions
+(tests/planner, bench/plan.py).
+
+``run_layout(spec)`` runs on every rank of a world (a WorkerPool / ``shardzoo.launch``): it
+builds the model on ``ParallelMesh(**spec["layout"])``, runs training steps as a user would
+(``data_parallel`` + the model's loss, or a 1F1B pipeline schedule with ``sync_tied_grads``,
+then AdamW) and returns, for the last step, this rank's
+
+* ``counted``: bytes ``shardzoo.comm.count`` counted (every shardzoo collective and p2p send);
+* ``ddp``, ``p2p``, ``tied``: bytes of what torch.distributed is called for directly, each under
+  the same ring model: DDP's gradient buckets (through a DDP comm hook that reports each bucket
+  and then all-reduces it as DDP would), torch pipelining's stage sends (``P2POp`` sends on the
+  pp group) and the tied-embedding all-reduce of ``sync_tied_grads``;
+* ``param_bytes`` (the stage's parameters, each tensor once), step seconds and peak RSS.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from fractions import Fraction
+
+import torch
+import torch.distributed as dist
+
+from shardzoo.comm.accounting import CommRecord
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def _reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _ring_bytes(kind: str, n: int, p: int) -> Fraction:
+    return CommRecord(kind, n, p).bytes_sent
+
+
+def counting_ddp_hook(state, bucket):
+    """DDP comm hook: record the bucket under the ring model, then all-reduce it as DDP does."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    group, totals = state
+    buf = bucket.buffer()
+    totals["ddp"] += _ring_bytes("all_reduce", buf.numel() * buf.element_size(), dist.get_world_size(group))
+    return allreduce_hook(group, bucket)
+
+
+@contextlib.contextmanager
+def count_pipeline_sends(pp_group, totals):
+    """Count the sends torch pipelining makes on ``pp_group`` (its PipelineStage builds
+    ``dist.P2POp(dist.isend, ...)`` at call time, so a subclass in its place sees each one)."""
+    original = dist.P2POp
+
+    class CountingP2POp(original):
+        def __init__(self, op, tensor, *args, **kwargs):
+            super().__init__(op, tensor, *args, **kwargs)
+            if op is dist.isend and self.group is pp_group:
+                totals["p2p"] += tensor.numel() * tensor.element_size()
+
+    dist.P2POp = CountingP2POp
+    try:
+        yield
+    finally:
+        dist.P2POp = original
+
+
+@contextlib.contextmanager
+def count_all_reduce(totals, key):
+    """Count the torch.distributed.all_reduce calls made inside the block under ``key``."""
+    original = dist.all_reduce
+
+    def counting(tensor, *args, group=None, **kwargs):
+        totals[key] += _ring_bytes("all_reduce", tensor.numel() * tensor.element_size(), dist.get_world_size(group))
+        return original(tensor, *args, group=group, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        yield
+    finally:
+        dist.all_reduce = original
+
+
+def build_model(spec: dict, mesh):
+    """The spec's model (family, config dict) as this rank's stage, on CPU, seeded."""
+    from shardzoo.models.families import family_named
+
+    fam = family_named(spec["family"])
+    stage = (mesh.pp_rank, mesh.pp_size) if mesh.pp_size > 1 else None
+    return fam.model(fam.config(**spec["config"]), mesh=mesh, stage=stage, sp_mode=spec.get("sp_mode", "ring"),
+                     checkpointing=spec.get("checkpointing", False), seed=spec.get("seed", 0))
+
+
+def make_batch(spec: dict, model, mesh):
+    """(stage inputs, stage target) of this dp replica's rows of a seeded global batch."""
+    gen = torch.Generator().manual_seed(spec.get("seed", 0) + 1)
+    rows, c = spec["batch"] // mesh.dp_size, model.config
+    if spec["family"] == "vit":
+        pixels = torch.randn(spec["batch"], c.num_channels, c.image_size, c.image_size, generator=gen)
+        labels = torch.randint(0, c.num_labels, (spec["batch"],), generator=gen)
+        pixels, labels = (t.chunk(mesh.dp_size, 0)[mesh.dp_rank] for t in (pixels, labels))
+        return (model.shard_input(pixels) if model.is_first else None,
+                model.shard_target(labels) if model.is_last else None)
+    ids = torch.randint(0, c.vocab_size, (spec["batch"], spec["seq"] + 1), generator=gen)
+    ids = ids.chunk(mesh.dp_size, 0)[mesh.dp_rank]
+    assert ids.shape[0] == rows
+    return (model.shard_input(ids[:, :-1]) if model.is_first else None,
+            model.shard_target(ids[:, 1:]) if model.is_last else None)
+
+
+def run_layout(spec: dict) -> dict:
+    """Build, train ``spec["steps"]`` steps (the first one warms up), measure the last ones."""
+    from shardzoo import comm
+    from shardzoo.models.pipeline import build_schedule, sync_tied_grads
+    from shardzoo.models.training import data_parallel
+    from shardzoo.testing import cached_mesh
+
+    mesh = cached_mesh(**spec["layout"])
+    model = build_model(spec, mesh)
+    param_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    totals = {"ddp": Fraction(0), "p2p": Fraction(0), "tied": Fraction(0)}
+    wrapped = data_parallel(model, mesh)
+    if wrapped is not model:
+        wrapped.register_comm_hook((mesh.group("dp", "sp"), totals), counting_ddp_hook)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    inputs, target = make_batch(spec, model, mesh)
+    schedule = None
+    if mesh.pp_size > 1:
+        schedule = build_schedule([(mesh.pp_rank, wrapped)], mesh, n_microbatches=spec["micro_batches"],
+                                  loss_fn=model.loss)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        if schedule is None:
+            model.loss(wrapped(inputs), target).backward()
+        else:
+            with count_pipeline_sends(mesh.pp_group, totals):
+                schedule.step(*((inputs,) if model.is_first else ()), **({"target": target} if model.is_last else {}))
+            with count_all_reduce(totals, "tied"):
+                sync_tied_grads([model], mesh)
+        opt.step()
+
+    model.train()
+    step()  # warm-up: lazily built groups, pipeline shape inference, optimizer state
+    times, counted = [], None
+    _reset_peak_rss()
+    for _ in range(max(1, spec.get("steps", 2) - 1)):
+        for k in totals:
+            totals[k] = Fraction(0)
+        dist.barrier()
+        start = time.perf_counter()
+        with comm.count() as counter:
+            step()
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+        counted = counter.total_bytes
+    return {"stage": mesh.pp_rank, "param_bytes": param_bytes, "counted": counted, **totals,
+            "step_s": statistics.median(times), "peak_rss": _rss_kib("VmHWM") * 1024}
+
+
+_BLOCKS = {"gpt2": "transformer.h", "opt": "model.decoder.layers", "bert": "bert.encoder.layer",
+           "vit": "vit.encoder.layer"}
+
+
+def saved_bytes(spec: dict) -> dict:
+    """Bytes autograd keeps for backward in one training forward + loss of this rank's stage,
+    by part ("embed", "block<i>", "head"): each tensor's storage counted once, parameters left out
+    (the planner's activation terms, measured)."""
+    from shardzoo.testing import cached_mesh
+
+    mesh = cached_mesh(**spec["layout"])
+    model = build_model(spec, mesh)
+    model.train()
+    inputs, target = make_batch(spec, model, mesh)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    part, seen = {"now": "embed"}, {}
+
+    def enter(name):
+        return lambda module, args: part.__setitem__("now", name)
+
+    for name, block in model.get_submodule(_BLOCKS[spec["family"]]).items():
+        block.register_forward_pre_hook(enter(f"block{name}"))
+        block.register_forward_hook(lambda module, args, out: part.__setitem__("now", "head"))
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params and storage.data_ptr() not in seen:
+            seen[storage.data_ptr()] = (part["now"], storage.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model.loss(model(inputs), target)
+    out: dict = {}
+    for name, n in seen.values():
+        out[name] = out.get(name, 0) + n
+    del loss
+    return out

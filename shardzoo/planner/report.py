@@ -1,0 +1,99 @@
+"""Plans as people read them: the table of the top candidates, why the first one wins, what a
+layout costs term by term (``--explain``) and the message when nothing fits."""
+
+from __future__ import annotations
+
+from shardzoo.planner import time as timing
+from shardzoo.planner.enumerate import explain
+from shardzoo.planner.hardware import GIB
+
+_HEADERS = ["#", "dp", "pp", "sp", "tp", "tp_mode", "micro", "ckpt", "zero", "params GiB", "peak GiB", "comm GB/step",
+            "step s", "tokens/s", "fits"]
+
+
+def table(candidates, start: int = 1) -> str:
+    rows = []
+    for i, c in enumerate(candidates, start):
+        lay = c.layout
+        mode = lay["tp_mode"] + (f" d={lay['tp_depth']}" if lay["tp_mode"] == "2.5d" else "")
+        rows.append([str(i), str(lay["dp"]), str(lay["pp"]), str(lay["sp"]), str(lay["tp"]), mode,
+                     str(c.micro_batches), "on" if c.activation_checkpointing else "off", str(c.zero),
+                     f"{c.param_bytes_per_rank / GIB:.2f}", f"{c.peak_bytes_per_rank / GIB:.2f}",
+                     f"{float(c.comm_bytes_per_rank_per_step) / 1e9:.3f}", f"{c.step_seconds:.4g}",
+                     f"{c.tokens_per_second:,.0f}", "yes" if c.fits else "no"])
+    widths = [max(len(h), *(len(r[k]) for r in rows)) if rows else len(h) for k, h in enumerate(_HEADERS)]
+    line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+    return "\n".join([line(_HEADERS)] + [line(r) for r in rows])
+
+
+def comm_by_group(plan, cand) -> list[tuple[str, float, float, str]]:
+    """(group, GB per step, seconds per step, link) of the candidate's worst-time stage."""
+    from shardzoo.planner.evaluate import Layout
+
+    layout = Layout(**cand.layout, micro_batches=cand.micro_batches)
+    report = max(cand.reports, key=lambda r: r.micro_seconds)
+    cost = dict(plan.pricer.distinct_stages(layout))[report.stage]
+    one, step = plan.pricer.traffic(cost, layout, report.stage, cand.activation_checkpointing, cand.zero)
+    strides = timing.axis_strides(**cand.layout)
+    share = plan.hardware.rank_share(min(layout.world, plan.hardware.devices_per_node))
+    groups: dict = {}
+    # bytes: m micro-batches and the step's own; seconds: the pipeline's critical path
+    for traffic, times, path in ((one, layout.micro_batches, layout.micro_batches + layout.pp - 1), (step, 1, 1)):
+        for axes, n, messages in traffic.links():
+            bandwidth, latency = timing.link(axes, strides, plan.hardware)
+            name = "x".join(axes)
+            gb, secs, _ = groups.get(name, (0.0, 0.0, ""))
+            kind = "intra-node" if bandwidth == plan.hardware.intra_bandwidth else "inter-node"
+            groups[name] = (gb + n * times / 1e9, secs + (n / bandwidth + messages * latency) * path / share, kind)
+    return sorted(((k, *v) for k, v in groups.items()), key=lambda g: -g[2])
+
+
+def why(plan, cand) -> str:
+    """One line on why ``cand`` (the first candidate) comes first."""
+    fitting = sum(1 for c in plan if c.fits) if len(plan) == plan.count else None
+    report = max(cand.reports, key=lambda r: r.micro_seconds)
+    pp, m = cand.layout["pp"], cand.micro_batches
+    compute = report.compute_seconds * (m + pp - 1)
+    groups = comm_by_group(plan, cand)
+    comm = sum(g[2] for g in groups)
+    top = f"; most of it over {groups[0][0]} ({groups[0][3]}, {groups[0][2]:.3g} s)" if groups else ""
+    of = f" of {fitting} that fit" if fitting is not None else " that fits"
+    mem = cand.reports[0].memory
+    return (f"why #1: fastest candidate{of} in {plan.memory_gib:g} GiB: per step ~{compute:.3g} s compute and "
+            f"~{comm:.3g} s communication{top}; pipeline bubble {(pp - 1) / (m + pp - 1):.0%}; peak "
+            f"{cand.peak_bytes_per_rank / GIB:.2f} GiB (params {mem.params / GIB:.2f}, optimizer "
+            f"{mem.optimizer / GIB:.2f}, activations and gradients {mem.dynamic / GIB:.2f})")
+
+
+def nothing_fits(plan) -> str:
+    best = min(plan, key=lambda c: c.peak_bytes_per_rank)
+    return (f"nothing fits in {plan.memory_gib:g} GiB per device: the smallest peak is "
+            f"{best.peak_bytes_per_rank / GIB:.2f} GiB, needed by {best.describe()}. Use more devices, a smaller "
+            f"global batch or sequence, or devices with more memory")
+
+
+def explain_text(plan, text: str) -> str:
+    """What ``--explain LAYOUT`` prints: why the layout was dropped, or its candidates and the
+    first one's costs term by term."""
+    found, pruned = explain(plan.problem, text)
+    lines = [f"--explain {text}:"]
+    for p in pruned:
+        lines.append(f"  not legal: {p.what}: {p.reason}")
+    if not found:
+        if not pruned:
+            lines.append("  no legal layout matches (check that dp*pp*sp*tp is the world size)")
+        return "\n".join(lines)
+    layout_keys = ("dp", "pp", "sp", "tp", "tp_mode", "tp_depth")
+    mine = [c for c in plan if any(c.layout == {k: getattr(f, k) for k in layout_keys}
+                                   and c.micro_batches == f.micro_batches for f in found)]
+    lines.append(f"  {len(mine)} candidates:")
+    lines.append(table(mine))
+    if mine:
+        c = mine[0]
+        mem = max(c.reports, key=lambda r: r.memory.peak).memory
+        lines.append(f"  {c.describe()}: peak {mem.peak / GIB:.3f} GiB = runtime {mem.runtime / GIB:.3f} + params "
+                     f"{mem.params / GIB:.3f} + optimizer {mem.optimizer / GIB:.3f} + buffers {mem.buffers / GIB:.3f} "
+                     f"+ activations and gradients {mem.dynamic / GIB:.3f} + workspace {mem.workspace / GIB:.3f}")
+        for name, gb, secs, kind in comm_by_group(plan, c):
+            lines.append(f"    {name:>18}: {gb:10.4f} GB per step, {secs:.4g} s ({kind})")
+    return "\n".join(lines)

@@ -1,0 +1,134 @@
+"""The planner's parameter and communication figures are exact: for random small models, every
+tp_mode, with sp (ring / Ulysses), pp, dp, activation checkpointing and dropout drawn, the built
+model holds ``param_bytes_per_rank`` on its worst rank, and one training step sends what the
+planner says on every rank, channel by channel:
+
+* ``counted``: what ``shardzoo.comm.count`` counts (every shardzoo collective and ring send);
+* ``ddp``, ``p2p``, ``tied``: DDP's gradient buckets, torch pipelining's stage sends and the
+  tied-table all-reduce, which call torch.distributed directly; shardzoo.planner.measure
+  counts them with a DDP comm hook and spies on the pp group (see its docstring).
+
+The sum of the channels on the worst rank is ``comm_bytes_per_rank_per_step``. ZeRO stages > 0
+(FSDP2) are priced by the planner but not built here yet. Few examples per world, on the
+shared worker pools.
+"""
+
+from fractions import Fraction
+
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from shardzoo.models.families import family_named
+from shardzoo.planner.api import plan
+from shardzoo.planner.evaluate import Layout, channel_bytes
+from shardzoo.planner.measure import run_layout
+from shardzoo.planner.model import ModelShape
+from shardzoo.planner.presets import HARDWARE
+from shardzoo.testing import run_on_ranks
+
+CHANNELS = ("counted", "ddp", "p2p", "tied")
+GRIDS = {  # world -> tp grids that fit it: (tp_mode, tp, tp_depth)
+    2: [("1d", 1, 1), ("1d", 2, 1)],
+    4: [("1d", 2, 1), ("1d", 4, 1), ("2d", 4, 1)],
+    8: [("1d", 2, 1), ("2d", 4, 1), ("2.5d", 8, 2), ("3d", 8, 1)],
+}
+
+
+def config_of(family: str, layers: int, vocab: int, ffn: int, dropout: float) -> dict:
+    h, heads = 16, 4
+    return {
+        "gpt2": dict(n_layer=layers, n_embd=h, n_head=heads, n_inner=ffn, vocab_size=vocab, n_positions=16,
+                     resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout),
+        "opt": dict(num_hidden_layers=layers, hidden_size=h, num_attention_heads=heads, ffn_dim=ffn, vocab_size=vocab,
+                    max_position_embeddings=16, dropout=dropout, attention_dropout=dropout),
+        "bert": dict(num_hidden_layers=layers, hidden_size=h, num_attention_heads=heads, intermediate_size=ffn,
+                     vocab_size=vocab, max_position_embeddings=16, hidden_dropout_prob=dropout,
+                     attention_probs_dropout_prob=dropout),
+        "vit": dict(num_hidden_layers=layers, hidden_size=h, num_attention_heads=heads, intermediate_size=ffn,
+                    image_size=8, patch_size=4, num_labels=3, hidden_dropout_prob=dropout,
+                    attention_probs_dropout_prob=dropout),
+    }[family]
+
+
+@st.composite
+def specs(draw, world: int):
+    """A layout of ``world`` ranks and a tiny model trainable on it."""
+    mode, tp, depth = draw(st.sampled_from(GRIDS[world]))
+    rest = world // tp
+    sp = draw(st.sampled_from([s for s in (1, 2) if rest % s == 0]))
+    pp = draw(st.sampled_from([p for p in (1, 2) if (rest // sp) % p == 0]))
+    dp = rest // (sp * pp)
+    family = draw(st.sampled_from(["gpt2", "opt", "bert", "vit"]))
+    if family == "bert" and dp * sp > 1 and pp == 1:  # its unused pooler breaks DDP without find_unused_parameters
+        family = "gpt2"
+    parts = {"1d": 1, "2d": 2, "2.5d": 4, "3d": 4}[mode]
+    micro = draw(st.sampled_from([2, 4])) if pp > 1 else 1
+    return dict(family=family, layout=dict(dp=dp, pp=pp, sp=sp, tp=tp, tp_mode=mode, tp_depth=depth),
+                config=config_of(family, draw(st.integers(pp, 3)), draw(st.integers(33, 70)),
+                                 draw(st.sampled_from([32, 48])), draw(st.sampled_from([0.0, 0.1]))),
+                micro_batches=micro, batch=dp * micro * parts, seq=8, steps=2,
+                checkpointing=draw(st.booleans()), sp_mode=draw(st.sampled_from(["ring", "ulysses"])))
+
+
+def check_exact(spec: dict) -> None:
+    measured = run_on_ranks(run_layout, spec["layout"]["dp"] * spec["layout"]["pp"] * spec["layout"]["sp"]
+                            * spec["layout"]["tp"], spec)
+    shape = ModelShape(spec["family"], family_named(spec["family"]).config(**spec["config"]))
+    layout = Layout(**spec["layout"], micro_batches=spec["micro_batches"])
+    planned = plan(shape, layout.world, 1e6, spec["batch"], spec["seq"], hardware=HARDWARE["a100"], dtype="fp32",
+                   sp_mode=spec["sp_mode"], zero_stages=(0,), tp_modes=(layout.tp_mode,))
+    cand = next(c for c in planned if c.layout == layout.mesh_kwargs() and c.micro_batches == layout.micro_batches
+                and c.activation_checkpointing == spec["checkpointing"])
+    stages = planned.pricer.stages(layout)
+    totals = []
+    for rank, got in enumerate(measured):
+        one, step = planned.pricer.traffic(stages[got["stage"]], layout, got["stage"], spec["checkpointing"], 0)
+        want = channel_bytes(one, step, layout.micro_batches)
+        for k in CHANNELS:
+            assert got[k] == want[k], f"rank {rank} stage {got['stage']} {k}: sent {got[k]}, planned {want[k]} ({spec})"
+        assert got["param_bytes"] == stages[got["stage"]].params * 4, f"rank {rank} parameter bytes ({spec})"
+        totals.append(sum((got[k] for k in CHANNELS), Fraction(0)) + want["other"])  # other: ViT's direct count
+    assert cand.comm_bytes_per_rank_per_step == max(totals), spec
+    assert cand.param_bytes_per_rank == max(r["param_bytes"] for r in measured), spec
+
+
+def _spec(family, world, mode, tp, depth=1, sp=1, pp=1, micro=1, ckpt=False, sp_mode="ring", dropout=0.0):
+    dp = world // (tp * sp * pp)
+    parts = {"1d": 1, "2d": 2, "2.5d": 4, "3d": 4}[mode]
+    return dict(family=family, layout=dict(dp=dp, pp=pp, sp=sp, tp=tp, tp_mode=mode, tp_depth=depth),
+                config=config_of(family, 2, 37, 48, dropout), micro_batches=micro, batch=dp * micro * parts, seq=8,
+                steps=2, checkpointing=ckpt, sp_mode=sp_mode)
+
+
+@settings(max_examples=3, derandomize=True)
+@given(specs(2))
+@example(_spec("gpt2", 2, "1d", 1, pp=2, micro=2))
+def test_exact_on_2_ranks(spec):
+    check_exact(spec)
+
+
+@settings(max_examples=3, derandomize=True)
+@given(specs(4))
+@example(_spec("gpt2", 4, "2d", 4, ckpt=True, dropout=0.1))
+@example(_spec("opt", 4, "1d", 2, sp=2, sp_mode="ulysses", ckpt=True))
+def test_exact_on_4_ranks(spec):
+    check_exact(spec)
+
+
+@settings(max_examples=3, derandomize=True)
+@given(specs(8))
+@example(_spec("bert", 8, "3d", 8, ckpt=True))
+@example(_spec("vit", 8, "2.5d", 8, depth=2))
+@example(_spec("gpt2", 8, "2d", 4, pp=2, micro=2, ckpt=True))
+def test_exact_on_8_ranks(spec):
+    check_exact(spec)
+
+
+@pytest.mark.xfail(strict=True, reason="known gap: with activation checkpointing, OPT on 2d recomputes one more SUMMA "
+                   "product (fc2's forward, 1024 bytes here) than the planner's recompute model counts")
+def test_opt_2d_checkpointing_recompute():
+    spec = _spec("opt", 4, "2d", 4, ckpt=True)
+    spec["config"] = config_of("opt", 1, 33, 32, 0.0)
+    spec["batch"] = 2
+    check_exact(spec)

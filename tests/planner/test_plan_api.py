@@ -1,0 +1,136 @@
+"""``shardzoo plan`` / ``shardzoo.plan``: the JSON shape and sorting of the contract, exit codes,
+pruning reasons and --explain, bad input, placement, hardware presets and the calibration cache."""
+
+import json
+import os
+
+import pytest
+
+import shardzoo
+from shardzoo.cli import main
+from shardzoo.planner import hardware
+from shardzoo.planner.api import CANDIDATE_KEYS
+from shardzoo.planner.presets import HARDWARE, MODELS, load_model
+from shardzoo.planner.time import axis_strides, link
+
+ARGS = ["plan", "gpt2", "--world", "8", "--device-memory-gib", "80", "--global-batch", "16", "--seq", "128",
+        "--hardware", "a100"]
+
+
+def run(capsys, argv):
+    code = main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_json_has_the_contract_keys_and_order(capsys):
+    code, out, _ = run(capsys, ARGS + ["--json"])
+    assert code == 0
+    data = json.loads(out)
+    assert set(data) == {"hardware", "candidates"} and data["hardware"]["name"] == "a100"
+    cands = data["candidates"]
+    assert cands and all(tuple(c) == CANDIDATE_KEYS for c in cands)
+    assert all(set(c["layout"]) == {"dp", "pp", "sp", "tp", "tp_mode", "tp_depth"} for c in cands)
+    assert all(c["layout"]["dp"] * c["layout"]["pp"] * c["layout"]["sp"] * c["layout"]["tp"] == 8 for c in cands)
+    fits = [c for c in cands if c["fits"]]
+    assert cands[: len(fits)] == fits  # fitting first ...
+    assert [c["step_seconds"] for c in fits] == sorted(c["step_seconds"] for c in fits)  # ... by step time
+    rest = cands[len(fits):]
+    assert [c["peak_bytes_per_rank"] for c in rest] == sorted(c["peak_bytes_per_rank"] for c in rest)
+    assert {c["layout"]["tp_mode"] for c in cands} == {"1d", "2d", "2.5d", "3d"}
+    assert {c["zero"] for c in cands} == {0, 1, 2, 3} and {c["activation_checkpointing"] for c in cands} == {0, 1}
+
+
+def test_api_returns_the_same_candidates_as_objects(capsys):
+    _, out, _ = run(capsys, ARGS + ["--json", "--top", "5"])
+    planned = shardzoo.plan("gpt2", 8, 80, 16, 128, hardware="a100", top=5)
+    assert [c.to_json() for c in planned] == json.loads(out)["candidates"]
+    assert planned.to_json()["hardware"] == HARDWARE["a100"].to_json()
+
+
+def test_table_names_why_the_first_wins(capsys):
+    code, out, _ = run(capsys, ARGS + ["--top", "3"])
+    assert code == 0 and "why #1: fastest candidate" in out and len(out.splitlines()) == 1 + 1 + 3 + 1
+
+
+def test_nothing_fits_exits_1_naming_the_smallest_peak(capsys):
+    planned = shardzoo.plan("gpt2-xl", 4, 0.5, 8, 1024, hardware="a100")
+    smallest = min(planned, key=lambda c: c.peak_bytes_per_rank)
+    code, _, err = run(capsys, ["plan", "gpt2-xl", "--world", "4", "--device-memory-gib", "0.5", "--global-batch",
+                                "8", "--seq", "1024", "--hardware", "a100"])
+    assert code == 1 and "nothing fits in 0.5 GiB" in err
+    assert f"{smallest.peak_bytes_per_rank / 2**30:.2f} GiB, needed by {smallest.describe()}" in err
+
+
+def test_pruned_layouts_say_why(capsys):
+    planned = shardzoo.plan("gpt2-xl", 8, 80, 16, 128, hardware="a100")  # 25 heads
+    assert all(c.layout["tp"] in (1,) or c.layout["tp_mode"] != "1d" for c in planned)
+    assert any("num_heads divisible" in p.reason and "got 25" in p.reason for p in planned.pruned)
+    code, out, _ = run(capsys, ["plan", "gpt2-xl", "--world", "8", "--device-memory-gib", "80", "--global-batch",
+                                "16", "--seq", "128", "--hardware", "a100", "--explain", "dp=4,pp=1,sp=1,tp=2"])
+    assert code == 0 and "not legal" in out and "num_heads" in out and "got 25" in out
+    code, out, _ = run(capsys, ARGS + ["--explain", "dp=2,pp=1,sp=1,tp=4,tp_mode=2d"])
+    assert code == 0 and "8 candidates" in out and "tp_col" in out and "peak" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["plan", "no-such-model", "--world", "8", "--device-memory-gib", "8", "--global-batch", "8", "--seq", "8"],
+     "unknown model 'no-such-model'"),
+    (ARGS[:-2] + ["--hardware", "tpu"], "unknown hardware 'tpu'"),
+    (["plan", "gpt2", "--world", "8", "--device-memory-gib", "8", "--global-batch", "8", "--seq", "4096"],
+     "exceeds gpt2's 1024 learned positions"),
+    (ARGS + ["--nodes", "3"], "--nodes 3 must divide the world size 8"),
+    (ARGS + ["--explain", "dp=two"], "dp='two' must be a positive integer"),
+    (ARGS + ["--top", "0"], "--top 0 must be at least 1"),
+])
+def test_bad_input_is_a_clear_error(capsys, argv, message):
+    code, _, err = run(capsys, argv)
+    assert code == 2 and message in err
+
+
+def test_placement_costs_groups_across_nodes_at_the_inter_node_link():
+    a100 = HARDWARE["a100"]
+    strides = axis_strides(dp=2, pp=1, sp=1, tp=16, tp_mode="1d", tp_depth=1)
+    assert link(("tp",), strides, a100) == (a100.inter_bandwidth, a100.inter_latency)  # 16 ranks > 8 per node
+    strides = axis_strides(dp=4, pp=1, sp=2, tp=4, tp_mode="1d", tp_depth=1)
+    assert link(("tp",), strides, a100)[0] == link(("sp",), strides, a100)[0] == a100.intra_bandwidth
+    assert link(("dp", "sp"), strides, a100)[0] == a100.inter_bandwidth
+    fast = shardzoo.plan("gpt2", 16, 80, 16, 128, hardware="a100", tp_modes=("1d",))
+    slow = shardzoo.plan("gpt2", 16, 80, 16, 128, hardware="a100", tp_modes=("1d",), devices_per_node=1)
+    assert slow[0].step_seconds > fast[0].step_seconds
+
+
+def test_every_preset_plans_and_gpt3_has_its_published_size():
+    for name in MODELS:
+        shape = load_model(name)
+        assert shardzoo.plan(name, 8, 1e4, 8, min(128, shape.max_seq), hardware="h200", top=1), name
+    serial = shardzoo.plan("gpt3-175b", 1, 1e6, 1, 2048, hardware="a100", zero_stages=(0,), checkpointing=(False,))
+    assert abs(serial[0].param_bytes_per_rank / 4 / 175e9 - 1) < 0.01  # Brown et al. 2020: 175B parameters
+
+
+def test_a_hugging_face_directory_is_read_for_its_family(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_embd": 64,
+                                                       "n_head": 4, "vocab_size": 100}))
+    assert load_model(str(tmp_path)).family == "gpt2"
+    assert shardzoo.plan(str(tmp_path), 4, 8, 8, 64, hardware="a100", top=1)[0].fits
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ValueError, match="model_type='llama'"):
+        load_model(str(tmp_path))
+
+
+def test_calibration_cache_is_reused_and_checked(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDZOO_CACHE_DIR", str(tmp_path))
+    stored = HARDWARE["a100"].to_json() | {"name": "calibrate", "cores_per_node": 2}
+    path = hardware.cache_path()
+    with open(path, "w") as f:
+        json.dump({"version": hardware.CACHE_VERSION, "hardware": stored}, f)
+    assert hardware.calibrate().to_json() == stored  # read, not measured
+    stored["intra_bandwidth"] = -1
+    with open(path, "w") as f:
+        json.dump({"version": hardware.CACHE_VERSION, "hardware": stored}, f)
+    with pytest.raises(ValueError, match=f"{os.path.basename(path)}: intra_bandwidth=-1 must be a positive"):
+        hardware.calibrate()
+    with open(path, "w") as f:
+        f.write("{not json")
+    with pytest.raises(ValueError, match="is not valid JSON"):
+        hardware.calibrate()
