@@ -26,6 +26,7 @@ LAYOUTS = {
     "pp2_dp2_tp2": (dict(pp=2, dp=2, tp=2), 8),
 }
 STEPS, LR, BATCH, SEQ = 3, 1e-2, 4, 8
+CLIP = 0.5  # below every step's global gradient norm, so every step clips (checked)
 # AdamW's eps: attention's key bias has an exactly zero gradient (softmax ignores a per-query
 # constant), so in fp32 its gradient is summation noise (~1e-10) that the default eps=1e-8
 # turns into steps of ~1e-2 lr, different for every summation order (serial vs two dp halves):
@@ -60,16 +61,18 @@ def dp_rows(t: torch.Tensor, mesh) -> torch.Tensor:
 
 def step_loss(model, mesh, step: int, micro: int = 1) -> torch.Tensor:
     """Forward + backward of this dp replica's rows of step ``step``, in ``micro`` micro-batches
-    (all but the last under ``no_sync``); returns the detached mean loss."""
+    (all but the last under ``no_sync``); returns the detached global mean loss."""
     from shardzoo.parallel import no_sync
 
     inner = getattr(model, "module", model)  # DDP (zero 0 / 1)
     ids, target = (dp_rows(t, mesh) for t in batch(step))
     losses = []
     pieces = list(zip(ids.chunk(micro), target.chunk(micro)))
+    # the whole step's target count, so the micro-batch losses sum to the step's global mean
+    count = inner.count_targets([inner.shard_target(y) for _, y in pieces]) if micro > 1 else None
     for i, (x, y) in enumerate(pieces):
         def run():
-            loss = inner.loss(model(inner.shard_input(x)), inner.shard_target(y)) / micro
+            loss = inner.loss(model(inner.shard_input(x)), inner.shard_target(y), num_targets=count)
             loss.backward()
             losses.append(loss.detach())
         if i < micro - 1:
@@ -108,12 +111,13 @@ def full_weights(model) -> dict[str, torch.Tensor] | None:
     return state if dist.get_rank() == 0 else None
 
 
-def trained_weights(layout: str, zeros: tuple[int, ...], dtype=torch.float32, **options) -> dict | None:
+def trained_weights(layout: str, zeros: tuple[int, ...], dtype=torch.float32, clip: float | None = None,
+                    micro: int = 1) -> dict | None:
     """{zero: (full weights, clipping norms) after training} for each stage in ``zeros`` (rank
     0; others None)."""
     out = {}
     for zero in zeros:
-        model, _, norms = train(layout, zero, dtype, **options)
+        model, _, norms = train(layout, zero, dtype, clip=clip, micro=micro)
         out[zero] = (full_weights(model), norms)
     return out if dist.get_rank() == 0 else None
 
@@ -147,9 +151,21 @@ def train_and_save(layout: str, zero: int, ckpt_dir: str):
     from shardzoo import checkpoint
 
     model, opt, _ = train(layout, zero)
-    checkpoint.save(model, ckpt_dir, opt, config=CONFIG)
+    checkpoint.save(model, ckpt_dir, opt)
     weights, state = full_weights(model), full_optimizer_state(model, opt)
     return (weights, state) if dist.get_rank() == 0 else None
+
+
+def convert_to_files(ckpt_dir: str, out_dir: str) -> dict[str, torch.Tensor]:
+    """``shardzoo convert CKPT OUT --names shardzoo`` (in process); the tensors written."""
+    from safetensors.torch import load_file
+
+    from shardzoo.cli import main
+
+    assert main(["convert", ckpt_dir, out_dir, "--names", "shardzoo", "--no-progress"]) == 0
+    import pathlib
+
+    return {k: v for f in sorted(pathlib.Path(out_dir).glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
 def load_into(layout: str, zero: int, ckpt_dir: str):
@@ -175,6 +191,8 @@ def load_into(layout: str, zero: int, ckpt_dir: str):
 def serial_clipped(clip: float, dtype=torch.float32) -> tuple[dict, list[float]]:
     """Serial weights after STEPS AdamW steps clipped by torch.nn.utils.clip_grad_norm_, and
     the norms it returned (runs on one rank)."""
+    import shardzoo
+
     mesh = mesh_of("serial")
     model = build(mesh, dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
@@ -184,7 +202,7 @@ def serial_clipped(clip: float, dtype=torch.float32) -> tuple[dict, list[float]]
         step_loss(model, mesh, step)
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
         opt.step()
-    return {k: v.clone() for k, v in model.state_dict().items()}, norms
+    return {k: v.clone() for k, v in shardzoo.full_state_dict(model).items()}, norms
 
 
 def no_sync_leaves_grads_local(layout: str, zero: int) -> bool:
@@ -233,3 +251,47 @@ def train_pipelined(layout: str, zero: int, clip: float):
         opt.step()
     weights = shardzoo.full_state_dict(stage)
     return (weights, norms) if mesh.rank("dp", "tp") == 0 else None
+
+
+def train_bf16(layout: str, zero: int):
+    """Full weights after STEPS steps with FSDP2's bf16 MixedPrecisionPolicy (rank 0)."""
+    return full_weights(train(layout, zero, mixed_precision="bf16")[0])
+
+
+def wrapping_errors() -> list[str]:
+    """The message of each refused call (on any world, dp >= 1)."""
+    import shardzoo
+
+    mesh = mesh_of("3d")
+    calls = [dict(zero=4), dict(zero=True), dict(zero=0, offload=True), dict(zero=1, mixed_precision="bf16"),
+             dict(zero=3, mixed_precision="fp8"), dict(zero=3, offload=True), dict(zero=2, reshard_after_forward=True)]
+    out = []
+    for kwargs in calls:
+        try:
+            shardzoo.data_parallel(build(mesh), mesh, **kwargs)
+        except (ValueError, TypeError) as e:
+            out.append(str(e))
+        else:
+            out.append("no error")
+    for zero in (0, 3):
+        model = shardzoo.data_parallel(build(mesh), mesh, zero=zero)
+        try:
+            shardzoo.data_parallel(getattr(model, "module", model) if zero == 3 else model, mesh, zero=3)
+        except ValueError as e:
+            out.append(str(e))
+        else:
+            out.append("no error")
+    return out
+
+
+def single_rank_group_is_noop() -> bool:
+    """dp = sp = 1: data_parallel returns the model itself (marked), for every stage."""
+    import shardzoo
+    from shardzoo.parallel import info_of
+
+    mesh = mesh_of("1d_dp1")
+    ok = True
+    for zero in range(4):
+        model = build(mesh)
+        ok &= shardzoo.data_parallel(model, mesh, zero=zero) is model and info_of(model).noop
+    return ok
