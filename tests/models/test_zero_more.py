@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from shardzoo.testing import run_on_ranks
-from zero_stack import (CLIP, convert_to_files, load_into, no_sync_leaves_grads_local, serial_clipped, single_rank_group_is_noop,
+from zero_stack import (CLIP, assert_weights, convert_to_files, load_into, no_sync_leaves_grads_local, single_rank_group_is_noop,
                         train_and_save, train_bf16, train_pipelined, trained_weights, world_of, wrapping_errors)
-from test_zero import assert_weights, serial  # noqa: F401 (fixture)
 
 # bf16 compute (FSDP2 MixedPrecisionPolicy, fp32 master weights and reduce) after 3 AdamW steps
 # against fp32 serial, relative L2 error of all weights together: measured 1.02e-2 (1d, tp=2,
@@ -18,22 +17,22 @@ from test_zero import assert_weights, serial  # noqa: F401 (fixture)
 BF16_REL_TOL = 3e-2
 
 
-def test_pipeline_pp2_dp2_tp2_zero3_equals_serial(serial):
+def test_pipeline_pp2_dp2_tp2_zero3_equals_serial(zero_serial):
     per_rank = run_on_ranks(train_pipelined, world_of("pp2_dp2_tp2"), "pp2_dp2_tp2", 3, CLIP)
     got = [r for r in per_rank if r is not None]
     assert len(got) == 2  # one report per stage
     weights = {**got[0][0], **got[1][0]}
-    assert_weights(weights, serial, "pp2 dp2 tp2 zero=3")
-    torch.testing.assert_close(torch.tensor(got[0][1]), torch.tensor(serial[2]), rtol=1e-5, atol=0)
+    assert_weights(weights, zero_serial, "pp2 dp2 tp2 zero=3")
+    torch.testing.assert_close(torch.tensor(got[0][1]), torch.tensor(zero_serial[2]), rtol=1e-5, atol=0)
 
 
-def test_accumulation_without_reduce_equals_one_batch(serial):
+def test_accumulation_without_reduce_equals_one_batch(zero_serial):
     """Two micro-batches (the first under no_sync) clipped per step equal the serial big batch;
     and inside no_sync nothing is reduced (DDP replicas differ, FSDP2 made no sharded grad)."""
     results = run_on_ranks(trained_weights, world_of("1d"), "1d", (0, 3), torch.float32, CLIP, 2)[0]
     for zero, (weights, norms) in results.items():
-        assert_weights(weights, serial, f"accumulated zero={zero}")
-        torch.testing.assert_close(torch.tensor(norms), torch.tensor(serial[2]), rtol=1e-5, atol=0)
+        assert_weights(weights, zero_serial, f"accumulated zero={zero}")
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(zero_serial[2]), rtol=1e-5, atol=0)
     for zero in (0, 3):
         assert all(run_on_ranks(no_sync_leaves_grads_local, world_of("1d"), "1d", zero)), zero
 

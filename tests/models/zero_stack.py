@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardzoo.testing import cached_mesh
+from shardzoo.testing import assert_close_conditioned, cached_mesh
 
 CONFIG = dict(n_layer=2, n_embd=32, n_head=4, vocab_size=37, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0,
               attn_pdrop=0.0)
@@ -120,6 +120,15 @@ def trained_weights(layout: str, zeros: tuple[int, ...], dtype=torch.float32, cl
         model, _, norms = train(layout, zero, dtype, clip=clip, micro=micro)
         out[zero] = (full_weights(model), norms)
     return out if dist.get_rank() == 0 else None
+
+
+def assert_weights(got: dict, serial, what: str) -> None:
+    """``got`` (full weights) equals the ``serial`` fixture's weights, conditioned by its float64 run."""
+    w32, w64, _ = serial
+    missing = set(w32) - set(got)
+    assert not missing, f"{what}: missing {sorted(missing)}"
+    for name in got.keys() & w32.keys():
+        assert_close_conditioned(got[name], w32[name], w64[name], f"{what} {name}")
 
 
 # -- optimizer state, checkpoints -------------------------------------------------------------
