@@ -12,6 +12,9 @@
    eager torch and torch.compile, forward and fwd+bwd (GB/s from a fixed minimal-traffic model, the
    same for both sides).
    ratio = shardzoo ms / peer ms (below 1: shardzoo is faster).
+3. ZeRO-3 + CPU offload (bench/_zero_offload.py, 2 GPUs): a GPT-2 under
+   ``shardzoo.data_parallel(model, mesh, zero=3, offload=True)`` vs without offload: peak GPU
+   memory, step time and the loss (which must agree); skipped with fewer than 2 GPUs.
 
 Writes bench/results/gpu_check.json and this benchmark's section of bench/RESULTS.md.
 Exits non-zero without CUDA, or when a correctness check fails.
@@ -31,6 +34,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # repo root, when shardzoo is not installed
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import markdown_table, write_results  # noqa: E402
+from _zero_offload import run_zero3_offload  # noqa: E402
 from shardzoo.kernels import (  # noqa: E402
     HAS_TRITON,
     attention_block_backward,
@@ -325,13 +329,20 @@ def main() -> int:
     notes = sorted({t["note"] for t in TIMINGS if t["note"]})
     for note in notes:
         print(note)
+    print("zero=3 + offload ...", flush=True)
+    zero_rows = run_zero3_offload()
+    zero_note = ("ZeRO-3 offload (2 GPUs, dp=2): " + "; ".join(
+        f"offload={r['offload']}: peak {r['peak_mib']:.0f} MiB, {r['step_ms']:.1f} ms/step, loss {r['loss']:.4f}"
+        for r in zero_rows) + "." if zero_rows else "ZeRO-3 offload: skipped (needs 2 GPUs for a dp group).")
+    print(zero_note)
+    notes.append(zero_note)
     elapsed = time.time() - start
     summary = (f"ratio = shardzoo ms / peer ms (below 1: shardzoo faster). Correctness: "
                f"{len(CHECKS) - len(failed)}/{len(CHECKS)} checks within tolerance. Total {elapsed:.0f} s "
                f"({'within' if elapsed <= BUDGET_S else 'OVER'} the {BUDGET_S} s budget).")
     print(f"\n{summary}")
     write_results("gpu_check", "Triton kernels vs torch on one GPU (bench/gpu_check.py)", table,
-                  dict(checks=CHECKS, timings=TIMINGS, elapsed_s=elapsed), note=" ".join([summary, *notes]))
+                  dict(checks=CHECKS, timings=TIMINGS, zero3_offload=zero_rows, elapsed_s=elapsed), note=" ".join([summary, *notes]))
     if failed:
         print(f"FAILED checks: {[(c['kernel'], c['case'], c['quantity']) for c in failed]}", file=sys.stderr)
         return 1

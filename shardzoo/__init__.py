@@ -3,14 +3,17 @@
 Entry points: ``ParallelMesh`` (process groups), ``launch`` (run on N local ranks or under
 torchrun), ``shardzoo.comm`` (autograd collectives), ``shardzoo.layers`` (parallel layers and
 attention), ``full_state_dict`` (gather any parallel module to serial names and shapes),
+``data_parallel`` / ``zero_optimizer`` (DDP and ZeRO 1-3 on the dp axis, ``shardzoo.parallel``),
 ``shardzoo.testing`` (worker pools and parallel-vs-serial asserts), ``plan`` (the layout planner).
 """
 
 from shardzoo.comm import ParallelMesh, launch
 from shardzoo.layers.shard_spec import ShardSpec, full_state_dict
+from shardzoo.parallel import data_parallel, zero_optimizer
 
 __version__ = "0.1.0"
-__all__ = ["ParallelMesh", "launch", "ShardSpec", "full_state_dict", "plan", "__version__"]
+__all__ = ["ParallelMesh", "launch", "ShardSpec", "full_state_dict", "data_parallel", "zero_optimizer", "plan",
+           "__version__"]
 
 
 def plan(*args, **kwargs):

@@ -162,6 +162,18 @@ def test_short_function_timeout_does_not_cut_startup():
         assert [r[0] for r in pool.run(rank_info, 1)] == [0, 1]
 
 
+def test_importing_the_function_module_is_not_timed_as_the_function(tmp_path, monkeypatch):
+    """A worker imports the function's module when it unpickles it, which takes seconds on a loaded
+    host; the per-function timeout (0.5 s) starts once every rank has it loaded."""
+    import importlib
+
+    (tmp_path / "slow_to_import.py").write_text("import time\ntime.sleep(1.5)\ndef two():\n    return 2\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("slow_to_import")
+    with WorkerPool(2, timeout=0.5) as pool:
+        assert pool.run(module.two) == [2, 2]
+
+
 def test_torchrun_rank_exits_promptly_after_an_error(tmp_path):
     """A rank started the torchrun way (init_from_env) that raises while its peer hangs exits at
     once: the atexit teardown does not wait on the peer for the collective timeout (60 s here),

@@ -205,3 +205,23 @@ def test_non_positive_timeout_refused_before_any_group():
     for messages, total in run_on_ranks(_bad_timeouts, 2, timeout=120):
         assert len(messages) == 5 and all("the collective timeout must be positive" in m for m in messages), messages
         assert total == 2.0
+
+
+def _dtensor_op_after_an_equal_mesh_closed():
+    """A DTensor op on a closed mesh, then the same op on a new mesh whose "dp" DeviceMesh
+    equals the old one (same ranks and name): the result must live on the new mesh."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    old = ParallelMesh(dp=2)
+    (DTensor.from_local(torch.ones(2), old.sub_mesh("dp"), [Shard(0)]) * 2).to_local()
+    old.close()
+    new = ParallelMesh(dp=2)
+    out = DTensor.from_local(torch.ones(2), new.sub_mesh("dp"), [Shard(0)]) * 2
+    # raised "Could not resolve the process group": a cached output spec held the old mesh
+    same = out.device_mesh.get_group(0) is new.group("dp")
+    new.close()
+    return same
+
+
+def test_closed_mesh_leaves_no_cached_dtensor_spec():
+    assert all(run_on_ranks(_dtensor_op_after_an_equal_mesh_closed, 2))

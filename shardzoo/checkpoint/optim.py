@@ -5,6 +5,11 @@ is named by ``model.named_parameters()``. A state tensor shaped like its paramet
 ``exp_avg`` / ``exp_avg_sq``) shares the parameter's ShardSpec and is saved as
 ``"<param>/<key>"`` pieces; any other tensor (AdamW's scalar ``step``) is saved whole, once;
 plain numbers go into the index. Hyperparameters are saved per param group.
+
+FSDP2 (a DTensor parameter): the state is a DTensor placed like the parameter and is saved as
+the same rows (layers/dp_shard.py). ``ZeroRedundancyOptimizer`` keeps each parameter's state
+on one rank of its group: that rank saves it, and a load fills only the parameters a rank
+owns. The class recorded is the inner optimizer's, so checkpoints move between ZeRO stages.
 """
 
 from __future__ import annotations
@@ -17,11 +22,39 @@ from torch import nn
 from shardzoo.checkpoint.errors import CheckpointError
 from shardzoo.checkpoint.safetensors_io import dtype_from_name
 from shardzoo.checkpoint.tensors import LocalTensor
+from shardzoo.layers.dp_shard import group_axes, like_param, local_tensor
+from shardzoo.layers.shard_spec import unwrap_ddp
+
+
+def _is_zero(optimizer) -> bool:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return isinstance(optimizer, ZeroRedundancyOptimizer)
+
+
+def _state_of(optimizer) -> dict:
+    """Per-parameter state this rank holds (ZeroRedundancyOptimizer: its partition's)."""
+    return optimizer.optim.state if _is_zero(optimizer) else optimizer.state
+
+
+def _class_name(optimizer) -> str:
+    return type(optimizer.optim if _is_zero(optimizer) else optimizer).__name__
+
+
+def _held_over(optimizer, mesh) -> tuple[str, ...]:
+    """Mesh axes over which a ZeroRedundancyOptimizer partitions the state (else none)."""
+    if not _is_zero(optimizer) or mesh is None:
+        return ()
+    try:
+        return group_axes(optimizer.process_group, mesh)
+    except ValueError as e:
+        raise CheckpointError(f"ZeroRedundancyOptimizer: {e}; build it over the model's dp (x sp) group "
+                              f"(shardzoo.zero_optimizer)") from e
 
 
 def _param_names(model: nn.Module, optimizer) -> list[list[str]]:
     """Names of the optimizer's parameters, per param group."""
-    names = {id(p): n for n, p in model.named_parameters()}
+    names = {id(p): n for n, p in unwrap_ddp(model).named_parameters()}
     out = []
     for g, group in enumerate(optimizer.param_groups):
         group_names = []
@@ -56,20 +89,24 @@ def optimizer_tensors(model: nn.Module, optimizer, model_tensors: list[LocalTens
     flat_names = [n for names in group_names for n in names]
     out: list[LocalTensor] = []
     values: dict[str, dict] = {}
-    like_param: dict[str, bool] = {}
+    shaped_names: dict[str, bool] = {}
+    state = _state_of(optimizer)
     for p, name in zip(params, flat_names):
         owner = by_name[name]
-        for key, v in optimizer.state.get(p, {}).items():
+        held = _held_over(optimizer, owner.mesh)
+        for key, v in state.get(p, {}).items():
             if isinstance(v, torch.Tensor):
                 tname = f"{name}/{key}"
                 shaped = v.dim() > 0 and tuple(v.shape) == tuple(p.shape)
-                like_param[tname] = shaped
-                out.append(LocalTensor(tname, v.detach(), owner.spec if shaped else None, owner.mesh))
+                shaped_names[tname] = shaped
+                out.append(LocalTensor(tname, local_tensor(v).detach(), owner.spec if shaped else None, owner.mesh,
+                                       held))
             else:
                 values.setdefault(name, {})[key] = _json_value(v)
     groups = [{"options": {k: _json_value(v) for k, v in g.items() if k != "params"}, "params": names}
               for g, names in zip(optimizer.param_groups, group_names)]
-    return out, {"class": type(optimizer).__name__, "param_groups": groups, "values": values, "like_param": like_param}
+    return out, {"class": _class_name(optimizer), "param_groups": groups, "values": values,
+                 "like_param": shaped_names}
 
 
 def merge_metas(metas: list[dict]) -> dict:
@@ -102,10 +139,14 @@ def load_optimizer(model: nn.Module, optimizer, saved: dict, model_tensors: list
     """Fill ``optimizer`` from the checkpoint's optimizer section.
 
     ``read(lt, entry)`` fills LocalTensor ``lt`` from index entry ``entry`` (the piece reader)."""
-    if type(optimizer).__name__ != saved["class"]:
-        raise CheckpointError(f"the checkpoint holds {saved['class']} state but the optimizer is {type(optimizer).__name__}; "
+    if _class_name(optimizer) != saved["class"]:
+        raise CheckpointError(f"the checkpoint holds {saved['class']} state but the optimizer is {_class_name(optimizer)}; "
                               f"build the same optimizer class, or load the model alone (optimizer=None)")
     by_name = {lt.name: lt for lt in model_tensors}
+    params = dict(unwrap_ddp(model).named_parameters())
+    owned = None  # ZeroRedundancyOptimizer: only this rank's partition is read
+    if _is_zero(optimizer):
+        owned = {id(p) for g in optimizer.optim.param_groups for p in g["params"]}
     group_names = _param_names(model, optimizer)
     if len(group_names) > len(saved["param_groups"]):
         raise CheckpointError(f"the optimizer has {len(group_names)} param groups; the checkpoint has "
@@ -134,6 +175,9 @@ def load_optimizer(model: nn.Module, optimizer, saved: dict, model_tensors: list
         groups.append({**options, "params": list(range(index, index + len(names)))})
         for name in names:
             owner = by_name[name]
+            if owned is not None and id(params[name]) not in owned:
+                index += 1
+                continue
             param_state = dict(saved["values"].get(name, {}))
             for key, entry in by_param.get(name, []):
                 dtype = dtype_from_name(entry["dtype"])
@@ -142,7 +186,7 @@ def load_optimizer(model: nn.Module, optimizer, saved: dict, model_tensors: list
                 else:
                     lt = LocalTensor(f"{name}/{key}", torch.zeros(entry["shape"], dtype=dtype), None, owner.mesh)
                 read(lt, entry)
-                param_state[key] = lt.tensor
+                param_state[key] = like_param(lt.tensor, params[name]) if entry.get("like_param") else lt.tensor
             if param_state:
                 state[index] = param_state
             index += 1

@@ -16,7 +16,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardzoo.checkpoint.errors import CheckpointError
-from shardzoo.layers.shard_spec import ShardSpec, ShardSpecError, check_local, check_specs, get_shard_spec
+from shardzoo.layers.dp_shard import rank_piece
+from shardzoo.layers.shard_spec import ShardSpec, ShardSpecError, check_local, check_specs, get_shard_spec, unwrap_ddp
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, shape) in global coordinates
 
@@ -31,12 +32,15 @@ class LocalTensor:
         tensor: the local data, shape ``spec.local_shape`` (or the global shape without a spec).
         spec: where it sits in the global tensor; None when every rank holding it has all of it.
         mesh: the ParallelMesh the spec's axes refer to (the owning module's, else the model's).
+        held_over: mesh axes along which only one rank holds the tensor at all (optimizer state
+            that ZeroRedundancyOptimizer partitions by parameter); the writer rule ignores them.
     """
 
     name: str
     tensor: torch.Tensor
     spec: ShardSpec | None
     mesh: object | None
+    held_over: tuple[str, ...] = ()
 
     @property
     def global_shape(self) -> tuple[int, ...]:
@@ -80,7 +84,11 @@ def model_tensors(model: nn.Module) -> tuple[list[LocalTensor], dict[str, str]]:
     """Parameters and persistent buffers of ``model`` on this rank, and the tied aliases.
 
     A tensor reachable under several names (tied embeddings) is listed once, under the name
-    ``named_parameters`` gives it; ``aliases`` maps each other name to that one."""
+    ``named_parameters`` gives it; ``aliases`` maps each other name to that one. A parameter
+    FSDP2 sharded over dp (a DTensor) is listed as the rows this rank keeps
+    (layers/dp_shard.py), so every dp rank saves and loads its own part. A DDP wrapper is
+    looked through."""
+    model = unwrap_ddp(model)
     model_mesh = find_mesh(model)
     seen: dict[int, str] = {}
     tensors: list[LocalTensor] = []
@@ -102,21 +110,23 @@ def model_tensors(model: nn.Module) -> tuple[list[LocalTensor], dict[str, str]]:
             if spec is not None and mesh is None:
                 raise CheckpointError(f"{key} has a ShardSpec but its module {type(mod).__name__} has no .mesh; "
                                       f"set module.mesh to the ParallelMesh the spec's axes refer to")
-            tensors.append(LocalTensor(key, t.detach(), spec, mesh if spec is not None else model_mesh))
+            mesh_of = mesh if spec is not None else model_mesh
+            try:
+                local, spec = rank_piece(t.detach(), spec, mesh_of, key)
+            except ShardSpecError as e:
+                raise CheckpointError(str(e)) from e
+            tensors.append(LocalTensor(key, local, spec, mesh_of))
     return tensors, aliases
 
 
 def _check_saveable(key: str, module: nn.Module, t: torch.Tensor, spec: ShardSpec | None) -> None:
-    """Refuse a tensor whose bytes are not this rank's piece of its spec: a DTensor (FSDP2
-    sharded it over dp; its spec describes the tp piece, which no single rank holds), a piece of
-    another shape than its spec, or a sharded module's parameter that lost its spec."""
-    if isinstance(t, DTensor):
-        raise CheckpointError(f"{key} is a DTensor (sharded over {t.device_mesh.mesh_dim_names} by FSDP2's fully_shard "
-                              f"or DTensor); the checkpoint stores ShardSpec pieces only. Save the model before "
-                              f"fully_shard, or save full_state_dict(model) instead")
+    """Refuse a tensor whose bytes are not this rank's piece of its spec: a piece of another
+    shape than its spec, or a sharded module's parameter that lost its spec. A DTensor
+    (FSDP2) is checked by its shape, which is the tp piece's."""
     try:
         check_specs(module, key.rpartition(".")[0] or type(module).__name__)
-        check_local(key, t, spec)
+        if not isinstance(t, DTensor):
+            check_local(key, t, spec)
     except ShardSpecError as e:
         raise CheckpointError(str(e)) from e
 
@@ -137,6 +147,7 @@ def is_candidate_writer(lt: LocalTensor, rank: int) -> bool:
     if lt.mesh is None:
         return rank == 0
     free = _expand_axes(lt.spec.partitioned_over, lt.mesh) if lt.spec is not None else set()
+    free |= _expand_axes(lt.held_over, lt.mesh)
     return all(c == 0 for axis, c in lt.mesh.coordinate.items() if axis != "pp" and axis not in free)
 
 

@@ -248,6 +248,7 @@ class ParallelMesh:
             dist.destroy_process_group(g)
         self._combined.clear()
         self._adopted.clear()
+        _forget_dtensor_specs()
 
     def adopt_group(self, group) -> None:
         """Destroy ``group`` (made for this mesh's work, e.g. a pipeline's tied-embedding
@@ -367,3 +368,12 @@ def default_device(mesh: ParallelMesh | None = None) -> torch.device:
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _forget_dtensor_specs() -> None:
+    """Drop DTensor's cached sharding propagations (its Python and C++ caches). They are keyed
+    by DeviceMesh equality (ranks and dim names), so a later mesh equal to a closed one would
+    get output specs that still hold the closed mesh, whose groups no longer resolve."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()

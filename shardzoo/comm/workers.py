@@ -85,11 +85,18 @@ def _worker_main(rank, world, port, backend, threads, timeout_s, stack_path, con
     conn.send(("ready", None))
     while True:
         try:
-            msg = conn.recv()
+            data = conn.recv_bytes()
         except EOFError:
             break
+        try:
+            msg = pickle.loads(data)  # may import the function's module: seconds on a loaded host
+        except BaseException as exc:  # noqa: BLE001 - an unimportable function is the caller's error
+            conn.send_bytes(pickle.dumps(("error", (RuntimeError(f"cannot load the function: {exc!r}"),
+                                                    traceback.format_exc()))))
+            continue
         if msg is None:
             break
+        conn.send_bytes(pickle.dumps(("loaded", None)))
         fn, args = msg
         try:
             reply = ("ok", fn(*args))
@@ -170,10 +177,18 @@ class WorkerPool:
                 f"cannot send {fn!r} to the workers: {exc}. Pass a module-level function and "
                 f"picklable arguments (no lambdas or local functions)"
             ) from exc
+        name = getattr(fn, "__name__", repr(fn))
+        self._send(payload, name)
+        replies = self._collect(name, timeout or self.timeout)
+        return [replies[r][1] for r in range(self.world_size)]
+
+    def _send(self, payload: bytes, name: str) -> None:
+        """Send a pickled (fn, args) to every rank and wait until each has loaded it: importing
+        the function's module is startup, not the function, so it gets the startup allowance."""
         for conn in self._conns:
             conn.send_bytes(payload)
-        replies = self._collect(getattr(fn, "__name__", repr(fn)), timeout or self.timeout)
-        return [replies[r][1] for r in range(self.world_size)]
+        # a rank that cannot load it leaves the others running it: the pool is not reusable
+        self._collect(f"loading {name}", max(self.timeout, _STARTUP_TIMEOUT_S), check_after_error=False)
 
     def _collect(self, what: str, timeout: float, check_after_error: bool = True) -> dict[int, tuple]:
         replies: dict[int, tuple] = {}
@@ -220,8 +235,7 @@ class WorkerPool:
     def _barrier_ok(self) -> bool:
         """After an error on every rank, check the world still works before reusing it."""
         try:
-            for conn in self._conns:
-                conn.send_bytes(pickle.dumps((dist.barrier, ())))
+            self._send(pickle.dumps((dist.barrier, ())), "barrier")
             self._collect("barrier", min(self.timeout, 30.0), check_after_error=False)
             return True
         except Exception:

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 from shardzoo.comm import ops
 
@@ -202,6 +203,12 @@ def gather_full(local: torch.Tensor, spec: ShardSpec | None, mesh) -> torch.Tens
     return full
 
 
+def unwrap_ddp(module: nn.Module) -> nn.Module:
+    """The model inside a DDP wrapper (whose parameter names carry a ``module.`` prefix),
+    else ``module``: names and specs are always the model's own."""
+    return module.module if isinstance(module, DistributedDataParallel) else module
+
+
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """Serial-named, full-size state dict of any (parallel) module, on every rank.
 
@@ -210,7 +217,9 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     found through ``module.mesh`` of the module that owns them. Parameters FSDP2's
     ``fully_shard`` turned into DTensors are gathered over their dp mesh first, then over the
     tensor-parallel axes of their spec. Raises :class:`ShardSpecError` naming the tensor when
-    a piece does not match its spec, or a sharded module's parameter has none."""
+    a piece does not match its spec, or a sharded module's parameter has none. A DDP
+    wrapper is looked through (serial names, no ``module.`` prefix)."""
+    module = unwrap_ddp(module)
     out: dict[str, torch.Tensor] = {}
     for mod_name, mod in module.named_modules():
         mesh = getattr(mod, "mesh", None)

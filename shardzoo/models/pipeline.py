@@ -30,6 +30,7 @@ from shardzoo.comm.mesh import default_device
 from shardzoo.layers import attention_tp as tpl
 from shardzoo.layers import layouts
 from shardzoo.layers import random as tp_random
+from shardzoo.layers.dp_shard import local_tensor
 from shardzoo.layers.shard_spec import get_shard_spec
 from shardzoo.models import common
 from shardzoo.models.loss import GlobalLoss
@@ -296,5 +297,5 @@ def sync_tied_grads(stages: list[nn.Module], mesh) -> None:
         params = dict(model.named_parameters())
         for copy, table in model.tied_names.items():
             param = params.get(table if model.is_first else copy)
-            if param is not None and param.grad is not None:
-                dist.all_reduce(param.grad, group=group)
+            if param is not None and param.grad is not None:  # FSDP2: both stages hold the same dp rows
+                dist.all_reduce(local_tensor(param.grad), group=group)

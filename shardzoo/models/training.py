@@ -19,13 +19,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardzoo.layers.dp_shard import local_tensor, rank_piece
 from shardzoo.layers.shard_spec import get_shard_spec
 
 
-def _copy_axes(model: nn.Module, name: str, mesh) -> tuple[str, ...]:
-    """Mesh axes over which this rank's piece of parameter ``name`` is repeated (every axis
-    but pp and the ones its ShardSpec partitions it over)."""
-    spec = get_shard_spec(model, name)
+def _copy_axes(spec, mesh) -> tuple[str, ...]:
+    """Mesh axes over which this rank's piece (``spec``) of a parameter is repeated (every
+    axis but pp and the ones the spec partitions it over)."""
     parted = set(mesh.expand_axes(*spec.partitioned_over)) if spec is not None and spec.partitioned_over else set()
     return tuple(a for a in mesh.axis_names if a != "pp" and a not in parted)
 
@@ -34,7 +34,8 @@ def global_grad_norm(models: nn.Module | list[nn.Module], mesh, norm_type: float
     """The norm of the whole model's gradient, as the serial model would compute it, on every
     rank (collective over the world). Each distinct piece of each parameter counts once: a
     rank adds a piece only when it is the first copy along the axes the piece is repeated
-    over (ShardSpec), and an untied copy of a tied table on the last stage is skipped."""
+    over (ShardSpec; a gradient FSDP2 sharded over dp is partitioned there too), and an
+    untied copy of a tied table on the last stage is skipped."""
     models = models if isinstance(models, (list, tuple)) else [models]
     device = next(p for m in models for p in m.parameters()).device
     total = torch.zeros((), dtype=torch.float64, device=device)
@@ -46,10 +47,13 @@ def global_grad_norm(models: nn.Module | list[nn.Module], mesh, norm_type: float
         for name, p in model.named_parameters():
             if p.grad is None or name in skip:
                 continue
-            axes = _copy_axes(model, name, mesh)
+            g, spec = rank_piece(p.grad.detach(), get_shard_spec(model, name), mesh, name)
+            axes = _copy_axes(spec, mesh)
             if axes and mesh.rank(*axes) != 0:
                 continue
-            g = p.grad.detach().double()
+            if g.numel() == 0:  # FSDP2 left this rank no rows of a short tensor
+                continue
+            g = g.double()
             if norm_type == math.inf:
                 total = torch.maximum(total, g.abs().max())
             else:
@@ -69,23 +73,20 @@ def clip_grad_norm_(models: nn.Module | list[nn.Module], max_norm: float, mesh,
     for model in models if isinstance(models, (list, tuple)) else [models]:
         for p in model.parameters():
             if p.grad is not None:
-                p.grad.mul_(coef.to(p.grad.dtype))
+                local_tensor(p.grad).mul_(coef.to(p.grad.dtype))
     return norm.float()
 
 
-def data_parallel(model: nn.Module, mesh) -> nn.Module:
-    """``model`` (a whole model or a pipeline stage) wrapped in torch DDP over the dp x sp group
+def data_parallel(model: nn.Module, mesh, zero: int = 0, **options) -> nn.Module:
+    """``shardzoo.data_parallel`` (shardzoo/parallel): with the default ``zero=0``, ``model``
+    (a whole model or a pipeline stage) wrapped in torch DDP over the dp x sp group
     (gradients averaged there); the model itself when that group has one rank. Use
     ``wrapped.module`` for ``loss``, ``shard_input`` and friends. Give a wrapped stage to
     ``build_schedule``: the pipelining schedules skip DDP's reduction for all but the last
     microbatch's backward."""
-    if mesh.size("dp", "sp") == 1:
-        return model
-    from torch.nn.parallel import DistributedDataParallel
+    from shardzoo.parallel import data_parallel as wrap
 
-    # a stage's microbatches all run backward before the reduction; DDP's bucket rebuild after
-    # the first step counts every microbatch's hooks and fails, which find_unused_parameters skips
-    return DistributedDataParallel(model, process_group=mesh.group("dp", "sp"), find_unused_parameters=mesh.pp_size > 1)
+    return wrap(model, mesh, zero, **options)
 
 
 @torch.no_grad()

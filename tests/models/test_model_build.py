@@ -150,7 +150,7 @@ def test_unimplemented_hf_options_are_refused(family, key, value):
 
 
 @pytest.mark.parametrize("family", ["BERT", "OPT"])
-def test_null_pad_token_id_means_no_padding_row(family):
+def test_null_pad_token_id_is_read_as_none(family):
     from shardzoo import models
 
     cls = getattr(models, f"{family}Config")
