@@ -2,9 +2,9 @@
 published configurations.
 
 1. Validation (``--hardware calibrate``): for a GPT-2 config that fits 4 and 8 ranks, plan, then
-   run every candidate the planner enumerates with ZeRO stage 0 (up to ``--max-candidates`` per
-   world, spread evenly over the predicted ranking, the top pick always among them; stages 1-3
-   need FSDP2 data parallelism, not built here yet): AdamW training steps on local ranks,
+   run the candidates the planner enumerates, ZeRO stages 0-3 included (up to
+   ``--max-candidates`` per world, spread evenly over the predicted ranking, the top pick always
+   among them): AdamW training steps on local ranks,
    measured step time (median after a warm-up step, slowest rank) and peak RSS per rank (the
    high-water mark from before the build to the last step). Reported: (a) peak memory error per
    candidate, (b) Spearman rank correlation of predicted vs measured step time, (c) the measured
@@ -76,14 +76,16 @@ def validate_world(world: int, args, hw) -> dict:
     shape = ModelShape("gpt2", GPT2Config(**config), "gpt2-bench")
     memory_gib = hw.memory_bytes / world / GIB
     start = time.perf_counter()
-    planned = plan(shape, world, memory_gib, args.batch, args.seq, hardware=hw, dtype="fp32", zero_stages=(0,))
+    planned = plan(shape, world, memory_gib, args.batch, args.seq, hardware=hw, dtype="fp32",
+                   zero_stages=tuple(args.zero))
     plan_s = time.perf_counter() - start
     chosen = spread([c for c in planned if c.fits], args.max_candidates)
     rows, start = [], time.perf_counter()
     with WorkerPool(world, timeout=args.timeout) as pool:
         for c in chosen:
             spec = dict(family="gpt2", config=config, layout=c.layout, micro_batches=c.micro_batches,
-                        batch=args.batch, seq=args.seq, steps=args.steps, checkpointing=c.activation_checkpointing)
+                        batch=args.batch, seq=args.seq, steps=args.steps, checkpointing=c.activation_checkpointing,
+                        zero=c.zero)
             got = pool.run(run_layout, spec)
             rows.append(dict(candidate=c, step_s=max(r["step_s"] for r in got),
                              peak=max(r["peak_rss"] for r in got)))
@@ -125,10 +127,13 @@ def sequence_parallel_paper(args) -> list[list]:
     hw, mem = HARDWARE["a100"], args.paper_memory_gib
     one_d = dict(dp=1, pp=1, sp=1, tp=12, tp_mode="1d", tp_depth=1)
     seq_par = dict(dp=1, pp=1, sp=12, tp=1, tp_mode="1d", tp_depth=1)
-    batch = [max_fitting(base, 12, mem, lay, 0, 512, "batch", hw) for lay in (one_d, seq_par)]
-    seq = [max_fitting(long, 12, mem, lay, args.paper_batch, 0, "seq", hw) for lay in (one_d, seq_par)]
-    return [["max batch (seq 512)", batch[0], batch[1], f"{batch[1] / max(batch[0], 1):.2f}x", "4.44x"],
-            [f"max sequence (batch {args.paper_batch})", seq[0], seq[1], f"{seq[1] / max(seq[0], 1):.2f}x", "1.18x"]]
+    seq = 512 // 12 * 12  # the paper's 512, rounded down so that sp=12 splits it evenly (504)
+    batch = [max_fitting(base, 12, mem, lay, 0, seq, "batch", hw) for lay in (one_d, seq_par)]
+    longest = [max_fitting(long, 12, mem, lay, args.paper_batch, 0, "seq", hw) for lay in (one_d, seq_par)]
+    rows = [[f"max batch (seq {seq}; the paper: 512)", batch[0], batch[1], f"{batch[1] / max(batch[0], 1):.2f}x", "4.44x"],
+            [f"max sequence (batch {args.paper_batch})", longest[0], longest[1],
+             f"{longest[1] / max(longest[0], 1):.2f}x", "1.18x"]]
+    return rows
 
 
 def megatron_paper() -> tuple[list[list], float, float]:
@@ -168,10 +173,17 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=3, help="training steps per candidate, the first a warm-up")
     ap.add_argument("--max-candidates", type=int, default=24, help="per world")
+    ap.add_argument("--zero", type=int, nargs="+", default=[0, 1, 2, 3], help="ZeRO stages to enumerate")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--paper-memory-gib", type=float, default=16.0)
     ap.add_argument("--paper-batch", type=int, default=16)
+    ap.add_argument("--glibc-default", action="store_true",
+                    help="measure RSS under glibc's default malloc, which keeps freed heap (see docs/planner.md)")
     args = ap.parse_args(argv)
+    if not args.glibc_default:
+        # the planner predicts live bytes; glibc otherwise keeps freed blocks above the heap's
+        # live top in the RSS. Read by each rank's malloc at its start (the pools spawn later).
+        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 << 10))
     from shardzoo.planner.hardware import calibrate
 
     hw = calibrate()
@@ -196,7 +208,7 @@ def main(argv=None):
                    f"(d) planning {res['plan_s']:.2f} s vs measuring {res['measure_s']:.0f} s")
         print(summary)
         tables.append(f"### World {res['world']}\n\n" + markdown_table(
-            ["candidate (ZeRO 0)", "peak MiB predicted", "peak MiB measured", "error", "step s predicted",
+            ["candidate", "peak MiB predicted", "peak MiB measured", "error", "step s predicted",
              "step s measured"], rows) + f"\n\n{summary}")
         data["worlds"].append(dict(world=res["world"], summary=summary, rows=rows))
     sp_rows = sequence_parallel_paper(args)
@@ -212,9 +224,12 @@ def main(argv=None):
     print(table)
     note = (f"GPT-2 n_layer={args.layers} n_embd={args.hidden} n_head={args.heads} vocab={args.vocab}, global batch "
             f"{args.batch} x {args.seq} tokens, fp32 AdamW, {args.steps} steps per candidate (first one a warm-up); "
-            f"hardware: this host calibrated ({hw.source}). Candidates with ZeRO stages 1-3 are priced but not run "
-            "(FSDP2 data parallelism is not built here yet). More ranks than cores time-share the cores; the "
-            "planner scales compute and communication by cores / ranks.")
+            f"hardware: this host calibrated ({hw.source}). More ranks than cores time-share the cores; the "
+            "planner scales compute and communication by cores / ranks. Pipelines run with return_outputs=False. "
+            + ("Ranks run under glibc's default malloc (freed heap stays in the RSS)." if args.glibc_default else
+               f"Ranks run with MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_')} (blocks of 128 KiB "
+               "and more are returned to the OS when freed, so the RSS follows live bytes; --glibc-default "
+               "measures without it)."))
     write_results("plan", "Planner: predicted vs measured, and published layouts (bench/plan.py)", table, data, note)
 
 

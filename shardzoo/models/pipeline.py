@@ -217,7 +217,10 @@ def build_schedule(stages: list[tuple[int, nn.Module]], mesh, *, n_microbatches:
     others wait). ``schedule.step(..., target=t, loss_kwargs=...)`` on the last stage counts
     the real targets of ``t`` (``model.count_targets``, with ``loss_kwargs``' ``ignore_index``)
     and passes ``num_targets`` to every microbatch's loss, unless ``loss_kwargs`` gives it or
-    another reduction than "mean"; the microbatch losses (``losses=``) sum to the step's loss."""
+    another reduction than "mean"; the microbatch losses (``losses=``) sum to the step's loss.
+    Pass ``return_outputs=False`` to ``step`` unless the logits are needed: by default torch's
+    last stage keeps every microbatch's output until the step ends (the whole local batch of
+    logits), which the planner's memory model (docs/planner.md) does not count."""
     if loss_fn is None:
         raise ValueError("build_schedule needs loss_fn on every rank (the schedules run backward only when they have "
                          "one); pass the last stage's model.loss, or any callable on the other ranks")

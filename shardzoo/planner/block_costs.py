@@ -61,16 +61,26 @@ class Piece:
     flops: int = 0
     attn_flops: int = 0
     elems: int = 0
+    big_elems: int = 0  # the part of ``elems`` over tensors larger than LARGE_BYTES
 
     def __add__(self, other: "Piece") -> "Piece":
         return Piece(self.calls + other.calls, self.params + other.params, self.saved + other.saved,
                      max(self.workspace, other.workspace), self.flops + other.flops,
-                     self.attn_flops + other.attn_flops, self.elems + other.elems)
+                     self.attn_flops + other.attn_flops, self.elems + other.elems, self.big_elems + other.big_elems)
 
 
 # elementwise passes per element (forward + backward), as torch's CPU kernels run them (measured
 # with torch.profiler): the loss over the logits, a LayerNorm, a bias add, an embedding lookup
 LOSS_PASSES, NORM_PASSES, BIAS_PASSES, LOOKUP_PASSES = 12, 12, 2, 3
+# An elementwise operand larger than this streams from memory rather than a CPU's cache (and
+# its freshly allocated output faults its pages in): priced at the large-tensor bandwidth.
+LARGE_BYTES = 1 << 20  # a CPU core's L2 here; accelerator presets price both sizes alike
+
+
+def elementwise(passes: int, n: int, e: int) -> dict:
+    """Piece fields for ``passes`` elementwise passes over a tensor of ``n`` elements of ``e`` bytes."""
+    total = passes * n
+    return {"elems": total, "big_elems": total if n * e > LARGE_BYTES else 0}
 
 
 def calls(phase, axes, kind, payload, p, times=1, after_save=False, counted=True) -> list[Call]:
@@ -102,7 +112,7 @@ def vocab_loss(vocab_axes, q, batch_axes, parts, rows, v_local, e, batch_mean) -
         out += calls("fwd", batch_axes, "all_reduce", es, parts) + calls("fwd", batch_axes, "all_reduce", e, parts)
     logits = rows * v_local * e
     return Piece(out, 0, logits + rows * (ID_BYTES + es) + ID_BYTES, workspace=2 * logits,
-                 elems=LOSS_PASSES * rows * v_local)
+                 **elementwise(LOSS_PASSES, rows * v_local, e))
 
 
 class Costs1D:
@@ -138,25 +148,25 @@ class Costs1D:
             need(who, "out_features", n_out, p, f"tp={p}")
             return Piece(calls("bwd", ("tp",), "all_reduce", rows * n_in * e, p),
                          n_out // p * n_in + (n_out // p if bias else 0), rows * n_in * e if input_saved else 0,
-                         flops=flops, elems=BIAS_PASSES * rows * n_out // p if bias else 0)
+                         flops=flops, **elementwise(BIAS_PASSES, rows * n_out // p if bias else 0, e))
         need(who, "in_features", n_in, p, f"tp={p}")
         return Piece(calls("fwd", ("tp",), "all_reduce", rows * n_out * e, p, after_save=True),
                      n_out * n_in // p + (n_out if bias else 0), rows * n_in // p * e if input_saved else 0,
-                     flops=flops, elems=BIAS_PASSES * rows * n_out if bias else 0)
+                     flops=flops, **elementwise(BIAS_PASSES, rows * n_out if bias else 0, e))
 
     def layer_norm(self, h, rows, e, layout=None, *, affine=True, bias=True) -> Piece:
         """Replicated: saves its input and the row mean / rstd."""
         return Piece([], (h if affine else 0) + (h if affine and bias else 0), rows * h * e + 2 * rows * e,
-                     elems=NORM_PASSES * rows * h)
+                     **elementwise(NORM_PASSES, rows * h, e))
 
     def vocab_embedding(self, vocab, h, rows, e, layout=None) -> Piece:
         """Table rows split over tp (padded to ceil(V/p) each); partial lookups all-reduced."""
         return Piece(calls("fwd", ("tp",), "all_reduce", rows * h * e, self.p, after_save=True),
-                     ceil_div(vocab, self.p) * h, rows * (ID_BYTES + MASK_BYTES), elems=LOOKUP_PASSES * rows * h)
+                     ceil_div(vocab, self.p) * h, rows * (ID_BYTES + MASK_BYTES), **elementwise(LOOKUP_PASSES, rows * h, e))
 
     def hidden_embedding(self, n, h, ids, e, layout=None) -> Piece:
         """A small table (positions, token types) replicated on every tp rank."""
-        return Piece([], n * h, ids * ID_BYTES, elems=LOOKUP_PASSES * ids * h)
+        return Piece([], n * h, ids * ID_BYTES, **elementwise(LOOKUP_PASSES, ids * h, e))
 
     def lm_head(self, vocab, h, rows, e, layout=None, *, tied=False) -> Piece:
         """Vocabulary-split logits [rows, ceil(V/p)]: copy_to on entry (dX all-reduced)."""
@@ -241,13 +251,13 @@ class GridCosts:
         n = (1 if affine else 0) + (1 if affine and bias else 0)
         out = calls("fwd", hid, "all_reduce", rows * es, q, times=2) + calls("bwd", hid, "all_reduce", 2 * rows * es, q)
         out += self._block_param_grads(layout, h // q, n) if n else []
-        return Piece(out, n * h // q, rows * (h // q) * es + rows * es, elems=NORM_PASSES * rows * (h // q))
+        return Piece(out, n * h // q, rows * (h // q) * es + rows * es, **elementwise(NORM_PASSES, rows * (h // q), e))
 
     def hidden_embedding(self, n, h, ids, e, layout) -> Piece:
         """Table cut into q * size(param_axes) hidden chunks, gathered in forward."""
         parts = self._split_params(f"Embedding{self.suffix[self.mode]}", "embedding_dim", h, layout)
         local, hl = n * h // parts, h // self.hidden_parts(layout)
-        return Piece(self._param_use(layout, local, n * hl), local, ids * ID_BYTES, elems=LOOKUP_PASSES * ids * hl)
+        return Piece(self._param_use(layout, local, n * hl), local, ids * ID_BYTES, **elementwise(LOOKUP_PASSES, ids * hl, e))
 
     def vocab_embedding(self, vocab, h, rows, e, layout) -> Piece:
         """Ids all-gathered over the vocabulary axis, masked lookup, partial embeddings
@@ -267,7 +277,7 @@ class GridCosts:
         out += calls("fwd", (vocab_axis,), "reduce_scatter", partial, qv, after_save=True)
         out += calls("bwd", (vocab_axis,), "all_gather", partial, qv)
         return Piece(out, local, qv * rows * (ID_BYTES + MASK_BYTES), workspace=partial + sub * local * ep,
-                     elems=LOOKUP_PASSES * qv * rows * (h // q))
+                     **elementwise(LOOKUP_PASSES, qv * rows * (h // q), e))
 
     def loss(self, vocab, rows, e, layout) -> Piece:
         """Per-target cross entropy over the head's vocabulary axis (the global mean is
@@ -347,7 +357,7 @@ class Costs2D(GridCosts):
         out += self._block_param_grads(layout, n_out // q, 1) if bias else []
         return Piece(out, n_in * n_out // (q * q) + (n_out // q if bias else 0), x if input_saved else 0,
                      workspace=2 * (x + w), flops=2 * rows * n_in * n_out // q,
-                     elems=BIAS_PASSES * rows * n_out // q if bias else 0)
+                     **elementwise(BIAS_PASSES, rows * n_out // q if bias else 0, e))
 
     def lm_head(self, vocab, h, rows, e, layout=None, *, tied=False) -> Piece:
         """Logits x E^T by SUMMA nt; nn (dX) and tn (dE) backward."""
@@ -399,7 +409,8 @@ class Costs3D(GridCosts):
         out, saved, partial = self._cube(n_in, n_out, rows, e, layout)
         out += self._block_param_grads(swapped_3d(layout), n_out // q, 1) if bias else []
         return Piece(out, n_in * n_out // q**3 + (n_out // q if bias else 0), saved, workspace=partial,
-                     flops=2 * rows * n_in * n_out // q, elems=BIAS_PASSES * rows * n_out // q if bias else 0)
+                     flops=2 * rows * n_in * n_out // q,
+                     **elementwise(BIAS_PASSES, rows * n_out // q if bias else 0, e))
 
     def lm_head(self, vocab, h, rows, e, layout=None, *, tied=False) -> Piece:
         q, layout = self.q, layout or self.canonical

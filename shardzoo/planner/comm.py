@@ -17,7 +17,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 from shardzoo.comm.accounting import CommRecord
-from shardzoo.planner.block_costs import Call, Piece, calls
+from shardzoo.planner.block_costs import Call, Piece, calls, elementwise
 
 DP_AXES = ("dp", "sp")  # data_parallel reduces gradients over the dp x sp group
 DDP_BUCKET_BYTES = 25 << 20  # torch DDP's default bucket_cap_mb
@@ -139,11 +139,11 @@ def attention_core(batch, heads, seq, head_dim, e, sp, sp_mode, mask=False, caus
         if mask:
             out += calls("fwd", axes, "send", mask_bytes, sp, times=sp - 1)
             out += calls("bwd", axes, "send", mask_bytes, sp, times=sp - 1)
-        return Piece(out, 0, saved, elems=RING_MERGE_PASSES * sp * elements, **work)
+        return Piece(out, 0, saved, **elementwise(RING_MERGE_PASSES * sp, elements, e), **work)
     out = calls("fwd", axes, "all_to_all", kv, sp, times=4) + calls("bwd", axes, "all_to_all", kv, sp, times=4)
     if mask:  # gather_padding_mask: the full-sequence mask, uint8
         out += calls("fwd", axes, "all_gather", batch * seq * sp, sp)
-    return Piece(out, 0, saved, elems=ULYSSES_COPY_PASSES * elements, **work)
+    return Piece(out, 0, saved, **elementwise(ULYSSES_COPY_PASSES, elements, e), **work)
 
 
 # -- pipeline, data parallelism, ZeRO ----------------------------------------------------------

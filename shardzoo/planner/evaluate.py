@@ -58,6 +58,7 @@ class StageReport:
     compute_seconds: float  # of micro_seconds: matmuls and memory-bound work
     comm_scaled: int  # bytes of a whole step times ``denominator``
     denominator: int
+    share: float = 1.0  # Hardware.rank_share: below 1 when ranks time-share a CPU host's cores
 
     @property
     def comm_bytes(self) -> Fraction:
@@ -208,7 +209,7 @@ class Pricer:
                 comm_s = base_s + z_s + (rc_s if ckpt and cost.blocks else 0.0)
                 per_mb = base_bytes + z_bytes + (rc_bytes if ckpt and cost.blocks else 0)
                 out[(ckpt, zero)] = StageReport(stage, memory, held // n if zero == 3 else held, compute + comm_s / share,
-                                                step_s, compute, per_mb * m + step_bytes, self.denominator)
+                                                step_s, compute, per_mb * m + step_bytes, self.denominator, share)
         return out
 
     def price(self, layout: Layout, checkpointing=(False, True), zeros=(0,),
@@ -224,8 +225,15 @@ class Pricer:
 
 
 def step_seconds(layout: Layout, reports: list[StageReport]) -> float:
-    slowest = max(r.micro_seconds for r in reports)
-    return (layout.micro_batches + layout.pp - 1) * slowest + max(r.step_seconds for r in reports)
+    """(m + pp - 1) micro-batch times of the slowest stage (the 1F1B / GPipe critical path),
+    then the per-step work. On a CPU host with more ranks than cores a rank waiting in the
+    bubble leaves its core to the others: the critical path runs at a whole core per rank
+    (``share`` times the time-shared micro-batch time), and the step is at least the m
+    micro-batches every rank computes at the shared speed."""
+    slowest, share = max(r.micro_seconds for r in reports), min(r.share for r in reports)
+    m, pp = layout.micro_batches, layout.pp
+    pipe = max(m * slowest, (m + pp - 1) * slowest * share) if share < 1 else (m + pp - 1) * slowest
+    return pipe + max(r.step_seconds for r in reports)
 
 
 def _channel(key) -> str:

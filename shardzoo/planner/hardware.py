@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict, dataclass, fields
 
 GIB = 1 << 30
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -30,8 +30,10 @@ class Hardware:
     inside a node / to another node; intra / inter_latency: seconds per message;
     devices_per_node; runtime_bytes: memory a rank holds before any model; attention_flops:
     FLOP/s the attention kernel reaches (forward + backward); elementwise_bandwidth: bytes/s an
-    elementwise kernel streams (read + write); flops_efficiency: the fraction of ``flops``
-    matmuls reach; source: where the numbers come from."""
+    elementwise kernel streams (read + write) over tensors that fit a cache;
+    large_elementwise_bandwidth: the same over tensors larger than block_costs.LARGE_BYTES (0:
+    as elementwise_bandwidth); flops_efficiency: the fraction of ``flops`` matmuls reach;
+    source: where the numbers come from."""
 
     name: str
     flops: float
@@ -48,6 +50,11 @@ class Hardware:
     flops_efficiency: float = 1.0
     cores_per_node: int = 0
     source: str = ""
+    large_elementwise_bandwidth: float = 0.0
+
+    def __post_init__(self):
+        if not self.large_elementwise_bandwidth:
+            object.__setattr__(self, "large_elementwise_bandwidth", self.elementwise_bandwidth)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -69,12 +76,15 @@ def _positive(name: str, value, path: str):
     return value
 
 
+OPTIONAL = ("flops_efficiency", "cores_per_node", "source", "large_elementwise_bandwidth")
+
+
 def from_json(data: dict, path: str) -> Hardware:
     """A Hardware from a cache file's contents (untrusted: every field checked)."""
     if not isinstance(data, dict):
         raise ValueError(f"{path} does not hold a JSON object; delete it and calibrate again")
     names = {f.name for f in fields(Hardware)}
-    missing = sorted(n for n in names if n not in data and n not in ("flops_efficiency", "cores_per_node", "source"))
+    missing = sorted(n for n in names if n not in data and n not in OPTIONAL)
     if missing:
         raise ValueError(f"{path} lacks {missing}; delete it and calibrate again")
     kwargs = {k: data[k] for k in names if k in data}
@@ -126,21 +136,45 @@ def _single_thread(fn):
         torch.set_num_threads(threads)
 
 
-def _measure_elementwise(n: int = 1 << 22, reps: int = 5) -> float:
-    """Bytes/s of an elementwise kernel (exp: read and write fp32), one thread."""
+def _measure_norm_bandwidth(reps: int = 9) -> float:
+    """Bytes/s of elementwise work over cache-sized tensors as the planner counts it: a LayerNorm
+    forward + backward of [256, 256] fp32 is NORM_PASSES passes of 8 bytes per element."""
     import torch
 
-    def run():
-        x = torch.randn(n)
-        torch.exp(x)
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            torch.exp(x)
-            times.append(time.perf_counter() - start)
-        return 8 * n / statistics.median(times)
+    from shardzoo.planner.block_costs import NORM_PASSES
 
-    return _single_thread(run)
+    x = torch.randn(256, 256, requires_grad=True)
+    norm = torch.nn.LayerNorm(256)
+    return NORM_PASSES * x.numel() * 8 / _median_seconds(lambda: norm(x).sum().backward(), reps)
+
+
+def _measure_loss_bandwidth(reps: int = 5) -> float:
+    """The same over large tensors: shardzoo's cross entropy forward + backward of [1024, 8192]
+    fp32 logits (32 MiB) is LOSS_PASSES passes (on a group of one rank: no communication)."""
+    import torch
+    import torch.distributed as dist
+
+    from shardzoo.layers.cross_entropy import vocab_parallel_cross_entropy
+    from shardzoo.planner.block_costs import LOSS_PASSES
+
+    own = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
+    logits = torch.randn(1024, 8192, requires_grad=True)
+    target = torch.randint(0, 8192, (1024,))
+
+    def run():
+        vocab_parallel_cross_entropy(logits, target, group=own, vocab_start=0, vocab_size=8192).backward()
+
+    return LOSS_PASSES * logits.numel() * 8 / _median_seconds(run, reps)
+
+
+def _median_seconds(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _measure_attention(reps: int = 3) -> float:
@@ -208,7 +242,13 @@ def _gloo_probe(small: int, large: int, reps: int) -> dict:
             out.append(time.perf_counter() - start)
         return statistics.median(out)
 
-    return {"small": timed(small), "large": timed(large), "rss": _runtime_rss()}
+    out = {"small": timed(small), "large": timed(large), "rss": _runtime_rss()}
+    # compute rates with every rank busy at once, one thread each, as training ranks run
+    for key, measure in (("flops", _measure_flops), ("attention", _measure_attention),
+                         ("elementwise", _measure_norm_bandwidth), ("large_elementwise", _measure_loss_bandwidth)):
+        dist.barrier()
+        out[key] = _single_thread(measure)
+    return out
 
 
 def calibrate(use_cache: bool = True) -> Hardware:
@@ -231,14 +271,18 @@ def calibrate(use_cache: bool = True) -> Hardware:
     t_large = max(r["large"] for r in probe)
     latency = t_small / 2  # an all_reduce on 2 ranks is 2 messages
     bandwidth = large / max(t_large - t_small, 1e-9)  # AR(2, n) sends n bytes
-    hw = Hardware("calibrate", flops=_measure_flops(), memory_bytes=_host_memory(), mem_bandwidth=_measure_mem_bandwidth(),
+    def rate(key):
+        return statistics.fmean(r[key] for r in probe)
+
+    hw = Hardware("calibrate", flops=rate("flops"), memory_bytes=_host_memory(), mem_bandwidth=_measure_mem_bandwidth(),
                   intra_bandwidth=bandwidth, inter_bandwidth=bandwidth, intra_latency=latency, inter_latency=latency,
                   devices_per_node=1 << 20, runtime_bytes=max(r["rss"] for r in probe),
-                  attention_flops=_measure_attention(), elementwise_bandwidth=_measure_elementwise(),
-                  cores_per_node=_cores(),
-                  source=f"measured on {platform.node()} at {time.strftime('%Y-%m-%d %H:%M')}: fp32 matmul, exp and "
-                         f"attention per core, memory copy, gloo all_reduce between 2 local ranks, rank RSS after a "
-                         f"tiny training step")
+                  attention_flops=rate("attention"), elementwise_bandwidth=rate("elementwise"),
+                  large_elementwise_bandwidth=rate("large_elementwise"), cores_per_node=_cores(),
+                  source=f"measured on {platform.node()} at {time.strftime('%Y-%m-%d %H:%M')}: on 2 local ranks at "
+                         f"once, one thread each, fp32 matmul, attention, LayerNorm (small tensors) and cross entropy "
+                         f"(large) per core; gloo all_reduce between the 2 ranks; rank RSS after a tiny training "
+                         f"step; memory copy")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:

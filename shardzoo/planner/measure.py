@@ -3,7 +3,7 @@
 
 ``run_layout(spec)`` runs on every rank of a world (a WorkerPool / ``shardzoo.launch``): it
 builds the model on ``ParallelMesh(**spec["layout"])``, runs training steps as a user would
-(``data_parallel`` + the model's loss, or a 1F1B pipeline schedule with ``sync_tied_grads``,
+(``data_parallel`` at ``spec["zero"]`` (default 0) + the model's loss, or a 1F1B pipeline schedule with ``sync_tied_grads``,
 then AdamW) and returns, for the last step, this rank's
 
 * ``counted``: bytes ``shardzoo.comm.count`` counted (every shardzoo collective and p2p send);
@@ -127,6 +127,7 @@ def run_layout(spec: dict) -> dict:
     from shardzoo import comm
     from shardzoo.models.pipeline import build_schedule, sync_tied_grads
     from shardzoo.models.training import data_parallel
+    from shardzoo.parallel import zero_optimizer
     from shardzoo.testing import cached_mesh
 
     mesh = cached_mesh(**spec["layout"])
@@ -134,10 +135,12 @@ def run_layout(spec: dict) -> dict:
     model = build_model(spec, mesh)
     param_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
     totals = {"ddp": Fraction(0), "p2p": Fraction(0), "tied": Fraction(0)}
-    wrapped = data_parallel(model, mesh)
-    if wrapped is not model:
+    zero = spec.get("zero", 0)
+    wrapped = data_parallel(model, mesh, zero=zero)
+    if zero == 0 and wrapped is not model:
         wrapped.register_comm_hook((mesh.group("dp", "sp"), totals), counting_ddp_hook)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    # FSDP2 (zero 2, 3) runs its own collectives, which neither comm.count nor the DDP hook sees
+    opt = zero_optimizer(wrapped, torch.optim.AdamW, lr=1e-4)
     inputs, target = make_batch(spec, model, mesh)
     schedule = None
     if mesh.pp_size > 1:
@@ -150,7 +153,9 @@ def run_layout(spec: dict) -> dict:
             model.loss(wrapped(inputs), target).backward()
         else:
             with count_pipeline_sends(mesh.pp_group, totals):
-                schedule.step(*((inputs,) if model.is_first else ()), **({"target": target} if model.is_last else {}))
+                # return_outputs=False: otherwise the last stage keeps every micro-batch's logits
+                schedule.step(*((inputs,) if model.is_first else ()), return_outputs=False,
+                              **({"target": target} if model.is_last else {}))
             with count_all_reduce(totals, "tied"):
                 sync_tied_grads([model], mesh)
         opt.step()

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from shardzoo.models.common import stage_blocks
-from shardzoo.planner.block_costs import ID_BYTES, Illegal, Piece, calls, need
+from shardzoo.planner.block_costs import ID_BYTES, Illegal, Piece, calls, elementwise, need
 from shardzoo.planner.comm import attention_core
 
 
@@ -90,18 +90,18 @@ class StageCost:
         return sum(p.saved for p in self.block)
 
     @cached_property
-    def block_work(self) -> tuple[int, int, int]:
-        """(matmul FLOPs, attention FLOPs, elementwise passes) of one block, forward."""
+    def block_work(self) -> tuple[int, int, int, int]:
+        """(matmul FLOPs, attention FLOPs, elementwise passes, of which over large tensors) of
+        one block, forward (elementwise: forward + backward)."""
         return (sum(p.flops for p in self.block), sum(p.attn_flops for p in self.block),
-                sum(p.elems for p in self.block))
+                sum(p.elems for p in self.block), sum(p.big_elems for p in self.block))
 
     @cached_property
-    def work(self) -> tuple[int, int, int]:
-        """The same for the whole stage and one micro-batch (elementwise: forward + backward)."""
-        f, a, e = self.block_work
+    def work(self) -> tuple[int, int, int, int]:
+        """The same for the whole stage and one micro-batch."""
         ends = (self.first, self.last)
-        return (self.blocks * f + sum(p.flops for p in ends), self.blocks * a + sum(p.attn_flops for p in ends),
-                self.blocks * e + sum(p.elems for p in ends))
+        per_end = ((p.flops, p.attn_flops, p.elems, p.big_elems) for p in ends)
+        return tuple(self.blocks * w + sum(col) for w, col in zip(self.block_work, zip(*per_end)))
 
     @cached_property
     def workspace(self) -> int:
@@ -129,7 +129,7 @@ def dropout(p: float, n: int, b: "Batch") -> Piece:
     """F.dropout keeps a mask of the ``n`` elements it drops from (bool on CUDA; on CPU the
     scaled noise tensor, in the activation dtype)."""
     on = b.training and p > 0
-    return Piece([], 0, n * b.mask_bytes if on else 0, elems=DROPOUT_PASSES * n if on else 0)
+    return Piece([], 0, n * b.mask_bytes if on else 0, **elementwise(DROPOUT_PASSES, n if on else 0, b.e))
 
 
 def _check_batch(shape: ModelShape, costs, b: Batch) -> tuple[int, int]:
@@ -188,9 +188,9 @@ def transformer_block(shape: ModelShape, costs, b: Batch, batch: int, seq: int) 
     act = getattr(c, "activation_function", None) or c.hidden_act
     fc1 = costs.linear(h, f, rows, e, lay, style="column", bias=bias if fam == "opt" else True)
     relu = act.startswith("relu")  # gelu keeps its input, relu its output (fc2's input)
-    act_saved = Piece([], 0, rows * fl * e, elems=(RELU_PASSES if relu else GELU_PASSES) * rows * fl)
+    act_saved = Piece([], 0, rows * fl * e, **elementwise(RELU_PASSES if relu else GELU_PASSES, rows * fl, e))
     fc2 = costs.linear(f, h, rows, e, mid, style="row", bias=bias if fam == "opt" else True, input_saved=not relu)
-    residual = Piece(elems=ADD_PASSES * rows * hl)
+    residual = Piece(**elementwise(ADD_PASSES, rows * hl, e))
     attention, mlp = [*qkv, attn, out_proj, drop, residual], [fc1, act_saved, fc2, drop, residual]
     if fam == "bert" or (fam == "opt" and not c.do_layer_norm_before):  # post-LN
         return attention + [norm] + mlp + [costs.layer_norm(h, rows, e, lay, affine=affine)]

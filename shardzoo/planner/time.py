@@ -1,7 +1,7 @@
 """Step time of a layout (docs/planner.md, "Time").
 
     t_stage   = (3 * matmul FLOPs / (F * efficiency) + 3 * attention FLOPs / F_attention
-                 + elementwise passes * 2 * e / elementwise bandwidth
+                 + elementwise passes * 2 * e / elementwise bandwidth (of small or large tensors)
                  + sum over groups (bytes / bandwidth + messages * latency)) / share
     t_step    = (m + pp - 1) * max over stages of t_stage   (GPipe and 1F1B: same bubble)
                 + per-step communication (gradient reduction, tied table) + optimizer step
@@ -59,12 +59,14 @@ def compute_seconds(cost, checkpointing: bool, hw: Hardware, e: int) -> float:
     """Seconds of one rank's work for one micro-batch of a stage (a model.StageCost): matmuls
     (backward twice the forward) at the achievable FLOP/s, attention at the kernel's FLOP/s,
     elementwise passes at the elementwise bandwidth; checkpointing runs the blocks' forward again."""
-    flops, attn, elems = cost.work
+    flops, attn, elems, big = cost.work
     again = cost.blocks if checkpointing else 0
-    b_flops, b_attn, b_elems = cost.block_work
+    b_flops, b_attn, b_elems, b_big = cost.block_work
     matmul = (3 * flops + again * b_flops) / (hw.flops * hw.flops_efficiency)
     attention = (3 * attn + again * b_attn) / hw.attention_flops
-    return matmul + attention + (elems + again * b_elems / 2) * 2 * e / hw.elementwise_bandwidth
+    big = big + again * b_big / 2  # the recompute runs the forward half of the passes again
+    small = elems + again * b_elems / 2 - big
+    return matmul + attention + 2 * e * (small / hw.elementwise_bandwidth + big / hw.large_elementwise_bandwidth)
 
 
 def optimizer_seconds(param_elements: float, hw: Hardware) -> float:

@@ -1,0 +1,42 @@
+"""The time model's two CPU-host rules (docs/planner.md, "Time"): elementwise work over tensors
+larger than a cache is priced at the large-tensor bandwidth, and with more ranks than cores a
+pipeline's bubble leaves its cores to the busy ranks."""
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+
+from shardzoo.planner.block_costs import LARGE_BYTES, Piece, elementwise
+from shardzoo.planner.evaluate import step_seconds
+from shardzoo.planner.model import StageCost
+from shardzoo.planner.presets import HARDWARE
+from shardzoo.planner.time import compute_seconds
+
+
+def test_elementwise_work_over_a_large_tensor_is_counted_apart():
+    small, large = LARGE_BYTES // 4, LARGE_BYTES // 4 + 1  # fp32 elements: at and just past the threshold
+    assert elementwise(3, small, 4) == {"elems": 3 * small, "big_elems": 0}
+    assert elementwise(3, large, 4) == {"elems": 3 * large, "big_elems": 3 * large}
+    assert (Piece(**elementwise(2, small, 4)) + Piece(**elementwise(5, large, 4))).big_elems == 5 * large
+
+
+def test_large_tensors_are_priced_at_the_large_bandwidth():
+    n = LARGE_BYTES  # elements; 4 bytes each: a large tensor
+    block = [Piece(**elementwise(1, 8, 4))]
+    stage = StageCost(first=Piece(**elementwise(2, n, 4)), block=block, blocks=1, last=Piece(), boundary=0, tied_table=0)
+    hw = HARDWARE["a100"]
+    assert hw.large_elementwise_bandwidth == hw.elementwise_bandwidth  # unset: one bandwidth for every size
+    slow = dataclasses.replace(hw, large_elementwise_bandwidth=hw.elementwise_bandwidth / 4)
+    extra = compute_seconds(stage, False, slow, 4) - compute_seconds(stage, False, hw, 4)
+    expected = 2 * 4 * 2 * n * (1 / slow.large_elementwise_bandwidth - 1 / hw.elementwise_bandwidth)
+    assert extra == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.parametrize("share, expected", [(1.0, 5.0), (0.5, 4.0), (0.25, 4.0), (0.9, 4.5)])
+def test_the_bubble_of_an_oversubscribed_host_is_lent_to_the_busy_ranks(share, expected):
+    """pp=2, 4 micro-batches of 1 s each at the shared speed: (m + pp - 1) = 5 s with a core per
+    rank; time-shared, max(m, (m + pp - 1) * share) s."""
+    layout = SimpleNamespace(micro_batches=4, pp=2)
+    reports = [SimpleNamespace(micro_seconds=1.0, step_seconds=0.0, share=share)] * 2
+    assert step_seconds(layout, reports) == pytest.approx(expected)
