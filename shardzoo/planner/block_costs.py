@@ -62,11 +62,13 @@ class Piece:
     attn_flops: int = 0
     elems: int = 0
     big_elems: int = 0  # the part of ``elems`` over tensors larger than LARGE_BYTES
+    tensors: int = 0  # parameter tensors held (one message each where a step sends them one by one)
 
     def __add__(self, other: "Piece") -> "Piece":
         return Piece(self.calls + other.calls, self.params + other.params, self.saved + other.saved,
                      max(self.workspace, other.workspace), self.flops + other.flops,
-                     self.attn_flops + other.attn_flops, self.elems + other.elems, self.big_elems + other.big_elems)
+                     self.attn_flops + other.attn_flops, self.elems + other.elems, self.big_elems + other.big_elems,
+                     self.tensors + other.tensors)
 
 
 # elementwise passes per element (forward + backward), as torch's CPU kernels run them (measured
@@ -148,39 +150,41 @@ class Costs1D:
             need(who, "out_features", n_out, p, f"tp={p}")
             return Piece(calls("bwd", ("tp",), "all_reduce", rows * n_in * e, p),
                          n_out // p * n_in + (n_out // p if bias else 0), rows * n_in * e if input_saved else 0,
-                         flops=flops, **elementwise(BIAS_PASSES, rows * n_out // p if bias else 0, e))
+                         flops=flops, tensors=1 + bias, **elementwise(BIAS_PASSES, rows * n_out // p if bias else 0, e))
         need(who, "in_features", n_in, p, f"tp={p}")
         return Piece(calls("fwd", ("tp",), "all_reduce", rows * n_out * e, p, after_save=True),
                      n_out * n_in // p + (n_out if bias else 0), rows * n_in // p * e if input_saved else 0,
-                     flops=flops, **elementwise(BIAS_PASSES, rows * n_out if bias else 0, e))
+                     flops=flops, tensors=1 + bias, **elementwise(BIAS_PASSES, rows * n_out if bias else 0, e))
 
     def layer_norm(self, h, rows, e, layout=None, *, affine=True, bias=True) -> Piece:
         """Replicated: saves its input and the row mean / rstd."""
         return Piece([], (h if affine else 0) + (h if affine and bias else 0), rows * h * e + 2 * rows * e,
-                     **elementwise(NORM_PASSES, rows * h, e))
+                     tensors=int(affine) + int(affine and bias), **elementwise(NORM_PASSES, rows * h, e))
 
     def vocab_embedding(self, vocab, h, rows, e, layout=None) -> Piece:
         """Table rows split over tp (padded to ceil(V/p) each); partial lookups all-reduced."""
         return Piece(calls("fwd", ("tp",), "all_reduce", rows * h * e, self.p, after_save=True),
-                     ceil_div(vocab, self.p) * h, rows * (ID_BYTES + MASK_BYTES), **elementwise(LOOKUP_PASSES, rows * h, e))
+                     ceil_div(vocab, self.p) * h, rows * (ID_BYTES + MASK_BYTES), tensors=1,
+                     **elementwise(LOOKUP_PASSES, rows * h, e))
 
     def hidden_embedding(self, n, h, ids, e, layout=None) -> Piece:
         """A small table (positions, token types) replicated on every tp rank."""
-        return Piece([], n * h, ids * ID_BYTES, **elementwise(LOOKUP_PASSES, ids * h, e))
+        return Piece([], n * h, ids * ID_BYTES, tensors=1, **elementwise(LOOKUP_PASSES, ids * h, e))
 
     def lm_head(self, vocab, h, rows, e, layout=None, *, tied=False) -> Piece:
         """Vocabulary-split logits [rows, ceil(V/p)]: copy_to on entry (dX all-reduced)."""
         logits = rows * ceil_div(vocab, self.p) * e
         return Piece(calls("bwd", ("tp",), "all_reduce", rows * h * e, self.p),
                      0 if tied else ceil_div(vocab, self.p) * h, rows * h * e, workspace=2 * logits,
-                     flops=2 * rows * h * ceil_div(vocab, self.p))
+                     flops=2 * rows * h * ceil_div(vocab, self.p), tensors=0 if tied else 1)
 
     def loss(self, vocab, rows, e, layout=None) -> Piece:
         return vocab_loss(("tp",), self.p, (), 1, rows, ceil_div(vocab, self.p), e, batch_mean=False)
 
     def dense(self, n_in, n_out, rows, e, layout=None, *, bias=True) -> Piece:
         """A replicated nn.Linear (poolers, BERT's MLM transform): no communication."""
-        return Piece([], n_in * n_out + (n_out if bias else 0), rows * n_in * e, flops=2 * rows * n_in * n_out)
+        return Piece([], n_in * n_out + (n_out if bias else 0), rows * n_in * e, flops=2 * rows * n_in * n_out,
+                     tensors=1 + bias)
 
     def classifier(self, classes, h, rows, e, layout=None) -> Piece:
         return self.dense(h, classes, rows, e)
@@ -189,10 +193,10 @@ class Costs1D:
         """ViT's embeddings replicated: conv weight and bias, cls token, positions."""
         tokens = (image // patch) ** 2 + 1
         return Piece([], h * channels * patch * patch + 2 * h + tokens * h, batch * channels * image * image * e,
-                     flops=2 * batch * (tokens - 1) * channels * patch * patch * h)
+                     flops=2 * batch * (tokens - 1) * channels * patch * patch * h, tensors=4)
 
     def vocab_bias(self, vocab, rows, e, layout=None) -> Piece:
-        return Piece([], ceil_div(vocab, self.p), 0)
+        return Piece([], ceil_div(vocab, self.p), 0, tensors=1)
 
 
 class GridCosts:
@@ -251,13 +255,15 @@ class GridCosts:
         n = (1 if affine else 0) + (1 if affine and bias else 0)
         out = calls("fwd", hid, "all_reduce", rows * es, q, times=2) + calls("bwd", hid, "all_reduce", 2 * rows * es, q)
         out += self._block_param_grads(layout, h // q, n) if n else []
-        return Piece(out, n * h // q, rows * (h // q) * es + rows * es, **elementwise(NORM_PASSES, rows * (h // q), e))
+        return Piece(out, n * h // q, rows * (h // q) * es + rows * es, tensors=n,
+                     **elementwise(NORM_PASSES, rows * (h // q), e))
 
     def hidden_embedding(self, n, h, ids, e, layout) -> Piece:
         """Table cut into q * size(param_axes) hidden chunks, gathered in forward."""
         parts = self._split_params(f"Embedding{self.suffix[self.mode]}", "embedding_dim", h, layout)
         local, hl = n * h // parts, h // self.hidden_parts(layout)
-        return Piece(self._param_use(layout, local, n * hl), local, ids * ID_BYTES, **elementwise(LOOKUP_PASSES, ids * hl, e))
+        return Piece(self._param_use(layout, local, n * hl), local, ids * ID_BYTES, tensors=1,
+                     **elementwise(LOOKUP_PASSES, ids * hl, e))
 
     def vocab_embedding(self, vocab, h, rows, e, layout) -> Piece:
         """Ids all-gathered over the vocabulary axis, masked lookup, partial embeddings
@@ -276,7 +282,7 @@ class GridCosts:
         partial = qv * rows * (h // q) * e
         out += calls("fwd", (vocab_axis,), "reduce_scatter", partial, qv, after_save=True)
         out += calls("bwd", (vocab_axis,), "all_gather", partial, qv)
-        return Piece(out, local, qv * rows * (ID_BYTES + MASK_BYTES), workspace=partial + sub * local * ep,
+        return Piece(out, local, qv * rows * (ID_BYTES + MASK_BYTES), workspace=partial + sub * local * ep, tensors=1,
                      **elementwise(LOOKUP_PASSES, qv * rows * (h // q), e))
 
     def loss(self, vocab, rows, e, layout) -> Piece:
@@ -295,7 +301,7 @@ class GridCosts:
         out += calls("fwd", (layout.hidden_axis,), "all_reduce", rows * classes * e, q)
         out += self._block_param_grads(layout, classes, 1)
         return Piece(out, classes * h // parts + classes, rows * (h // q) * e + classes * (h // q) * self.ep,
-                     flops=2 * rows * (h // q) * classes)
+                     flops=2 * rows * (h // q) * classes, tensors=2)
 
     def patch_embedding(self, image, patch, channels, h, batch, e, layout) -> Piece:
         """Conv weight and bias, cls token and positions each split and gathered like a table."""
@@ -306,13 +312,13 @@ class GridCosts:
         saved = batch * channels * image * image * e + (h // q) * channels * patch * patch * self.ep
         rows = batch // self.batch_parts(layout)
         return Piece(out, sum(tensors) // parts, saved,
-                     flops=2 * rows * (image // patch) ** 2 * channels * patch * patch * (h // q))
+                     flops=2 * rows * (image // patch) ** 2 * channels * patch * patch * (h // q), tensors=len(tensors))
 
     def vocab_bias(self, vocab, rows, e, layout) -> Piece:
         """BERT's output bias, split like the logits; gradient summed over the batch axes."""
         out = self.after_head(layout)
         local = self.vocab_pad(vocab) // self.hidden_parts(out)
-        return Piece(self._block_param_grads(out, local, 1), local, 0)
+        return Piece(self._block_param_grads(out, local, 1), local, 0, tensors=1)
 
     def dense(self, n_in, n_out, rows, e, layout, *, bias=True) -> Piece:
         """The mode's linear, moved back to ``layout`` (3D) by common.relayout."""
@@ -356,7 +362,7 @@ class Costs2D(GridCosts):
         out += self._summa("bwd", row, x, col, w, "reduce") + calls("bwd", ("tp_dep",), "all_reduce", w, d)
         out += self._block_param_grads(layout, n_out // q, 1) if bias else []
         return Piece(out, n_in * n_out // (q * q) + (n_out // q if bias else 0), x if input_saved else 0,
-                     workspace=2 * (x + w), flops=2 * rows * n_in * n_out // q,
+                     workspace=2 * (x + w), flops=2 * rows * n_in * n_out // q, tensors=1 + bias,
                      **elementwise(BIAS_PASSES, rows * n_out // q if bias else 0, e))
 
     def lm_head(self, vocab, h, rows, e, layout=None, *, tied=False) -> Piece:
@@ -369,7 +375,7 @@ class Costs2D(GridCosts):
         out = self._summa("fwd", col, big_e, row, y, "reduce") + self._summa("bwd", row, y, col, big_e)
         out += self._summa("bwd", row, y, col, big_e, "reduce") + calls("bwd", ("tp_dep",), "all_reduce", big_e, d)
         return Piece(out, 0 if tied else v_pad * h // (q * q), rows * (h // q) * e, workspace=2 * y + 2 * big_e,
-                     flops=2 * rows * h * v_pad // q)
+                     flops=2 * rows * h * v_pad // q, tensors=0 if tied else 1)
 
 
 class Costs3D(GridCosts):
@@ -409,7 +415,7 @@ class Costs3D(GridCosts):
         out, saved, partial = self._cube(n_in, n_out, rows, e, layout)
         out += self._block_param_grads(swapped_3d(layout), n_out // q, 1) if bias else []
         return Piece(out, n_in * n_out // q**3 + (n_out // q if bias else 0), saved, workspace=partial,
-                     flops=2 * rows * n_in * n_out // q,
+                     flops=2 * rows * n_in * n_out // q, tensors=1 + bias,
                      **elementwise(BIAS_PASSES, rows * n_out // q if bias else 0, e))
 
     def lm_head(self, vocab, h, rows, e, layout=None, *, tied=False) -> Piece:
@@ -418,7 +424,7 @@ class Costs3D(GridCosts):
         v_pad = self.vocab_pad(vocab)
         out, saved, partial = self._cube(h, v_pad, rows, e, layout)
         return Piece(out, 0 if tied else v_pad * h // q**3, saved, workspace=partial + 2 * rows * (v_pad // q) * e,
-                     flops=2 * rows * h * v_pad // q)
+                     flops=2 * rows * h * v_pad // q, tensors=0 if tied else 1)
 
     def relayout(self, h, rows, e, src, dst) -> Piece:
         """common.relayout: gather the activation to full size, keep the ``dst`` block."""

@@ -17,7 +17,7 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--world", type=int, required=True, metavar="N", help="number of devices (ranks)")
     p.add_argument("--device-memory-gib", type=float, required=True, metavar="M", help="memory per device, GiB")
     p.add_argument("--global-batch", type=int, required=True, metavar="B", help="sequences per training step")
-    p.add_argument("--seq", type=int, required=True, metavar="S", help="tokens per sequence (ViT: its image tokens)")
+    p.add_argument("--seq", type=int, required=True, metavar="S", help="tokens per sequence (ViT: any value; its tokens come from the image and patch size)")
     p.add_argument("--hardware", default="h100", metavar="PRESET|calibrate",
                    help="a100, h100, h200, or cpu / calibrate: this host, measured once and cached (default h100)")
     nodes = p.add_mutually_exclusive_group()

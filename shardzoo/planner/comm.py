@@ -4,8 +4,9 @@ messages per group.
 * sequence parallelism over ``sp``: ring attention (K, V passed round the ring) and Ulysses
   (all-to-alls trading the sequence shard for a head shard);
 * pipeline p2p over ``pp``: each stage sends its output forward and its input gradient back;
-* the gradient reduction over ``dp x sp`` per ZeRO stage: DDP's all-reduce (stage 0), and the
-  reduce-scatter of gradients with the all-gather of parameters per block (FSDP2, stages 1-3);
+* the gradient reduction over ``dp x sp`` per ZeRO stage: DDP's all-reduce (stages 0 and 1),
+  ZeroRedundancyOptimizer's parameter broadcasts (stage 1), and the reduce-scatter of gradients
+  with the all-gather of parameters (FSDP2, stages 2 and 3; per block and pass in stage 3);
 * the tied-embedding sync between the first and last pipeline stage.
 
 Bytes follow ``shardzoo.comm.accounting`` (the ring model) through ``CommRecord`` itself, so a
@@ -154,25 +155,34 @@ def pipeline_p2p(boundary_bytes: int, pp: int, first: bool, last: bool) -> list[
     return out + ([] if first else calls("bwd", ("pp",), "send", boundary_bytes, pp, counted=False))
 
 
+def _split_calls(kind: str, total: int, n: int, parts: int) -> list[Call]:
+    """``parts`` step calls of ``kind`` over dp x sp whose payloads add up to ``total`` bytes."""
+    base, rest = divmod(total, parts)
+    out = calls("step", DP_AXES, kind, base, n, times=parts - rest, counted=False) if parts > rest else []
+    return out + (calls("step", DP_AXES, kind, base + 1, n, times=rest, counted=False) if rest else [])
+
+
 def tied_sync(table_bytes: int) -> list[Call]:
     """pipeline.sync_tied_grads: the tied table's gradient summed by the first and last stage."""
     return calls("step", ("pp",), "all_reduce", table_bytes, 2, counted=False)
 
 
-def dp_reduction(param_bytes: int, grad_bytes: int, n: int, zero: int, block_bytes: list[int]) -> list[Call]:
+def dp_reduction(param_bytes: int, grad_bytes: int, n: int, zero: int, block_bytes: list[int],
+                 tensors: int = 1) -> list[Call]:
     """The step's gradient reduction over dp x sp (``n`` ranks) for ZeRO stage ``zero``.
 
-    0: DDP all-reduces every gradient (buckets of 25 MiB). 1, 2: reduce-scatter of the gradients
-    (fp32, ``grad_bytes``) and all-gather of the updated parameters (the ZeRO paper's 2*Psi, as
-    DDP). 3: FSDP2 all-gathers each block's parameters before its forward and again before its
-    backward (``block_bytes``: full bytes of each sharded unit) and reduce-scatters gradients."""
+    0: DDP all-reduces every gradient (buckets of 25 MiB). 1: the same DDP all-reduce, then
+    ZeroRedundancyOptimizer broadcasts every updated parameter from the rank that owns it, one
+    broadcast per parameter tensor (``tensors`` of them, ``param_bytes`` in all). 2: FSDP2
+    reduce-scatters the gradients (fp32, ``grad_bytes``) and all-gathers the parameters once
+    per step (the ZeRO paper's 2*Psi, as DDP). 3: FSDP2 all-gathers each block's parameters
+    before its forward and again before its backward (``block_bytes``: full bytes of each
+    sharded unit) and reduce-scatters gradients."""
     if n == 1:
         return []
-    if zero == 0:
-        buckets = max(1, -(-grad_bytes // DDP_BUCKET_BYTES))
-        base, rest = divmod(grad_bytes, buckets)
-        out = calls("step", DP_AXES, "all_reduce", base, n, times=buckets - rest, counted=False)
-        return out + (calls("step", DP_AXES, "all_reduce", base + 1, n, times=rest, counted=False) if rest else [])
+    if zero <= 1:
+        out = _split_calls("all_reduce", grad_bytes, n, max(1, -(-grad_bytes // DDP_BUCKET_BYTES)))
+        return out + (_split_calls("broadcast", param_bytes, n, max(1, tensors)) if zero == 1 else [])
     out = calls("step", DP_AXES, "reduce_scatter", grad_bytes, n, counted=False)
     if zero < 3:
         return out + calls("step", DP_AXES, "all_gather", param_bytes, n, counted=False)

@@ -3,7 +3,8 @@ training step, for every activation-checkpointing and ZeRO choice.
 
 A training step here is what shardzoo's training loop runs: forward and backward of every
 micro-batch (``schedule.step`` when pp > 1), the gradient reduction over dp x sp (DDP for ZeRO
-stage 0, FSDP2 otherwise), the tied-embedding sync between pipeline ends, then AdamW.
+stages 0 and 1, then ZeroRedundancyOptimizer's parameter broadcasts in stage 1; FSDP2 in 2 and
+3), the tied-embedding sync between pipeline ends, then AdamW.
 :class:`Pricer` keeps what layouts share (the pieces of a tp grid x sp x micro-batch size, and
 their summed calls), so a plan over thousands of layouts builds each only once.
 """
@@ -160,7 +161,7 @@ class Pricer:
     def _reduction(self, cost: StageCost, layout: Layout, zero: int) -> tuple[Traffic, Traffic]:
         """(per micro-batch, per step) calls of the gradient reduction and the tied sync."""
         n, tied = layout.dp * layout.sp, cost.tied_table and layout.pp > 1
-        key = (cost.params, cost.first.params + cost.last.params, cost.blocks, n, zero, tied, cost.is_last,
+        key = (cost.params, cost.tensors, cost.first.params + cost.last.params, cost.blocks, n, zero, tied, cost.is_last,
                layout.pp, layout.dp, layout.tp_mode, layout.tp, layout.tp_depth)
         if key not in self._reductions:
             self._reductions[key] = self._reduction_calls(cost, layout, zero)
@@ -170,7 +171,7 @@ class Pricer:
         ep, one, step = self.problem.param_bytes, Traffic(), Traffic()
         p = cost.params * ep
         units = [b * ep for b in cost.block_params] + [(cost.first.params + cost.last.params) * ep]
-        for c in dp_reduction(p, p, layout.dp * layout.sp, zero, units):
+        for c in dp_reduction(p, p, layout.dp * layout.sp, zero, units, cost.tensors):
             (step if c.phase == "step" else one).add([c])
         if cost.tied_table and layout.pp > 1:
             step.add(tied_sync(cost.tied_table * ep))

@@ -1,8 +1,9 @@
 """What a device can do, as the time and memory models need it, and measuring this host.
 
 ``calibrate()`` measures, in a few seconds, this host's matmul FLOP/s per core, its memory
-bandwidth, the gloo bandwidth and per-message latency between two local ranks, and the memory a
-rank process holds before any model (torch, gloo); the result is cached in
+bandwidth (reported only: the models price elementwise work at the elementwise bandwidths),
+the gloo bandwidth and per-message latency between two local ranks, and the memory a rank
+process holds before any model (torch, gloo); the result is cached in
 ``$SHARDZOO_CACHE_DIR`` (default ``~/.cache/shardzoo``) as ``hardware-<host>.json`` and reused.
 """
 

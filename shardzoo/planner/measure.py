@@ -9,8 +9,9 @@ then AdamW) and returns, for the last step, this rank's
 * ``counted``: bytes ``shardzoo.comm.count`` counted (every shardzoo collective and p2p send);
 * ``ddp``, ``p2p``, ``tied``: bytes of what torch.distributed is called for directly, each under
   the same ring model: DDP's gradient buckets (through a DDP comm hook that reports each bucket
-  and then all-reduces it as DDP would), torch pipelining's stage sends (``P2POp`` sends on the
-  pp group) and the tied-embedding all-reduce of ``sync_tied_grads``;
+  and then all-reduces it as DDP would) with, at ZeRO stage 1, ZeroRedundancyOptimizer's
+  parameter broadcasts, torch pipelining's stage sends (``P2POp`` sends on the pp group) and the
+  tied-embedding all-reduce of ``sync_tied_grads``;
 * ``param_bytes`` (the stage's parameters, each tensor once), step seconds and peak RSS.
 """
 
@@ -80,19 +81,21 @@ def count_pipeline_sends(pp_group, totals):
 
 
 @contextlib.contextmanager
-def count_all_reduce(totals, key):
-    """Count the torch.distributed.all_reduce calls made inside the block under ``key``."""
-    original = dist.all_reduce
+def count_all_reduce(totals, key, kind="all_reduce"):
+    """Count the torch.distributed calls of ``kind`` (all_reduce or broadcast) made inside the
+    block under ``key`` (callers pass the tensor first, as ZeroRedundancyOptimizer and
+    sync_tied_grads do)."""
+    original = getattr(dist, kind)
 
     def counting(tensor, *args, group=None, **kwargs):
-        totals[key] += _ring_bytes("all_reduce", tensor.numel() * tensor.element_size(), dist.get_world_size(group))
+        totals[key] += _ring_bytes(kind, tensor.numel() * tensor.element_size(), dist.get_world_size(group))
         return original(tensor, *args, group=group, **kwargs)
 
-    dist.all_reduce = counting
+    setattr(dist, kind, counting)
     try:
         yield
     finally:
-        dist.all_reduce = original
+        setattr(dist, kind, original)
 
 
 def build_model(spec: dict, mesh):
@@ -137,7 +140,7 @@ def run_layout(spec: dict) -> dict:
     totals = {"ddp": Fraction(0), "p2p": Fraction(0), "tied": Fraction(0)}
     zero = spec.get("zero", 0)
     wrapped = data_parallel(model, mesh, zero=zero)
-    if zero == 0 and wrapped is not model:
+    if zero <= 1 and wrapped is not model:  # DDP, at zero 1 under a ZeroRedundancyOptimizer
         wrapped.register_comm_hook((mesh.group("dp", "sp"), totals), counting_ddp_hook)
     # FSDP2 (zero 2, 3) runs its own collectives, which neither comm.count nor the DDP hook sees
     opt = zero_optimizer(wrapped, torch.optim.AdamW, lr=1e-4)
@@ -158,7 +161,8 @@ def run_layout(spec: dict) -> dict:
                               **({"target": target} if model.is_last else {}))
             with count_all_reduce(totals, "tied"):
                 sync_tied_grads([model], mesh)
-        opt.step()
+        with count_all_reduce(totals, "ddp", "broadcast"):  # zero 1: the optimizer's parameter broadcasts
+            opt.step()
 
     model.train()
     step()  # warm-up: lazily built groups, pipeline shape inference, optimizer state

@@ -1,14 +1,16 @@
 """Bytes one rank holds at its peak during a training step (docs/planner.md, "Memory").
 
     peak = runtime + params + optimizer + ddp_buckets + zero3_units
-           + max(k * A + G_last, G + (k - 1) * A + A_first) + workspace
+           + max(k * A + R + min(G, G_last), G + (k - 1) * A + A_first) + workspace
 
 with k the micro-batches a stage holds activations of at once (1F1B: min(pp - stage, m);
 GPipe: m), A the activation bytes of one micro-batch (saved tensors, and the stage's input /
-output the pipeline keeps), G the gradient bytes (G_last / A_first: of the head / the
-embeddings, the first gradients made and the last activations freed). AdamW keeps two moments
-per parameter; ZeRO stage z shards the optimizer (z >= 1), the gradients (z >= 2) and the
-parameters (z = 3) over the dp x sp group, as in the ZeRO paper (Rajbhandari et al. 2020).
+output the pipeline keeps), R the activations one block recomputes under checkpointing, G the
+gradient bytes (G_last / A_first: of the head / the embeddings, the first gradients made and
+the last activations freed). DDP's buckets (stages 0 and 1) hold another copy of the
+gradients. AdamW keeps two moments per parameter; ZeRO stage z shards the optimizer (z >= 1),
+the gradients (z >= 2) and the parameters (z = 3) over the dp x sp group, as in the ZeRO paper
+(Rajbhandari et al. 2020).
 """
 
 from __future__ import annotations
@@ -63,8 +65,8 @@ def stage_memory(cost: StageCost, *, stage: int, pp: int, micro_batches: int, ch
     params = p // n if zero == 3 else p
     grads = p // n if zero >= 2 else p
     optimizer = ADAM_MOMENTS * p // (n if zero >= 1 else 1)
-    if zero == 0:
-        buffers = p if n > 1 else 0  # DDP copies gradients into its buckets
+    if zero <= 1:
+        buffers = p if n > 1 else 0  # DDP (stages 0 and 1) copies gradients into its buckets
     elif zero == 3:
         units = [b * param_bytes for b in cost.block_params] + [(cost.first.params + cost.last.params) * param_bytes]
         buffers = 2 * max(units)  # the unit running and the one prefetched

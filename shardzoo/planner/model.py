@@ -85,6 +85,11 @@ class StageCost:
         return self.first.params + self.blocks * sum(p.params for p in self.block) + self.last.params
 
     @cached_property
+    def tensors(self) -> int:
+        """Parameter tensors of the stage (ZeroRedundancyOptimizer broadcasts them one by one)."""
+        return self.first.tensors + self.blocks * sum(p.tensors for p in self.block) + self.last.tensors
+
+    @cached_property
     def block_saved(self) -> int:
         """Activation bytes one block keeps for backward."""
         return sum(p.saved for p in self.block)
@@ -234,7 +239,8 @@ def _head(shape: ModelShape, costs, b: Batch, batch: int, seq: int, tied: bool) 
         width = c.embed_dim
         out = out + costs.dense(h, width, rows, e, lay, bias=False)
     if fam == "bert":  # the pooler is held but not run by the MLM loss; transform: dense, gelu, LayerNorm
-        out = Piece(params=costs.dense(h, h, batch, e, lay).params) + costs.dense(h, h, rows, e, lay)
+        pooler = costs.dense(h, h, batch, e, lay)
+        out = Piece(params=pooler.params, tensors=pooler.tensors) + costs.dense(h, h, rows, e, lay)
         out = out + Piece([], 0, rows * (h // costs.hidden_parts(lay)) * e) + costs.layer_norm(h, rows, e, lay)
     out = out + costs.lm_head(shape.vocab, width, rows, e, lay, tied=tied)
     if fam == "bert":

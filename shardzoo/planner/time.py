@@ -6,6 +6,10 @@
     t_step    = (m + pp - 1) * max over stages of t_stage   (GPipe and 1F1B: same bubble)
                 + per-step communication (gradient reduction, tied table) + optimizer step
 
+On a CPU host with more ranks than cores (share < 1) a rank idle in the bubble lends its core:
+the pipeline part is max(m * t_stage, (m + pp - 1) * t_stage * share) instead
+(``evaluate.step_seconds``).
+
 Placement: ranks are numbered dp, pp, sp, tp (tp fastest; the tp sub-axes slow to fast as in
 ParallelMesh), so the tp and sp groups are the ones that stay inside a node. A group is inside a
 node when ``devices_per_node`` is a multiple of its slowest axis' stride times that axis' size;
