@@ -2,9 +2,10 @@
 
 Names: when the index's ``config_class`` is one of shardzoo's model families (GPT-2, BERT, ViT,
 OPT), every tensor goes through that family's ``shardzoo_to_hf`` and ``config.json`` is the
-family's Hugging Face config, so ``transformers`` loads the output directly. ``names="shardzoo"``
-(and any checkpoint of another model) keeps the saved names and config. A ``rename`` hook
-replaces the family's mapping.
+family's Hugging Face config, so ``transformers`` loads the output directly. The family is
+known through the export adapter it registers (adapters.py): this package imports no model code.
+``names="shardzoo"`` (and any checkpoint of another model) keeps the saved names and config. A
+``rename`` hook replaces the family's mapping.
 
 Streaming, tensor by tensor, with the output headers planned up front (the mapping is first run
 on meta tensors). Each output tensor is written at its known position in its file:
@@ -35,6 +36,7 @@ from typing import Callable
 
 import torch
 
+from shardzoo.checkpoint.adapters import export_adapter
 from shardzoo.checkpoint.bytecopy import Shards, assemble, check_covered, copy_tensor, pwritev_all
 from shardzoo.checkpoint.errors import CheckpointError
 from shardzoo.checkpoint.export_files import (CONFIG_FILE, INDEX_FILE, Out, OutFile, layout_files, make_dir, publish,
@@ -48,8 +50,9 @@ DEFAULT_MAX_SHARD_BYTES = 5_000_000_000  # Hugging Face's default shard size ("5
 NAMES = ("hf", "shardzoo")
 
 
-def _mapping(index: dict, names: str, rename: Rename | None) -> tuple[Rename | None, dict | None]:
-    """The hook to apply to each saved tensor and the contents of config.json."""
+def _mapping(index: dict, names: str, rename: Rename | None, where: str | None = None) -> tuple[Rename | None, dict | None]:
+    """The hook to apply to each saved tensor and the contents of config.json; ``where`` (the
+    index file) prefixes the error when the saved config is not a valid config of its family."""
     if names not in NAMES:
         raise ValueError(f"names={names!r}; choose 'hf' (Hugging Face names for shardzoo's model families) or 'shardzoo'")
     if names == "shardzoo" and rename is not None:
@@ -57,13 +60,16 @@ def _mapping(index: dict, names: str, rename: Rename | None) -> tuple[Rename | N
     config = index.get("config")
     if names == "shardzoo" or config is None:
         return rename, config
-    from shardzoo.models.families import family_of_config_class
-
-    family = family_of_config_class(index.get("config_class"))
-    if family is None:  # not a shardzoo model: the saved names are the only names there are
+    adapter = export_adapter(index.get("config_class"))
+    if adapter is None:  # not a registered model family: the saved names are the only names there are
         return rename, config
-    typed = family.config.from_json(config)
-    return rename or functools.partial(family.code.shardzoo_to_hf, config=typed), family.hf_config(typed)
+    try:
+        typed = adapter.config_from_json(config)
+    except CheckpointError as e:
+        if where is None:
+            raise
+        raise CheckpointError(f"{where}, config: {e}") from None
+    return rename or functools.partial(adapter.to_hf, config=typed), adapter.hf_config(typed)
 
 
 def has_hf_names(index: dict) -> bool:
@@ -146,10 +152,7 @@ def export_plain(ckpt_dir: str, out_dir: str, *, max_shard_bytes: int = DEFAULT_
         The paths written.
     """
     index = read_index(ckpt_dir)
-    try:
-        hook, config_json = _mapping(index, names, rename)
-    except CheckpointError as e:  # the saved config does not make a valid family config
-        raise CheckpointError(f"{os.path.join(ckpt_dir, INDEX_NAME)}, config: {e}") from None
+    hook, config_json = _mapping(index, names, rename, where=os.path.join(ckpt_dir, INDEX_NAME))
     entries = entries_of(index, ("model",))
     verify(ckpt_dir, index, entries, 0, 1, checksums=False)  # sizes now; headers and crc32 as pieces are read
     for file, listed in keys_by_file(index).items():  # every listed file holds exactly the pieces placed there

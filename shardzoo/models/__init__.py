@@ -4,6 +4,7 @@ Each builds whole or as one pipeline stage (``stage=(k, n)``) and runs serial (t
 tp_mode, with sp and dp; see docs/models.md.
 """
 
+from shardzoo.models import families  # noqa: F401  (registers the families' checkpoint export adapters)
 from shardzoo.models.bert import BERT, BERTConfig
 from shardzoo.models.gpt2 import GPT2, GPT2Config
 from shardzoo.models.opt import OPT, OPTConfig

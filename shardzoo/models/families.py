@@ -9,8 +9,9 @@ maps any of these keys to the canonical name.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
+
+from shardzoo.checkpoint.adapters import ExportAdapter, register_export_adapter
 
 _LEGACY_SUFFIXES = {".gamma": ".weight", ".beta": ".bias"}
 
@@ -45,8 +46,8 @@ class Family:
 
     @property
     def code(self):
-        """The family's module (imported on first use)."""
-        return importlib.import_module(self.module)
+        """The family's module (imported on first use: the model modules import this one)."""
+        return _family_modules()[self.module]
 
     @property
     def model(self):
@@ -71,6 +72,28 @@ class Family:
         data.update(model_type=self.model_type, architectures=[self.architecture])
         return data
 
+    def config_from_json(self, data: dict):
+        """A saved config dict -> this family's config (CheckpointError naming the bad field)."""
+        return self.config.from_json(data)
+
+    def to_hf(self, name: str, tensor, config) -> list:
+        """One saved (shardzoo-named, full-size) tensor -> its Hugging Face ``[(name, tensor)]``."""
+        return self.code.shardzoo_to_hf(name, tensor, config=config)
+
+    def export_adapter(self) -> ExportAdapter:
+        """What ``checkpoint.export_plain`` needs to give this family's checkpoints Hugging Face
+        names and config.json (registered for every family when this module is imported)."""
+        return ExportAdapter(config_class=f"{self.module}.{self.config_class}",
+                             config_from_json=self.config_from_json,
+                             to_hf=self.to_hf, hf_config=self.hf_config)
+
+
+def _family_modules() -> dict:
+    """The modules of FAMILIES by name; imported here, statically, so the layering test sees them."""
+    from shardzoo.models import bert, gpt2, opt, vit
+
+    return {m.__name__: m for m in (bert, gpt2, opt, vit)}
+
 
 FAMILIES: dict[str, Family] = {
     "gpt2": Family("gpt2", "gpt2", "GPT2LMHeadModel", "transformer.", ("lm_head.",), "shardzoo.models.gpt2",
@@ -82,6 +105,10 @@ FAMILIES: dict[str, Family] = {
     "opt": Family("opt", "opt", "OPTForCausalLM", "model.", ("lm_head.",), "shardzoo.models.opt", "OPT",
                   "OPTConfig"),
 }
+
+
+for _family in FAMILIES.values():  # checkpoint export finds the families through its registry
+    register_export_adapter(_family.export_adapter())
 
 
 def family_named(name: str) -> Family:

@@ -131,7 +131,7 @@ def run_layout(spec: dict) -> dict:
     from shardzoo.models.pipeline import build_schedule, sync_tied_grads
     from shardzoo.models.training import data_parallel
     from shardzoo.parallel import zero_optimizer
-    from shardzoo.testing import cached_mesh
+    from shardzoo.comm.mesh_cache import cached_mesh
 
     mesh = cached_mesh(**spec["layout"])
     _reset_peak_rss()  # the peak covers building, the warm-up step (optimizer state) and the measured steps
@@ -189,7 +189,7 @@ def saved_bytes(spec: dict) -> dict:
     """Bytes autograd keeps for backward in one training forward + loss of this rank's stage,
     by part ("embed", "block<i>", "head"): each tensor's storage counted once, parameters left out
     (the planner's activation terms, measured)."""
-    from shardzoo.testing import cached_mesh
+    from shardzoo.comm.mesh_cache import cached_mesh
 
     mesh = cached_mesh(**spec["layout"])
     model = build_model(spec, mesh)
