@@ -27,6 +27,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from shardzoo.planner.volumes import mlp_block_bytes, mlp_param_bytes  # noqa: E402 - the docs/tp_modes.md closed forms
+
 CONFIGS = [  # (world, label, ParallelMesh kwargs)
     (8, "1d tp=8", dict(tp=8, tp_mode="1d")),
     (8, "2.5d q=2 d=2", dict(tp=8, tp_mode="2.5d", tp_depth=2)),
@@ -34,109 +36,6 @@ CONFIGS = [  # (world, label, ParallelMesh kwargs)
     (4, "1d tp=4", dict(tp=4, tp_mode="1d")),
     (4, "2d q=2", dict(tp=4, tp_mode="2d")),
 ]
-
-
-# -- closed forms of docs/tp_modes.md (bytes one rank sends, forward + backward) ---------------
-def ar(p, n):
-    """all_reduce of n bytes on p ranks (ring): 2 (p-1)/p n."""
-    return Fr(2 * (p - 1), p) * n
-
-
-def linear_2d_bytes(n_in, n_out, rows, q, d, e, bias=True):
-    """ParallelLinear2D / 2p5D: 3 SUMMA products (nn forward; nt, tn backward), each q steps of
-    two broadcasts / reduces of (q-1)/q * block, plus the bias and depth gradient sums."""
-    x_blk, w_blk = rows * n_in // q * e, n_in * n_out // (q * q) * e
-    total = 3 * (q - 1) * (x_blk + w_blk) + ar(d, w_blk)
-    return total + (ar(d * q, n_out // q * e) if bias else 0)
-
-
-def linear_3d_bytes(n_in, n_out, rows, q, e, bias=True):
-    """ParallelLinear3D: all-gather x (J), W (I), reduce-scatter y (L) forward; the adjoints
-    backward. rows = local rows B/q^2 * S."""
-    x_blk, w_blk, y_blk = rows * n_in // q * e, n_in * n_out // q**3 * e, rows * n_out // q * e
-    total = 2 * (q - 1) * (x_blk + w_blk + y_blk)
-    return total + (ar(q * q, n_out // q * e) if bias else 0)
-
-
-def layer_norm_grid_bytes(hidden, rows, q, batch_parts, e):
-    """Grid LayerNorm: mean and variance all-reduced over the hidden group, forward and
-    backward (statistics in at least fp32), plus weight and bias gradients over the batch axes."""
-    stat_e = max(e, 4)
-    return 4 * ar(q, rows * stat_e) + 2 * ar(batch_parts, hidden // q * e)
-
-
-def mlp_block_bytes(mode, batch, seq, hidden, ffn, q, d=1, e=4):
-    """Bytes one rank sends for the MLP block's forward + backward in ``mode``."""
-    if mode == "1d":  # column fc1: dX all-reduce; row fc2: y all-reduce; LayerNorm replicated
-        p = q
-        return 2 * ar(p, batch * seq * hidden * e)
-    if mode in ("2d", "2.5d"):
-        rows = batch // (d * q) * seq
-        return (layer_norm_grid_bytes(hidden, rows, q, d * q, e) + linear_2d_bytes(hidden, ffn, rows, q, d, e)
-                + linear_2d_bytes(ffn, hidden, rows, q, d, e))
-    rows = batch // (q * q) * seq
-    return (layer_norm_grid_bytes(hidden, rows, q, q * q, e) + linear_3d_bytes(hidden, ffn, rows, q, e)
-            + linear_3d_bytes(ffn, hidden, rows, q, e))
-
-
-def mlp_param_bytes(mode, hidden, ffn, q, e=4):
-    """Parameter bytes per rank of the block (LayerNorm weight + bias, two linears with bias)."""
-    if mode == "1d":
-        return (2 * hidden + 2 * hidden * ffn // q + ffn // q + hidden) * e
-    if mode in ("2d", "2.5d"):
-        return (2 * hidden // q + 2 * hidden * ffn // (q * q) + ffn // q + hidden // q) * e
-    return (2 * hidden // q + 2 * hidden * ffn // q**3 + ffn // q + hidden // q) * e
-
-
-def _grid(mode, q, d):
-    """(G, P): size of the parameter axes and number of batch parts of a grid mode."""
-    return (q * q, q * q) if mode == "3d" else (q, d * q)
-
-
-def _vocab_pad(vocab, parts):
-    return -(-vocab // parts) * parts
-
-
-def embedding_bytes(mode, vocab, hidden, q, d=1, e=4):
-    """Embedding2D / 2p5D / 3D: gather the hidden chunks over the parameter axes (G ranks),
-    reduce-scatter their gradient; 2.5D sums the table gradient over depth."""
-    g, _ = _grid(mode, q, d)
-    return 2 * Fr(g - 1, g) * vocab * hidden // q * e + ar(d, vocab * hidden // (q * g) * e)
-
-
-def vocab_embedding_bytes(mode, vocab, hidden, rows, q, d=1, e=4, e_id=8):
-    """VocabParallelEmbedding*: ids all-gathered and partial embeddings reduce-scattered over the
-    vocabulary axis (q ranks); 3D gathers the table over I; 2.5D sums it over depth."""
-    sub = q if mode == "3d" else 1
-    block = _vocab_pad(vocab, q * sub) // q * hidden // q * e  # gathered table block
-    total = (q - 1) * rows * e_id + 2 * (q - 1) * rows * hidden // q * e + ar(d, block)
-    return total + (2 * Fr(q - 1, q) * block if mode == "3d" else 0)
-
-
-def classifier_bytes(mode, classes, hidden, rows, q, d=1, e=4, bias=True):
-    """Classifier*: weight gathered like an embedding table, logits all-reduced over the hidden
-    axis (forward only), bias gradient over the batch axes."""
-    g, p = _grid(mode, q, d)
-    total = 2 * Fr(g - 1, g) * classes * hidden // q * e + ar(q, rows * classes * e) + ar(d, classes * hidden // (q * g) * e)
-    return total + (ar(p, classes * e) if bias else 0)
-
-
-def lm_head_bytes(mode, vocab, hidden, rows, q, d=1, e=4, bias=False):
-    """LMHead2D / 2p5D: three SUMMA products on the weight and logits blocks; LMHead3D: the 3D
-    linear product with out = padded vocabulary."""
-    if mode == "3d":
-        return linear_3d_bytes(hidden, _vocab_pad(vocab, q * q), rows, q, e, bias)
-    v_pad = _vocab_pad(vocab, q)
-    w_blk, y_blk = v_pad * hidden // (q * q) * e, rows * v_pad // q * e
-    return 3 * (q - 1) * (w_blk + y_blk) + ar(d, w_blk) + (ar(d * q, v_pad // q * e) if bias else 0)
-
-
-def patch_embedding_bytes(mode, image, patch, channels, hidden, q, d=1, e=4):
-    """PatchEmbedding*: conv weight and bias, cls token and position embeddings gathered like an
-    embedding table (pixels not requiring a gradient)."""
-    g, _ = _grid(mode, q, d)
-    numel = hidden * channels * patch * patch + 2 * hidden + ((image // patch) ** 2 + 1) * hidden
-    return 2 * Fr(g - 1, g) * numel // q * e + ar(d, numel // (q * g) * e)
 
 
 # -- the block on each rank ----------------------------------------------------------------------

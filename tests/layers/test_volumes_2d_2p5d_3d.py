@@ -11,8 +11,9 @@ from torch import nn
 
 from shardzoo.layers import layouts
 from shardzoo.testing import run_on_ranks
-from test_layouts import BATCH_PARTS, classes, mesh_of, randn, world_of
-from test_layouts import DTYPES as _DTYPES
+from shardzoo.testing.grid import BATCH_PARTS, classes, mesh_of, world_of
+from shardzoo.testing.serial_twin import randn
+from shardzoo.testing.grid import DTYPES as _DTYPES
 
 DTYPES = {**_DTYPES, "bf16": torch.bfloat16}
 

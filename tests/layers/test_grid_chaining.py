@@ -1,17 +1,20 @@
-"""Chaining checks for the 2D / 2.5D / 3D layers (used by test_layers_*.py): the layout tag
-guard, and a transformer MLP block trained for three AdamW steps against serial."""
+"""Chaining the 2D / 2.5D / 3D layers: the layout tag guard, and a transformer MLP block
+(shardzoo.testing.grid.MLPBlock) trained for three AdamW steps against serial, on every grid
+mesh (with dp=2 or sp=2 around the 2D grid each replica / sp rank feeds its own data)."""
 
 import copy
 
+import pytest
 import torch
-import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from shardzoo.layers import layouts
 from shardzoo.layers.shard_spec import full_state_dict
-from shardzoo.testing import assert_close, assert_close_conditioned
-from test_layouts import (BATCH_PARTS, DTYPES, SCALE, check_grads_match, classes, data_seed, mesh_of, perturbed,
-                          randn)
+from shardzoo.testing import assert_close, assert_close_conditioned, run_on_ranks
+from shardzoo.testing.grid import BATCH_PARTS, DTYPES, MLPBlock, classes, mesh_of, parallel_mlp, world_of
+from shardzoo.testing.serial_twin import SCALE, check_grads_match, data_seed, perturbed, randn
 
 
 # -- the layout tag guard: a block in another layout is refused, not silently misread -------
@@ -59,29 +62,14 @@ def check_layout_guard(name, seed):
     return True
 
 
+@pytest.mark.parametrize("name", ["2d", "3d"])
+def test_layout_guard(name):
+    """fc2 built for the canonical layout, fed fc1's swapped output (3D) or a LayerNorm built for
+    the transposed layout (2D), raises; building it for the producer's output layout fixes it."""
+    assert all(run_on_ranks(check_layout_guard, world_of(name), name, 1))
+
+
 # -- a transformer MLP block trained for three AdamW steps ----------------------------------
-class MLPBlock(nn.Module):
-    """x + fc2(gelu(fc1(ln(x)))): the same code serial and parallel."""
-
-    def __init__(self, ln, fc1, fc2):
-        super().__init__()
-        self.ln, self.fc1, self.fc2 = ln, fc1, fc2
-
-    def forward(self, x):
-        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
-
-
-def parallel_mlp(serial: MLPBlock, mesh) -> MLPBlock:
-    kinds = classes(mesh.tp_mode)
-    fc1 = kinds["linear"].from_serial(serial.fc1, mesh)
-    if mesh.tp_mode == "3d":  # fc2 consumes fc1's layout; its output is back in the canonical one
-        fc2 = kinds["linear"].from_serial(serial.fc2, mesh, input_layout=fc1.output_layout)
-        assert fc2.output_layout == layouts.canonical_layout(mesh)
-    else:
-        fc2 = kinds["linear"].from_serial(serial.fc2, mesh)
-    return MLPBlock(kinds["norm"].from_serial(serial.ln, mesh), fc1, fc2)
-
-
 def check_mlp_training(case):
     """The MLP block and three AdamW steps stay equal to serial; case: name, hidden, ffn,
     batch, seq, dtype, seed."""
@@ -119,3 +107,23 @@ def check_mlp_training(case):
     for k, v in ref.items():
         assert_close(state[k], v, f"after 3 AdamW steps {k}", scale)
     return True
+
+
+def mlp_case(draw, name, q=2):
+    hidden_mult = q * q if name == "3d" else q  # 3D: both linears need out_features divisible by q*q
+    return dict(name=name, hidden=hidden_mult * draw(st.integers(1, 3)), ffn=q * q * draw(st.integers(1, 3)),
+                batch=BATCH_PARTS[name] * draw(st.integers(1, 2)), seq=draw(st.integers(1, 3)),
+                dtype=draw(st.sampled_from(list(DTYPES))), seed=draw(st.integers(0, 10**6)))
+
+
+@pytest.mark.parametrize("name", ["2d", "2d_dp2", "2d_sp2", "2.5d", "2.5d_d1", "3d"])
+@given(data=st.data())
+@settings(max_examples=4)
+def test_mlp_block_three_adamw_steps(name, data):
+    run_on_ranks(check_mlp_training, world_of(name), mlp_case(data.draw, name))
+
+
+@pytest.mark.parametrize("name", ["2d", "2.5d", "3d"])
+def test_mlp_block_fixed_largest(name):
+    run_on_ranks(check_mlp_training, world_of(name), dict(name=name, hidden=32, ffn=128, batch=8, seq=8, dtype="fp32",
+                                                          seed=3))

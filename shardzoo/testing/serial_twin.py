@@ -1,0 +1,95 @@
+"""Compare a parallel module with its serial twin on every rank: state, outputs and gradients.
+
+Each rank builds the serial module from the same seed, runs the parallel one between its
+``shard_input`` and ``gather_output`` and compares full-size results; parameter gradients are
+gathered to full size with their ShardSpec. With dp > 1 (or sp > 1) each data-parallel replica
+draws its own data (:func:`data_seed`) and is compared with the serial module on that data.
+
+    def check(seed):                      # module-level: runs on every rank of a pool
+        mesh = cached_mesh(tp=4, tp_mode="2d")
+        torch.manual_seed(seed)
+        serial = nn.Linear(8, 4)
+        par = ParallelLinear2D.from_serial(serial, mesh)
+        check_state_matches(par, serial, "linear")
+        x = randn(data_seed(seed, mesh), (4, 3, 8), torch.float32)
+        return compare_module(par, serial, mesh, x, "linear", seed + 1)
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from shardzoo.layers.shard_spec import full_state_dict, gather_full, get_shard_spec
+from shardzoo.testing.asserts import assert_close, assert_close_conditioned
+
+SCALE = 8  # tolerance multiple of the grid layouts: block sums add in another order than serial
+
+
+def randn(seed: int, shape, dtype: torch.dtype) -> torch.Tensor:
+    """Standard normal values of ``shape`` drawn in float64 from ``seed``, then cast to ``dtype``
+    (the same values on every rank and in every dtype)."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
+
+
+def data_seed(seed: int, mesh) -> int:
+    """A seed per data-parallel replica and sequence-parallel rank: each draws its own data."""
+    return seed + 1000 * (mesh.rank("dp", "sp") + 1)
+
+
+def perturbed(module: nn.Module, seed: int) -> nn.Module:
+    """``module`` with every parameter replaced by random values (so gradients of affine
+    parameters and padding rows are exercised away from the default init)."""
+    with torch.no_grad():
+        for i, p in enumerate(module.parameters()):
+            p.copy_(randn(seed + i, p.shape, p.dtype))
+    return module
+
+
+def check_state_matches(par: nn.Module, serial: nn.Module, what: str) -> None:
+    """``full_state_dict(par)`` equals ``serial.state_dict()`` exactly (keys and values), and
+    every parameter of ``par`` has a ShardSpec."""
+    state = full_state_dict(par)
+    ref = serial.state_dict()
+    assert state.keys() == ref.keys(), f"{what}: state keys {sorted(state)} != {sorted(ref)}"
+    for k, v in ref.items():
+        assert torch.equal(state[k], v), f"{what}: initial {k} differs from serial"
+    for n, p in par.named_parameters():
+        assert get_shard_spec(par, n) is not None, f"{what}: parameter {n} has no ShardSpec"
+
+
+def check_grads_match(par: nn.Module, serial: nn.Module, mesh, what: str, scale: float = SCALE) -> None:
+    """Every parameter gradient of ``par``, gathered to full size, equals the serial one
+    (same parameter names) within the dtype's tolerance times ``scale``."""
+    ref = dict(serial.named_parameters())
+    for n, p in par.named_parameters():
+        assert p.grad is not None, f"{what}: {n} got no gradient"
+        assert_close(gather_full(p.grad, get_shard_spec(par, n), mesh), ref[n].grad, f"{what} grad {n}", scale)
+
+
+def compare_module(par: nn.Module, serial: nn.Module, mesh, x_full: torch.Tensor, what: str,
+                   loss_weight_seed: int) -> tuple[int, ...]:
+    """Forward + backward of ``par`` (through shard_input / gather_output) against ``serial``
+    on the full input ``x_full``; a fixed random output weighting makes every gradient
+    non-trivial. Outputs and input gradients may differ from serial by the dtype's tolerance
+    plus a few times the serial result's own error against float64. Returns the full output
+    shape."""
+    float_input = x_full.is_floating_point()
+    xs = x_full.clone().requires_grad_(float_input)
+    ys = serial(xs)
+    g = randn(loss_weight_seed, ys.shape, ys.dtype)
+    (ys * g).sum().backward()
+    # the same serial math in float64: how far the serial result itself is from exact
+    x64 = x_full.detach().double().clone().requires_grad_(True) if float_input else x_full
+    y64 = copy.deepcopy(serial).double()(x64)
+    (y64 * g.double()).sum().backward()
+    xp = x_full.clone().requires_grad_(float_input)
+    y = par.gather_output(par(par.shard_input(xp)))
+    assert_close_conditioned(y, ys.detach(), y64.detach(), f"{what} output", SCALE)
+    (y * g).sum().backward()
+    if float_input:
+        assert_close_conditioned(xp.grad, xs.grad, x64.grad, f"{what} input grad", SCALE)
+    check_grads_match(par, serial, mesh, what)
+    return tuple(y.shape)
