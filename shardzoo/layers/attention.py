@@ -1,6 +1,6 @@
 """Multi-head self-attention: tensor-parallel heads (any tp_mode) x sequence-parallel tokens (sp).
 
-Projections come from the mesh's tp_mode (layers/attention_tp.py). The heads follow the hidden
+Projections come from the mesh's layout (layers/tensor_layout.py). The heads follow the hidden
 columns of the QKV projection's output, so each rank computes whole heads:
 
 ====== ============================== ====================== ===============================
@@ -33,9 +33,9 @@ import torch
 from einops import rearrange
 from torch import nn
 
-from shardzoo.layers import attention_tp as tpl
 from shardzoo.layers.attention_core import SP_MODES, sequence_attention
-from shardzoo.layers.sequence import gather_sequence, shard_padding_mask, shard_sequence
+from shardzoo.layers.sequence import shard_padding_mask
+from shardzoo.layers.tensor_layout import layout_of
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -54,8 +54,9 @@ def check_heads(who: str, hidden_size: int, num_heads: int, mesh, sp_mode: str =
     if hidden_size % num_heads != 0:
         raise ValueError(f"{who} needs hidden_size divisible by num_heads; got hidden_size={hidden_size}, "
                          f"num_heads={num_heads}. Choose num_heads that divides {hidden_size}")
-    axis, parts = tpl.head_axis(mesh, tpl.input_layout(mesh))
-    rule = f"tp={parts}" if mesh.tp_mode == "1d" else f"q={parts} (heads split over {axis} in tp_mode={mesh.tp_mode!r})"
+    tpl = layout_of(mesh)
+    _, parts = tpl.head_axis()
+    rule = tpl.head_rule()
     if num_heads % parts != 0:
         raise ValueError(f"{who} needs num_heads divisible by {rule}; got num_heads={num_heads}. Use a head count "
                          f"that is a multiple of {parts} or a smaller tp")
@@ -100,22 +101,29 @@ class SelfAttention(nn.Module):
         self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, hidden_size // num_heads
         self.mesh, self.causal, self.attn_dropout, self.sp_mode = mesh, causal, attn_dropout, sp_mode
         self.qkv_style, self.softmax_scale = qkv, softmax_scale
-        self.layout = layout if layout is not None else tpl.input_layout(mesh)
+        tpl = layout_of(mesh)
+        self.layout = layout or tpl.activation
         serial = _serial or self._draw_serial(bias, dtype)
         if qkv == "fused":
             if "qkv" not in serial:
                 w = fuse_qkv(*(serial[n].weight for n in ("q", "k", "v")), num_heads)
                 b = None if serial["q"].bias is None else fuse_qkv(*(serial[n].bias for n in ("q", "k", "v")), num_heads)
                 serial["qkv"] = _linear_from(w, b)
-            self.qkv = tpl.tp_linear(serial["qkv"], mesh, self.layout, "column", device)
+            self.qkv = tpl.linear(serial=serial["qkv"], style="column", layout=self.layout, device=device)
             first = self.qkv
         else:
             for n in ("q", "k", "v"):
-                setattr(self, f"{n}_proj", tpl.tp_linear(serial[n], mesh, self.layout, "column", device))
+                setattr(self, f"{n}_proj", tpl.linear(serial=serial[n], style="column", layout=self.layout,
+                                                      device=device))
             first = self.q_proj
-        self.mask_layout = tpl.layout_after(first, self.layout)
-        self.out_proj = tpl.tp_linear(serial["o"], mesh, self.mask_layout, "row", device)
-        self.output_layout = tpl.layout_after(self.out_proj, self.mask_layout)
+        self.mask_layout = tpl.after(first, self.layout)
+        self.out_proj = tpl.linear(serial=serial["o"], style="row", layout=self.mask_layout, device=device)
+        self.output_layout = tpl.after(self.out_proj, self.mask_layout)
+
+    @property
+    def tpl(self):
+        """The mesh's :class:`~shardzoo.layers.tensor_layout.TensorLayout`."""
+        return layout_of(self.mesh)
 
     def _draw_serial(self, bias: bool, dtype) -> dict[str, nn.Linear]:
         h = self.hidden_size
@@ -148,7 +156,7 @@ class SelfAttention(nn.Module):
         else:
             q, k, v = (rearrange(p(x), "b s (h d) -> b h s d", d=d) for p in (self.q_proj, self.k_proj, self.v_proj))
         # the dropout mask is a function of the global batch row and head (attention_core.py)
-        batch_offset, head_offset = tpl.block_offsets(self.mesh, self.mask_layout, q.shape[0], q.shape[1])
+        batch_offset, head_offset = self.tpl.block_offsets(self.mask_layout, q.shape[0], q.shape[1])
         out = sequence_attention(q, k, v, mesh=self.mesh, causal=self.causal, key_padding_mask=key_padding_mask,
                                  softmax_scale=self.softmax_scale, sp_mode=self.sp_mode,
                                  dropout_p=self.attn_dropout, training=self.training, head_offset=head_offset,
@@ -159,17 +167,17 @@ class SelfAttention(nn.Module):
     def shard_input(self, x_full: torch.Tensor) -> torch.Tensor:
         """[B, S, H] replicated -> [b, s, H_l]: sequence over sp (zigzag when causal), then
         the mode's layout."""
-        x = shard_sequence(x_full, self.mesh.sp_group, 1, zigzag=self.causal)
-        return tpl.shard_hidden(x, self.mesh, self.layout)
+        x = self.tpl.shard_sequence(x_full, 1, zigzag=self.causal)
+        return self.tpl.shard_hidden(x, self.layout)
 
     def gather_output(self, y_local: torch.Tensor) -> torch.Tensor:
         """[b, s, H_l] -> [B, S, H] on every rank."""
-        y = tpl.gather_hidden(y_local, self.mesh, self.output_layout)
-        return gather_sequence(y, self.mesh.sp_group, 1, zigzag=self.causal)
+        y = self.tpl.gather_hidden(y_local, self.output_layout)
+        return self.tpl.gather_sequence(y, 1, zigzag=self.causal)
 
     def shard_mask(self, mask_full: torch.Tensor) -> torch.Tensor:
         """Key padding mask bool [B, S] (True = attend) -> this rank's [b, s]."""
-        mask = tpl.shard_rows(mask_full, self.mesh, self.mask_layout)
+        mask = self.tpl.shard_batch(mask_full, self.mask_layout)
         return shard_padding_mask(mask, self.mesh.sp_group, zigzag=self.causal)
 
     def extra_repr(self) -> str:

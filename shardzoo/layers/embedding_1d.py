@@ -25,15 +25,10 @@ from shardzoo.layers.common_1d import (
     require_sequence_layout,
     split_spec,
 )
+from shardzoo.layers.module import ParallelModule
 
 
-def _serial_embedding(num_embeddings, embedding_dim, padding_idx, dtype, serial):
-    if serial is not None:
-        return serial
-    return nn.Embedding(num_embeddings, embedding_dim, padding_idx=padding_idx, dtype=dtype)
-
-
-class VocabParallelEmbedding1D(nn.Module):
+class VocabParallelEmbedding1D(ParallelModule):
     """Embedding table split along the vocabulary, padded to a multiple of tp.
 
     Args:
@@ -59,23 +54,20 @@ class VocabParallelEmbedding1D(nn.Module):
         sequence_parallel: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
-        _serial: nn.Embedding | None = None,
     ):
         super().__init__()
-        serial = _serial_embedding(num_embeddings, embedding_dim, padding_idx, dtype, _serial)
+        serial = nn.Embedding(num_embeddings, embedding_dim, padding_idx=padding_idx, dtype=dtype)
+        self._setup(serial, mesh, device, sequence_parallel=sequence_parallel)
+
+    def _setup(self, serial: nn.Embedding, mesh, device, sequence_parallel: bool = False) -> None:
+        num_embeddings, embedding_dim = serial.num_embeddings, serial.embedding_dim
+        device = device if device is not None else serial.weight.device
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, serial.padding_idx
         self.mesh, self.sequence_parallel = mesh, sequence_parallel
         spec = split_spec((num_embeddings, embedding_dim), 0, mesh)
         local_param(self, "weight", serial.weight, spec, device)
         self.vocab_start = spec.offsets[0]
         self.num_embeddings_per_rank = spec.local_shape[0]
-
-    @classmethod
-    def from_serial(cls, embedding: nn.Embedding, mesh, **kwargs) -> "VocabParallelEmbedding1D":
-        """This rank's rows of an existing ``nn.Embedding`` (copied)."""
-        return cls(embedding.num_embeddings, embedding.embedding_dim, embedding.padding_idx, mesh=mesh,
-                   dtype=embedding.weight.dtype, device=kwargs.pop("device", embedding.weight.device),
-                   _serial=embedding, **kwargs)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.vocab_start
@@ -105,7 +97,7 @@ class VocabParallelEmbedding1D(nn.Module):
                 f"sequence_parallel={self.sequence_parallel}")
 
 
-class Embedding1D(nn.Module):
+class Embedding1D(ParallelModule):
     """Embedding table split along the hidden dim; output gathered to ``[..., H]``.
 
     Args: as ``nn.Embedding`` plus ``mesh``; ``embedding_dim`` must divide by tp.
@@ -121,21 +113,18 @@ class Embedding1D(nn.Module):
         mesh,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
-        _serial: nn.Embedding | None = None,
     ):
         super().__init__()
         require_divisible("Embedding1D", "embedding_dim", embedding_dim, mesh.tp_size)
-        serial = _serial_embedding(num_embeddings, embedding_dim, padding_idx, dtype, _serial)
+        self._setup(nn.Embedding(num_embeddings, embedding_dim, padding_idx=padding_idx, dtype=dtype), mesh, device)
+
+    def _setup(self, serial: nn.Embedding, mesh, device) -> None:
+        num_embeddings, embedding_dim = serial.num_embeddings, serial.embedding_dim
+        require_divisible("Embedding1D", "embedding_dim", embedding_dim, mesh.tp_size)
+        device = device if device is not None else serial.weight.device
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, serial.padding_idx
         self.mesh = mesh
         local_param(self, "weight", serial.weight, split_spec((num_embeddings, embedding_dim), 1, mesh), device)
-
-    @classmethod
-    def from_serial(cls, embedding: nn.Embedding, mesh, **kwargs) -> "Embedding1D":
-        """This rank's columns of an existing ``nn.Embedding`` (copied)."""
-        return cls(embedding.num_embeddings, embedding.embedding_dim, embedding.padding_idx, mesh=mesh,
-                   dtype=embedding.weight.dtype, device=kwargs.pop("device", embedding.weight.device),
-                   _serial=embedding, **kwargs)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         out = F.embedding(ids, self.weight, padding_idx=self.padding_idx)

@@ -56,15 +56,7 @@ class _GridEmbeddingBase(layouts.GridModule):
         serial = nn.Embedding(num_embeddings, embedding_dim, padding_idx, dtype=dtype, device="cpu")
         self._setup(serial, mesh, device, layout)
 
-    @classmethod
-    def from_serial(cls, module: nn.Embedding, mesh, device=None, layout: ActivationLayout | None = None):
-        """This rank's piece of an existing ``nn.Embedding`` (same on every rank)."""
-        self = cls.__new__(cls)
-        nn.Module.__init__(self)
-        self._setup(module, mesh, device, layout)
-        return self
-
-    def _setup(self, serial: nn.Embedding, mesh, device, layout) -> None:
+    def _setup(self, serial: nn.Embedding, mesh, device, layout: ActivationLayout | None = None) -> None:
         self._bind(mesh, layout)
         self.num_embeddings, self.embedding_dim = serial.num_embeddings, serial.embedding_dim
         self.padding_idx = serial.padding_idx

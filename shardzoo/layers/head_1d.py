@@ -1,4 +1,6 @@
-"""LM head / classifier for 1D tensor parallelism: vocab-split logits for the parallel loss.
+"""LM head and classifier for 1D tensor parallelism.
+
+``ParallelLMHead1D``: vocab-split logits for the parallel loss.
 
 The weight ``[V, H]`` (``nn.Linear(H, V)``'s layout) is split along the vocabulary exactly as
 ``VocabParallelEmbedding1D`` splits its table (``ceil(V/p)`` rows per rank, zero padding rows
@@ -8,6 +10,9 @@ padding columns are ignored there, and ``gather_output`` drops them.
 
 Communication: like a column layer -- ``copy_to`` on entry (all-reduce of dX in backward), or
 with ``sequence_parallel`` an all-gather of ``[b, s/p, H]`` (reduce-scatter in backward).
+
+``Classifier1D``: a few-class head (ViT) on the replicated activation: every tp rank holds the
+whole ``nn.Linear(H, C)`` and computes the same full logits, with no communication.
 """
 
 from __future__ import annotations
@@ -20,10 +25,11 @@ from shardzoo.comm import collectives as comm
 from shardzoo.layers.common_1d import SEQ_DIM, enter_sequence_parallel, local_param, require_sequence_layout, split_spec
 from shardzoo.layers.cross_entropy import vocab_parallel_cross_entropy
 from shardzoo.layers.embedding_1d import VocabParallelEmbedding1D
+from shardzoo.layers.module import ParallelModule
 from shardzoo.layers.shard_spec import tie_param
 
 
-class ParallelLMHead1D(nn.Module):
+class ParallelLMHead1D(ParallelModule):
     """``logits = x W^T (+ b)`` with W ``[V, H]`` split along V over tp.
 
     Args:
@@ -52,38 +58,40 @@ class ParallelLMHead1D(nn.Module):
         sequence_parallel: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
-        _serial: nn.Linear | None = None,
     ):
         super().__init__()
+        if tie_to is None:
+            serial = nn.Linear(in_features, vocab_size, bias, dtype=dtype)
+            self._setup(serial, mesh, device, gather_output=gather_output, sequence_parallel=sequence_parallel)
+            return
+        self._bind(in_features, vocab_size, mesh, gather_output, sequence_parallel)
+        if bias:
+            raise ValueError("ParallelLMHead1D(tie_to=...) shares the embedding's weight and has no bias; "
+                             "pass bias=False")
+        if (tie_to.num_embeddings, tie_to.embedding_dim) != (vocab_size, in_features):
+            raise ValueError(
+                f"ParallelLMHead1D(in_features={in_features}, vocab_size={vocab_size}) cannot tie to an embedding "
+                f"of num_embeddings={tie_to.num_embeddings}, embedding_dim={tie_to.embedding_dim}; build the head "
+                f"with in_features=embedding_dim and vocab_size=num_embeddings"
+            )
+        if tie_to.mesh is not mesh:
+            raise ValueError("ParallelLMHead1D(tie_to=...) must use the embedding's mesh; pass mesh=embedding.mesh")
+        tie_param(self, "weight", tie_to)
+        self.register_parameter("bias", None)
+
+    def _bind(self, in_features: int, vocab_size: int, mesh, gather_output: bool, sequence_parallel: bool):
         self.in_features, self.vocab_size, self.mesh = in_features, vocab_size, mesh
         self.output_gathered, self.sequence_parallel = gather_output, sequence_parallel
         spec = split_spec((vocab_size, in_features), 0, mesh)
         self.vocab_start, self.vocab_per_rank = spec.offsets[0], spec.local_shape[0]
-        if tie_to is not None:
-            if bias:
-                raise ValueError("ParallelLMHead1D(tie_to=...) shares the embedding's weight and has no bias; "
-                                 "pass bias=False")
-            if (tie_to.num_embeddings, tie_to.embedding_dim) != (vocab_size, in_features):
-                raise ValueError(
-                    f"ParallelLMHead1D(in_features={in_features}, vocab_size={vocab_size}) cannot tie to an embedding "
-                    f"of num_embeddings={tie_to.num_embeddings}, embedding_dim={tie_to.embedding_dim}; build the head "
-                    f"with in_features=embedding_dim and vocab_size=num_embeddings"
-                )
-            if tie_to.mesh is not mesh:
-                raise ValueError("ParallelLMHead1D(tie_to=...) must use the embedding's mesh; pass mesh=embedding.mesh")
-            tie_param(self, "weight", tie_to)
-            self.register_parameter("bias", None)
-            return
-        serial = _serial if _serial is not None else nn.Linear(in_features, vocab_size, bias, dtype=dtype)
-        local_param(self, "weight", serial.weight, spec, device)
-        local_param(self, "bias", serial.bias, split_spec((vocab_size,), 0, mesh), device)
+        return spec
 
-    @classmethod
-    def from_serial(cls, linear: nn.Linear, mesh, **kwargs) -> "ParallelLMHead1D":
-        """This rank's vocabulary rows of an existing ``nn.Linear(H, V)`` (copied)."""
-        return cls(linear.in_features, linear.out_features, linear.bias is not None, mesh=mesh,
-                   dtype=linear.weight.dtype, device=kwargs.pop("device", linear.weight.device), _serial=linear,
-                   **kwargs)
+    def _setup(self, serial: nn.Linear, mesh, device, gather_output: bool = False,
+               sequence_parallel: bool = False) -> None:
+        spec = self._bind(serial.in_features, serial.out_features, mesh, gather_output, sequence_parallel)
+        device = device if device is not None else serial.weight.device
+        local_param(self, "weight", serial.weight, spec, device)
+        local_param(self, "bias", serial.bias, split_spec((self.vocab_size,), 0, mesh), device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = self.mesh.tp_group
@@ -125,3 +133,35 @@ class ParallelLMHead1D(nn.Module):
         return (f"in_features={self.in_features}, vocab_size={self.vocab_size}, bias={self.bias is not None}, "
                 f"tp={self.mesh.tp_size}, vocab_per_rank={self.vocab_per_rank}, gather_output={self.output_gathered}, "
                 f"sequence_parallel={self.sequence_parallel}")
+
+
+class Classifier1D(ParallelModule):
+    """``nn.Linear(H, C)`` replicated on every tp rank: x [b, ..., H] -> logits [b, ..., C].
+
+    Args: as ``nn.Linear`` (``num_classes`` = out_features) plus ``mesh``. The parameters carry
+    no ShardSpec (a parameter without one is replicated), so its state dict is the serial one."""
+
+    def __init__(self, in_features: int, num_classes: int, bias: bool = True, *, mesh, dtype=None, device=None):
+        super().__init__()
+        self._setup(nn.Linear(in_features, num_classes, bias, dtype=dtype), mesh, device)
+
+    def _setup(self, serial: nn.Linear, mesh, device) -> None:
+        self.mesh, self.in_features, self.num_classes = mesh, serial.in_features, serial.out_features
+        device = device if device is not None else serial.weight.device
+        self.weight = nn.Parameter(serial.weight.detach().to(device, copy=True))
+        bias = serial.bias
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(device, copy=True))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def shard_input(self, x_full: torch.Tensor) -> torch.Tensor:
+        """Identity: every rank takes the full activation."""
+        return x_full
+
+    def gather_output(self, y_local: torch.Tensor) -> torch.Tensor:
+        """Identity: the logits are full on every rank."""
+        return y_local
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, num_classes={self.num_classes}, bias={self.bias is not None}"

@@ -62,15 +62,7 @@ class GridClassifier(layouts.GridModule):
         serial = nn.Linear(in_features, num_classes, bias, dtype=dtype, device="cpu")
         self._setup(serial, mesh, device, layout)
 
-    @classmethod
-    def from_serial(cls, module: nn.Linear, mesh, device=None, layout: ActivationLayout | None = None):
-        """This rank's piece of an existing ``nn.Linear(H, C)``."""
-        self = cls.__new__(cls)
-        nn.Module.__init__(self)
-        self._setup(module, mesh, device, layout)
-        return self
-
-    def _setup(self, serial: nn.Linear, mesh, device, layout) -> None:
+    def _setup(self, serial: nn.Linear, mesh, device, layout: ActivationLayout | None = None) -> None:
         self._bind(mesh, layout)
         self.in_features, self.num_classes = serial.in_features, serial.out_features
         layouts.check_hidden_parts(type(self).__name__, "in_features", self.in_features, mesh, self.layout)
@@ -103,14 +95,15 @@ class SummaLMHead(layouts.GridModule):
     x [B/parts, ..., H/q] -> logits [B/parts, ..., V_pad/q]."""
 
     layout_arg = None
+    any_layout = False
 
     def __init__(self, in_features: int, vocab_size: int, bias: bool = False, *, mesh, tie_to=None, dtype=None,
-                 device=None):
+                 device=None, layout: ActivationLayout | None = None):
         super().__init__()
         name = type(self).__name__
         if tie_to is None:
             serial = nn.Linear(in_features, vocab_size, bias, dtype=dtype, device="cpu")
-            self._setup(serial, mesh, device)
+            self._setup(serial, mesh, device, layout)
             return
         if bias:
             raise ValueError(f"{name}(tie_to=...) shares the embedding's weight and has no bias; pass bias=False")
@@ -119,22 +112,14 @@ class SummaLMHead(layouts.GridModule):
             raise ValueError(f"{name}(in_features={in_features}, vocab_size={vocab_size}) cannot tie to {tie_to}; "
                              f"tie to a VocabParallelEmbedding of the same mesh with embedding_dim=in_features, "
                              f"num_embeddings=vocab_size")
-        self._bind(mesh, None)
+        self._bind(mesh, layout)
         self.in_features, self.vocab_size = in_features, vocab_size
         tie_param(self, "weight", tie_to)
         self.register_parameter("bias", None)
         self._finish()
 
-    @classmethod
-    def from_serial(cls, module: nn.Linear, mesh, device=None):
-        """This rank's piece of an existing ``nn.Linear(H, V)``."""
-        self = cls.__new__(cls)
-        nn.Module.__init__(self)
-        self._setup(module, mesh, device)
-        return self
-
-    def _setup(self, serial: nn.Linear, mesh, device) -> None:
-        self._bind(mesh, None)
+    def _setup(self, serial: nn.Linear, mesh, device, layout: ActivationLayout | None = None) -> None:
+        self._bind(mesh, layout)
         self.in_features, self.vocab_size = serial.in_features, serial.out_features
         q = mesh.q
         layouts.check_divisible(type(self).__name__, "in_features", self.in_features, q, f"q={q}")

@@ -53,15 +53,7 @@ class LMHead3D(layouts.GridModule):
         self.register_parameter("bias", None)
         self._finish()
 
-    @classmethod
-    def from_serial(cls, module: nn.Linear, mesh, device=None, layout: ActivationLayout | None = None):
-        """This rank's piece of an existing ``nn.Linear(H, V)``."""
-        self = cls.__new__(cls)
-        nn.Module.__init__(self)
-        self._setup(module, mesh, device, layout)
-        return self
-
-    def _setup(self, serial: nn.Linear, mesh, device, layout) -> None:
+    def _setup(self, serial: nn.Linear, mesh, device, layout: ActivationLayout | None = None) -> None:
         self._bind(mesh, layout)
         self.in_features, self.vocab_size = serial.in_features, serial.out_features
         layouts.check_divisible("LMHead3D", "in_features", self.in_features, mesh.q, f"q={mesh.q}")

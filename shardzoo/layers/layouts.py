@@ -1,23 +1,27 @@
-"""Activation layouts of the 2D, 2.5D and 3D tensor-parallel modes, and how to enter / leave them.
+"""Activation layouts of the tensor-parallel modes, and how to enter / leave them.
 
 An activation ``x`` of global shape [B, ..., H] is held as one block per tp rank: dim 0 (batch)
 is split over ``batch_axes`` (the first axis slowest), the last dim (hidden) over
 ``hidden_axis``; middle dims (sequence, ...) are whole, so sequence parallelism over "sp"
-composes unchanged. Canonical layouts per mode (DESIGN.md "Activation layouts"):
+composes unchanged. Canonical layouts per mode (docs/design.md, "One object per tp_mode"):
 
 ====== ============================== ============ ====================== ===================
 mode   batch split over               hidden over  local block            replicated params
 ====== ============================== ============ ====================== ===================
+1d     -                              tp           [B, ..., H/p]          -
 2d     tp_row                         tp_col       [B/q, ..., H/q]        -
 2.5d   tp_dep, tp_row                 tp_col       [B/(d*q), ..., H/q]    over tp_dep
 3d     tp_x, tp_y                     tp_z         [B/q^2, ..., H/q]      -
 ====== ============================== ============ ====================== ===================
 
+In 1D the layout says how a column layer's output (heads, the MLP's inner activation,
+vocabulary-parallel logits) is split; between blocks 1D activations are replicated, and the
+1D :class:`~shardzoo.layers.tensor_layout.TensorLayout` enters and leaves that replicated form.
 In 3D a linear layer consuming layout (I, J | L) produces (I, L | J): the input and output roles
 of the last two axes swap, so the second layer of an MLP takes ``fc1.output_layout``.
-A block in the wrong layout has the right shape, so grid modules tag their outputs with their
-``output_layout`` and refuse an input tagged with another one (``check_layout_tag``); tags do
-not survive elementwise ops, so this guard catches direct chaining only.
+The layouts fixed when the modules are built are the contract between them: a module checks
+what a shape can tell (the local hidden size, the batch split), and a block of the right shape
+in another layout cannot be told apart (docs/design.md, "Layout checks").
 
 Parameters of the layers follow the layout: a tensor indexed by the hidden size is split over
 ``hidden_axis`` and, where the layer says so, further over ``param_axes`` (the batch axes except
@@ -34,6 +38,7 @@ from torch import nn
 
 from shardzoo import comm
 from shardzoo.comm.mesh import default_device
+from shardzoo.layers.module import ParallelModule
 from shardzoo.layers.shard_spec import ShardSpec, shard_param
 
 @dataclass(frozen=True)
@@ -41,7 +46,7 @@ class ActivationLayout:
     """Where the batch (dim 0) and hidden (dim -1) of an activation are split.
 
     Attributes:
-        mode: the mesh's tp_mode ("2d", "2.5d" or "3d").
+        mode: the mesh's tp_mode ("1d", "2d", "2.5d" or "3d").
         batch_axes: mesh axes splitting dim 0, slowest first (batch index = row-major).
         hidden_axis: mesh axis splitting the last dim.
     """
@@ -61,7 +66,7 @@ class ActivationLayout:
         return tuple(a for a in self.batch_axes if a not in self.replica_axes)
 
     def batch_parts(self, mesh) -> int:
-        return mesh.size(*self.batch_axes)
+        return mesh.size(*self.batch_axes) if self.batch_axes else 1
 
     def batch_index(self, mesh) -> int:
         """This rank's block index along the batch (row-major over ``batch_axes`` in order)."""
@@ -71,18 +76,24 @@ class ActivationLayout:
         return idx
 
     def __str__(self) -> str:
-        return f"batch over {'*'.join(self.batch_axes)}, hidden over {self.hidden_axis}"
+        batch = "*".join(self.batch_axes) or "none"
+        return f"batch over {batch}, hidden over {self.hidden_axis}"
+
+
+_CANONICAL = {
+    "1d": ActivationLayout("1d", (), "tp"),
+    "2d": ActivationLayout("2d", ("tp_row",), "tp_col"),
+    "2.5d": ActivationLayout("2.5d", ("tp_dep", "tp_row"), "tp_col"),
+    "3d": ActivationLayout("3d", ("tp_x", "tp_y"), "tp_z"),
+}
 
 
 def canonical_layout(mesh) -> ActivationLayout:
     """The layout a mode's first layer consumes (table in the module docstring)."""
-    if mesh.tp_mode == "2d":
-        return ActivationLayout("2d", ("tp_row",), "tp_col")
-    if mesh.tp_mode == "2.5d":
-        return ActivationLayout("2.5d", ("tp_dep", "tp_row"), "tp_col")
-    if mesh.tp_mode == "3d":
-        return ActivationLayout("3d", ("tp_x", "tp_y"), "tp_z")
-    raise ValueError(f"activation layouts exist for tp_mode '2d', '2.5d' and '3d'; this mesh has {mesh.tp_mode!r}")
+    mode = getattr(mesh, "tp_mode", None)
+    if mode not in _CANONICAL:
+        raise ValueError(f"activation layouts exist for tp_mode {', '.join(map(repr, _CANONICAL))}; got {mode!r}")
+    return _CANONICAL[mode]
 
 
 def swapped_3d(layout: ActivationLayout) -> ActivationLayout:
@@ -249,24 +260,29 @@ def block_param(module: nn.Module, name: str, full: torch.Tensor, dim: int, mesh
 
 def use_block_param(param: torch.Tensor, mesh, layout: ActivationLayout) -> torch.Tensor:
     """A :func:`block_param` as used in forward: identity, gradient summed over the batch axes."""
-    return comm.copy_to(param, mesh.group(*layout.batch_axes))
+    return comm.copy_to(param, mesh.group(*layout.batch_axes)) if layout.batch_axes else param
 
 
-class GridModule(nn.Module):
+class GridModule(ParallelModule):
     """Base of the 2D / 2.5D / 3D modules: ``mesh``, ``layout`` (the input activation layout),
     ``output_layout``, and ``shard_input`` / ``gather_output`` for them."""
 
     mode = "2d"
+    any_layout = True  # False: the module works in the canonical layout only (the SUMMA modules)
     layout_arg = "layout"  # the constructor argument that sets the input layout (None: canonical only)
 
     def _bind(self, mesh, layout: ActivationLayout | None) -> None:
         check_mesh(mesh, self.mode, type(self).__name__)
         layout = layout or canonical_layout(mesh)
+        who = type(self).__name__
         if layout.mode != mesh.tp_mode:
             raise ValueError(
-                f"{type(self).__name__} got a layout for tp_mode={layout.mode!r} on a tp_mode={mesh.tp_mode!r} mesh; "
+                f"{who} got a layout for tp_mode={layout.mode!r} on a tp_mode={mesh.tp_mode!r} mesh; "
                 f"a layout must belong to the module's mesh mode. Pass the output_layout of a module on the same "
                 f"mesh, canonical_layout(mesh), or no layout (the canonical one)")
+        if not self.any_layout and layout != canonical_layout(mesh):
+            raise ValueError(f"{who} works in the canonical layout ({canonical_layout(mesh)}) only; got layout "
+                             f"({layout}). Build it with no layout= argument, on blocks in the canonical layout")
         self.mesh, self.layout = mesh, layout
 
     @property

@@ -27,6 +27,7 @@ from torch import nn
 
 from shardzoo.comm import collectives as comm
 from shardzoo.layers.column_linear import column_linear
+from shardzoo.layers.module import ParallelModule
 from shardzoo.layers.common_1d import (
     SEQ_DIM,
     enter_sequence_parallel,
@@ -42,7 +43,7 @@ from shardzoo.layers.common_1d import (
 STYLES = ("column", "row")
 
 
-class ParallelLinear1D(nn.Module):
+class ParallelLinear1D(ParallelModule):
     """``y = x W^T + b`` with W split over the tp group.
 
     Args:
@@ -75,9 +76,16 @@ class ParallelLinear1D(nn.Module):
         sequence_parallel: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
-        _serial: nn.Linear | None = None,
     ):
         super().__init__()
+        self._check(in_features, out_features, mesh, style, gather_output, input_is_parallel)
+        serial = nn.Linear(in_features, out_features, bias, dtype=dtype)
+        self._setup(serial, mesh, device, style=style, gather_output=gather_output,
+                    input_is_parallel=input_is_parallel, sequence_parallel=sequence_parallel)
+
+    @staticmethod
+    def _check(in_features: int, out_features: int, mesh, style: str, gather_output: bool,
+               input_is_parallel: bool) -> None:
         name = f"ParallelLinear1D(style={style!r})"
         if style not in STYLES:
             raise ValueError(f"ParallelLinear1D style={style!r} is not one of {STYLES}; use 'column' or 'row'")
@@ -85,26 +93,22 @@ class ParallelLinear1D(nn.Module):
             raise ValueError(f"{name} has no gather_output (its output is already full); use it with style='column'")
         if style == "column" and not input_is_parallel:
             raise ValueError(f"{name} always takes the full input; input_is_parallel=False is for style='row'")
-        tp = mesh.tp_size
-        split_dim = 0 if style == "column" else 1
         require_divisible(name, "out_features" if style == "column" else "in_features",
-                          out_features if style == "column" else in_features, tp)
+                          out_features if style == "column" else in_features, mesh.tp_size)
+
+    def _setup(self, serial: nn.Linear, mesh, device, style: str = "column", gather_output: bool = False,
+               input_is_parallel: bool = True, sequence_parallel: bool = False) -> None:
+        in_features, out_features = serial.in_features, serial.out_features
+        self._check(in_features, out_features, mesh, style, gather_output, input_is_parallel)
+        split_dim = 0 if style == "column" else 1
         self.in_features, self.out_features = in_features, out_features
         self.mesh, self.style = mesh, style
         self.output_gathered, self.input_is_parallel = gather_output, input_is_parallel
         self.sequence_parallel = sequence_parallel
-        serial = _serial if _serial is not None else nn.Linear(in_features, out_features, bias, dtype=dtype)
         device = device if device is not None else serial.weight.device
         local_param(self, "weight", serial.weight, split_spec((out_features, in_features), split_dim, mesh), device)
         bias_spec = split_spec((out_features,), 0, mesh) if style == "column" else replicated_spec((out_features,))
         local_param(self, "bias", serial.bias, bias_spec, device)
-
-    @classmethod
-    def from_serial(cls, linear: nn.Linear, mesh, *, style: str = "column", **kwargs) -> "ParallelLinear1D":
-        """This rank's slice of an existing ``nn.Linear`` (weights copied, not shared)."""
-        return cls(linear.in_features, linear.out_features, linear.bias is not None, mesh=mesh, style=style,
-                   dtype=linear.weight.dtype, device=kwargs.pop("device", linear.weight.device), _serial=linear,
-                   **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = self.mesh.tp_group

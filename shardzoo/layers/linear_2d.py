@@ -18,6 +18,7 @@ from torch import nn
 from shardzoo import comm
 from shardzoo.comm.mesh import default_device
 from shardzoo.layers import layouts
+from shardzoo.layers.layouts import ActivationLayout
 from shardzoo.layers.shard_spec import ShardSpec, shard_param
 from shardzoo.layers.summa_2d import Grid2D, summa_linear
 
@@ -30,21 +31,14 @@ class SummaLinearBase(layouts.GridModule):
 
     mode = "2d"
     layout_arg = None
+    any_layout = False
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, mesh, dtype=None, device=None):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, mesh, dtype=None, device=None,
+                 layout: ActivationLayout | None = None):
         super().__init__()
-        self._check(in_features, out_features, mesh)
+        self._check(in_features, out_features, mesh)  # before drawing a serial layer of the wrong size
         serial = nn.Linear(in_features, out_features, bias=bias, dtype=dtype, device="cpu")
-        self._setup(serial, mesh, device)
-
-    @classmethod
-    def from_serial(cls, module: nn.Linear, mesh, device=None):
-        """This rank's blocks of an existing ``nn.Linear`` (same on every rank)."""
-        cls._check(module.in_features, module.out_features, mesh)
-        self = cls.__new__(cls)
-        nn.Module.__init__(self)
-        self._setup(module, mesh, device)
-        return self
+        self._setup(serial, mesh, device, layout=layout)
 
     @classmethod
     def _check(cls, in_features: int, out_features: int, mesh) -> None:
@@ -53,20 +47,19 @@ class SummaLinearBase(layouts.GridModule):
         layouts.check_divisible(cls.__name__, "in_features", in_features, q, f"q={q}")
         layouts.check_divisible(cls.__name__, "out_features", out_features, q, f"q={q}")
 
-    def _setup(self, serial: nn.Linear, mesh, device) -> None:
-        self._bind(mesh, None)
+    def _setup(self, serial: nn.Linear, mesh, device, layout: ActivationLayout | None = None) -> None:
+        self._check(serial.in_features, serial.out_features, mesh)
+        self._bind(mesh, layout)
         self.in_features, self.out_features = serial.in_features, serial.out_features
         self.grid = Grid2D(mesh)
         q, i, j = mesh.q, self.grid.i, self.grid.j
         device = device if device is not None else default_device(mesh)
-        replicas = self.layout.replica_axes
         w_spec = ShardSpec.split(
-            tuple(serial.weight.shape), {0: (j, q), 1: (i, q)}, ("tp_row", "tp_col"), replicas
+            tuple(serial.weight.shape), {0: (j, q), 1: (i, q)}, ("tp_row", "tp_col"), self.layout.replica_axes
         )
         shard_param(self, "weight", serial.weight, w_spec, device)
-        if serial.bias is not None:
-            b_spec = ShardSpec.split((self.out_features,), {0: (j, q)}, ("tp_col",), replicas + ("tp_row",))
-            shard_param(self, "bias", serial.bias, b_spec, device)
+        if serial.bias is not None:  # b[out block j], replicated over the batch axes
+            layouts.block_param(self, "bias", serial.bias, 0, mesh, self.layout, device)
         else:
             self.register_parameter("bias", None)
 
@@ -80,7 +73,7 @@ class SummaLinearBase(layouts.GridModule):
             weight = comm.copy_to(weight, self.mesh.group(*self.layout.replica_axes))
         y = summa_linear(x, weight.t(), self.grid)
         if self.bias is not None:
-            y = y + comm.copy_to(self.bias, self.mesh.group(*self.layout.batch_axes))
+            y = y + layouts.use_block_param(self.bias, self.mesh, self.layout)
         return self._tag_output(y)
 
     def extra_repr(self) -> str:

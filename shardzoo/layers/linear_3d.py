@@ -16,7 +16,7 @@ comm.reduce_scatter): all-gather dy over L, reduce-scatter dx over J and dW over
 Chaining (e.g. an MLP): the second layer takes the first layer's output layout::
 
     fc1 = ParallelLinear3D(h, 4 * h, mesh=mesh)                                # (x, y | z) -> (x, z | y)
-    fc2 = ParallelLinear3D(4 * h, h, mesh=mesh, input_layout=fc1.output_layout)  # (x, z | y) -> (x, y | z)
+    fc2 = ParallelLinear3D(4 * h, h, mesh=mesh, layout=fc1.output_layout)  # (x, z | y) -> (x, y | z)
 
 so the block ends in the layout it started with and residual adds line up.
 """
@@ -54,8 +54,9 @@ def weight_spec_3d(global_shape: tuple[int, int], mesh, layout: ActivationLayout
 class ParallelLinear3D(layouts.GridModule):
     """3D linear layer; drop-in for ``nn.Linear`` on a tp_mode="3d" mesh.
 
-    Args: as nn.Linear, plus ``mesh`` (tp = q^3) and ``input_layout`` (default the canonical
-    (tp_x, tp_y | tp_z); pass ``previous_layer.output_layout`` to chain). in_features must be
+    Args: as nn.Linear, plus ``mesh`` (tp = q^3) and ``layout`` (the input layout; default the
+    canonical (tp_x, tp_y | tp_z); pass ``previous_layer.output_layout`` to chain; also accepted
+    under its older name ``input_layout``). in_features must be
     divisible by q, out_features by q*q.
     Input: [B/q^2, ..., in/q] in ``input_layout``; output: [B/q^2, ..., out/q] in
     ``output_layout``."""
@@ -64,20 +65,11 @@ class ParallelLinear3D(layouts.GridModule):
     layout_arg = "input_layout"
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, mesh, dtype=None, device=None,
-                 input_layout: ActivationLayout | None = None):
+                 layout: ActivationLayout | None = None, input_layout: ActivationLayout | None = None):
         super().__init__()
-        self._check(in_features, out_features, mesh)
+        self._check(in_features, out_features, mesh)  # before drawing a serial layer of the wrong size
         serial = nn.Linear(in_features, out_features, bias=bias, dtype=dtype, device="cpu")
-        self._setup(serial, mesh, device, input_layout)
-
-    @classmethod
-    def from_serial(cls, module: nn.Linear, mesh, device=None, input_layout: ActivationLayout | None = None):
-        """This rank's blocks of an existing ``nn.Linear`` (same on every rank)."""
-        cls._check(module.in_features, module.out_features, mesh)
-        self = cls.__new__(cls)
-        nn.Module.__init__(self)
-        self._setup(module, mesh, device, input_layout)
-        return self
+        self._setup(serial, mesh, device, layout=layout, input_layout=input_layout)
 
     @classmethod
     def _check(cls, in_features: int, out_features: int, mesh) -> None:
@@ -86,18 +78,19 @@ class ParallelLinear3D(layouts.GridModule):
         layouts.check_divisible(cls.__name__, "in_features", in_features, q, f"q={q}")
         layouts.check_divisible(cls.__name__, "out_features", out_features, q * q, f"q*q={q * q}")
 
-    def _setup(self, serial: nn.Linear, mesh, device, input_layout) -> None:
-        self._bind(mesh, input_layout)
+    def _setup(self, serial: nn.Linear, mesh, device, layout: ActivationLayout | None = None,
+               input_layout: ActivationLayout | None = None) -> None:
+        if layout is not None and input_layout is not None and layout != input_layout:
+            raise ValueError("ParallelLinear3D got both layout= and input_layout= (the same argument, its older "
+                             "name) with different values; pass one of them")
+        self._check(serial.in_features, serial.out_features, mesh)
+        self._bind(mesh, layout or input_layout)
         self.in_features, self.out_features = serial.in_features, serial.out_features
         device = device if device is not None else default_device(mesh)
         w_spec = weight_spec_3d(tuple(serial.weight.shape), mesh, self.input_layout)
         shard_param(self, "weight", serial.weight, w_spec, device)
-        if serial.bias is not None:
-            out_axis = self.output_layout.hidden_axis
-            b_spec = ShardSpec.split(
-                (self.out_features,), {0: (mesh.rank(out_axis), mesh.q)}, (out_axis,), self.output_layout.batch_axes
-            )
-            shard_param(self, "bias", serial.bias, b_spec, device)
+        if serial.bias is not None:  # b[out block j], replicated over the output's batch axes
+            layouts.block_param(self, "bias", serial.bias, 0, mesh, self.output_layout, device)
         else:
             self.register_parameter("bias", None)
 
@@ -108,7 +101,7 @@ class ParallelLinear3D(layouts.GridModule):
         self._check_input(x)  # a block in another layout has the same shape but other rows
         y = linear_3d(x, self.weight, self.mesh, self.input_layout)
         if self.bias is not None:
-            y = y + comm.copy_to(self.bias, self.mesh.group(*self.output_layout.batch_axes))
+            y = y + layouts.use_block_param(self.bias, self.mesh, self.output_layout)
         return self._tag_output(y)
 
     @property

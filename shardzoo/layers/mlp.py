@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardzoo.layers import attention_tp as tpl
+from shardzoo.layers.tensor_layout import layout_of
 
 ACTIVATIONS = {
     "gelu": F.gelu,  # erf GeLU (BERT, ViT)
@@ -44,11 +44,12 @@ class MLP(nn.Module):
                  layout=None, device=None, dtype=None, _serial: tuple[nn.Linear, nn.Linear] | None = None):
         super().__init__()
         self.act_name, self.act = act, activation(act)
-        layout = layout if layout is not None else tpl.input_layout(mesh)
+        tpl = layout_of(mesh)
+        layout = layout or tpl.activation
         fc1, fc2 = _serial or (nn.Linear(hidden_size, ffn_size, bias, dtype=dtype),
                                nn.Linear(ffn_size, hidden_size, bias, dtype=dtype))
-        self.fc1 = tpl.tp_linear(fc1, mesh, layout, "column", device)
-        self.fc2 = tpl.tp_linear(fc2, mesh, tpl.layout_after(self.fc1, layout), "row", device)
+        self.fc1 = tpl.linear(serial=fc1, style="column", layout=layout, device=device)
+        self.fc2 = tpl.linear(serial=fc2, style="row", layout=tpl.after(self.fc1, layout), device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))

@@ -23,16 +23,21 @@ from shardzoo.layers.common_1d import (
     require_sequence_layout,
     tp_sum_grad,
 )
+from shardzoo.layers.module import ParallelModule
 
 
 def _shape(normalized_shape) -> tuple[int, ...]:
     return (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
 
 
-class _Norm1D(nn.Module):
+class _Norm1D(ParallelModule):
     """Shared plumbing: replicated params, sequence-parallel gradient sum, layout helpers."""
 
-    def _set_params(self, serial: nn.Module, device) -> None:
+    def _setup(self, serial: nn.Module, mesh, device, sequence_parallel: bool = False) -> None:
+        self.normalized_shape, self.eps = tuple(serial.normalized_shape), serial.eps
+        self.mesh, self.sequence_parallel = mesh, sequence_parallel
+        if device is None and getattr(serial, "weight", None) is not None:
+            device = serial.weight.device
         for name in ("weight", "bias"):
             p = getattr(serial, name, None)
             local_param(self, name, p, None if p is None else replicated_spec(p.shape), device)
@@ -74,22 +79,10 @@ class LayerNorm1D(_Norm1D):
         sequence_parallel: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
-        _serial: nn.LayerNorm | None = None,
     ):
         super().__init__()
-        if _serial is None:
-            _serial = nn.LayerNorm(_shape(normalized_shape), eps, elementwise_affine, bias, dtype=dtype)
-        serial = _serial
-        self.normalized_shape, self.eps = tuple(serial.normalized_shape), serial.eps
-        self.mesh, self.sequence_parallel = mesh, sequence_parallel
-        self._set_params(serial, device)
-
-    @classmethod
-    def from_serial(cls, norm: nn.LayerNorm, mesh, **kwargs) -> "LayerNorm1D":
-        """Copy of an existing ``nn.LayerNorm``'s parameters on every rank."""
-        w = norm.weight
-        return cls(norm.normalized_shape, norm.eps, w is not None, norm.bias is not None, mesh=mesh,
-                   device=kwargs.pop("device", None if w is None else w.device), _serial=norm, **kwargs)
+        serial = nn.LayerNorm(_shape(normalized_shape), eps, elementwise_affine, bias, dtype=dtype)
+        self._setup(serial, mesh, device, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check(x)
@@ -117,22 +110,10 @@ class RMSNorm1D(_Norm1D):
         sequence_parallel: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
-        _serial: nn.RMSNorm | None = None,
     ):
         super().__init__()
-        if _serial is None:
-            _serial = nn.RMSNorm(_shape(normalized_shape), eps, elementwise_affine, dtype=dtype)
-        serial = _serial
-        self.normalized_shape, self.eps = tuple(serial.normalized_shape), serial.eps
-        self.mesh, self.sequence_parallel = mesh, sequence_parallel
-        self._set_params(serial, device)
-
-    @classmethod
-    def from_serial(cls, norm: nn.RMSNorm, mesh, **kwargs) -> "RMSNorm1D":
-        """Copy of an existing ``nn.RMSNorm``'s parameters on every rank."""
-        w = norm.weight
-        return cls(norm.normalized_shape, norm.eps, w is not None, mesh=mesh,
-                   device=kwargs.pop("device", None if w is None else w.device), _serial=norm, **kwargs)
+        serial = nn.RMSNorm(_shape(normalized_shape), eps, elementwise_affine, dtype=dtype)
+        self._setup(serial, mesh, device, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check(x)

@@ -1,4 +1,5 @@
-"""LayerNorm over a hidden dimension split across a tp group (2D, and the base of 2.5D / 3D).
+"""LayerNorm / RMSNorm over a hidden dimension split across a tp group (2D, and the bases of
+2.5D / 3D).
 
 x: [B/parts, ..., H/q], hidden split over the layout's ``hidden_axis``. The mean and the
 variance are sums over the full hidden size, so each is a local partial sum followed by an
@@ -10,6 +11,9 @@ This is the formula of the serial kernels, so the parallel and serial gradients 
 (autograd through two chained all-reduces differs from them by cancellation in near-zero
 entries).
 
+RMSNorm needs one statistic, the mean of squares: a local sum all-reduced over the hidden
+group by ``comm.all_reduce`` (whose backward all-reduces too), left to autograd.
+
 weight / bias hold the hidden block of this rank, replicated over the batch axes; their
 gradients are summed there (``copy_to``).
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shardzoo import comm
 from shardzoo.comm import ops
 from shardzoo.layers import layouts
 from shardzoo.layers.layouts import ActivationLayout
@@ -50,28 +55,10 @@ class _SplitNormalize(torch.autograd.Function):
         return dx.to(grad.dtype), None, None, None
 
 
-class GridLayerNorm(layouts.GridModule):
-    """LayerNorm whose normalised (last) dim is split over ``layout.hidden_axis``.
+class _GridNorm(layouts.GridModule):
+    """Shared by the grid LayerNorm / RMSNorm: the hidden-block parameters and the input check."""
 
-    Args: as nn.LayerNorm for a single normalised dim (``normalized_shape`` an int H), plus
-    ``mesh`` and ``layout`` (default the mode's canonical layout). H must be divisible by q.
-    Shapes: [B/parts, ..., H/q] -> same."""
-
-    def __init__(self, normalized_shape: int, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
-                 *, mesh, dtype=None, device=None, layout: ActivationLayout | None = None):
-        super().__init__()
-        serial = nn.LayerNorm(normalized_shape, eps, elementwise_affine, bias=bias, dtype=dtype, device="cpu")
-        self._setup(serial, mesh, device, layout)
-
-    @classmethod
-    def from_serial(cls, module: nn.LayerNorm, mesh, device=None, layout: ActivationLayout | None = None):
-        """This rank's hidden block of an existing ``nn.LayerNorm`` (one normalised dim)."""
-        self = cls.__new__(cls)
-        nn.Module.__init__(self)
-        self._setup(module, mesh, device, layout)
-        return self
-
-    def _setup(self, serial: nn.LayerNorm, mesh, device, layout) -> None:
+    def _setup(self, serial: nn.Module, mesh, device, layout) -> None:
         self._bind(mesh, layout)
         name = type(self).__name__
         if len(serial.normalized_shape) != 1:
@@ -80,27 +67,28 @@ class GridLayerNorm(layouts.GridModule):
         hidden = self.normalized_shape[0]
         q = mesh.size(self.layout.hidden_axis)
         layouts.check_divisible(name, "normalized_shape", hidden, q, f"q={q}")
-        for pname in ("weight", "bias"):
-            full = getattr(serial, pname)
+        for pname in self.param_names:
+            full = getattr(serial, pname, None)
             if full is None:
                 self.register_parameter(pname, None)
             else:
                 layouts.block_param(self, pname, full, 0, mesh, self.layout, device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [B/parts, ..., H/q] -> [B/parts, ..., H/q]."""
+    def _group(self, x: torch.Tensor):
+        """The hidden group, after checking that ``x`` is a local block [..., H/q]."""
         hidden, q = self.normalized_shape[0], self.mesh.size(self.layout.hidden_axis)
-        group = self.mesh.group(self.layout.hidden_axis)
         if x.shape[-1] * q != hidden:
             raise ValueError(
                 f"{type(self).__name__} expects the local block [..., H/q={hidden // q}]; "
                 f"got shape {tuple(x.shape)}. Enter the parallel region with module.shard_input(x_full)"
             )
         self._check_input(x)
-        y = _SplitNormalize.apply(x, group, hidden, self.eps)
+        return self.mesh.group(self.layout.hidden_axis)
+
+    def _affine(self, y: torch.Tensor) -> torch.Tensor:
         if self.weight is not None:
             y = y * layouts.use_block_param(self.weight, self.mesh, self.layout)
-        if self.bias is not None:
+        if getattr(self, "bias", None) is not None:
             y = y + layouts.use_block_param(self.bias, self.mesh, self.layout)
         return self._tag_output(y)
 
@@ -108,8 +96,59 @@ class GridLayerNorm(layouts.GridModule):
         return f"{self.normalized_shape}, eps={self.eps}, layout=({self.layout})"
 
 
+class GridLayerNorm(_GridNorm):
+    """LayerNorm whose normalised (last) dim is split over ``layout.hidden_axis``.
+
+    Args: as nn.LayerNorm for a single normalised dim (``normalized_shape`` an int H), plus
+    ``mesh`` and ``layout`` (default the mode's canonical layout). H must be divisible by q.
+    Shapes: [B/parts, ..., H/q] -> same."""
+
+    param_names = ("weight", "bias")
+
+    def __init__(self, normalized_shape: int, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
+                 *, mesh, dtype=None, device=None, layout: ActivationLayout | None = None):
+        super().__init__()
+        serial = nn.LayerNorm(normalized_shape, eps, elementwise_affine, bias=bias, dtype=dtype, device="cpu")
+        self._setup(serial, mesh, device, layout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B/parts, ..., H/q] -> [B/parts, ..., H/q]."""
+        group = self._group(x)
+        return self._affine(_SplitNormalize.apply(x, group, self.normalized_shape[0], self.eps))
+
+
+class GridRMSNorm(_GridNorm):
+    """RMSNorm whose normalised (last) dim is split over ``layout.hidden_axis``.
+
+    Args: as nn.RMSNorm for a single normalised dim (eps None: the dtype's machine epsilon),
+    plus ``mesh`` and ``layout``. H must be divisible by q. Shapes: [B/parts, ..., H/q] -> same."""
+
+    param_names = ("weight",)
+
+    def __init__(self, normalized_shape: int, eps: float | None = None, elementwise_affine: bool = True, *, mesh,
+                 dtype=None, device=None, layout: ActivationLayout | None = None):
+        super().__init__()
+        serial = nn.RMSNorm(normalized_shape, eps, elementwise_affine, dtype=dtype, device="cpu")
+        self._setup(serial, mesh, device, layout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B/parts, ..., H/q] -> [B/parts, ..., H/q]."""
+        group = self._group(x)
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        mean_sq = comm.all_reduce((xf * xf).sum(-1, keepdim=True), group) / self.normalized_shape[0]
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        return self._affine((xf * torch.rsqrt(mean_sq + eps)).to(x.dtype))
+
+
 class LayerNorm2D(GridLayerNorm):
     """LayerNorm on the 2D layout: x [B/q, ..., H/q] (hidden over tp_col); drop-in for
     ``nn.LayerNorm(H)`` on a tp_mode="2d" mesh."""
+
+    mode = "2d"
+
+
+class RMSNorm2D(GridRMSNorm):
+    """RMSNorm on the 2D layout: x [B/q, ..., H/q] (hidden over tp_col); drop-in for
+    ``nn.RMSNorm(H)`` on a tp_mode="2d" mesh."""
 
     mode = "2d"

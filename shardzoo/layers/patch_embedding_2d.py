@@ -30,6 +30,30 @@ _PARAMS = (("patch_embeddings.projection", "weight", 0), ("patch_embeddings.proj
            ("", "cls_token", -1), ("", "position_embeddings", -1))
 
 
+def serial_patch_embedding(image_size: int, patch_size: int, in_channels: int, hidden_size: int,
+                           dropout: float = 0.0, dtype=None) -> nn.Module:
+    """A fresh serial twin with the draws of HF ViTEmbeddings.__init__, in its order (cls token,
+    projection, positions), on CPU; ``from_serial`` of any patch embedding takes it."""
+    serial = nn.Module()
+    serial.cls_token = nn.Parameter(torch.randn(1, 1, hidden_size, dtype=dtype))
+    serial.patch_embeddings = nn.Module()
+    serial.patch_embeddings.projection = nn.Conv2d(in_channels, hidden_size, patch_size, stride=patch_size,
+                                                   dtype=dtype, device="cpu")
+    num_patches = (image_size // patch_size) ** 2
+    serial.position_embeddings = nn.Parameter(torch.randn(1, num_patches + 1, hidden_size, dtype=dtype))
+    serial.dropout = nn.Dropout(dropout)
+    return serial
+
+
+def check_projection(who: str, proj: nn.Conv2d, image_size: int) -> None:
+    """Raise unless ``proj`` cuts non-overlapping square patches that tile the image."""
+    if proj.kernel_size != proj.stride or proj.kernel_size[0] != proj.kernel_size[1]:
+        raise ValueError(f"{who} needs a square projection with kernel_size == stride (non-overlapping "
+                         f"patches); got kernel_size={proj.kernel_size}, stride={proj.stride}. Build the "
+                         f"Conv2d with kernel_size=stride=patch_size")
+    layouts.check_divisible(who, "image_size", image_size, proj.kernel_size[0], f"patch_size={proj.kernel_size[0]}")
+
+
 class _Holder(nn.Module):
     """Parameter owner that carries the mesh (full_state_dict finds shards through it)."""
 
@@ -45,37 +69,21 @@ class GridPatchEmbedding(layouts.GridModule):
     def __init__(self, image_size: int, patch_size: int, in_channels: int, hidden_size: int, *, mesh,
                  dropout: float = 0.0, dtype=None, device=None, layout: ActivationLayout | None = None):
         super().__init__()
-        num_patches = (image_size // patch_size) ** 2
-        # the draws of HF ViTEmbeddings.__init__, in its order: cls token, projection, positions
-        cls_token = torch.randn(1, 1, hidden_size, dtype=dtype)
-        proj = nn.Conv2d(in_channels, hidden_size, patch_size, stride=patch_size, dtype=dtype, device="cpu")
-        positions = torch.randn(1, num_patches + 1, hidden_size, dtype=dtype)
-        self._setup(image_size, proj, cls_token, positions, mesh, dropout, device, layout)
+        serial = serial_patch_embedding(image_size, patch_size, in_channels, hidden_size, dropout, dtype)
+        self._setup(serial, mesh, device, layout=layout, image_size=image_size)
 
-    @classmethod
-    def from_serial(cls, module: nn.Module, mesh, device=None, layout: ActivationLayout | None = None,
-                    image_size: int | None = None):
-        """From a HF-style ``ViTEmbeddings`` (``cls_token``, ``position_embeddings``,
+    def _setup(self, serial: nn.Module, mesh, device, layout: ActivationLayout | None = None,
+               image_size: int | None = None) -> None:
+        """``serial``: a HF-style ``ViTEmbeddings`` (``cls_token``, ``position_embeddings``,
         ``patch_embeddings.projection``: nn.Conv2d, optional ``dropout``)."""
-        proj = module.patch_embeddings.projection
-        n = module.position_embeddings.shape[1] - 1
-        size = image_size or int(round(n**0.5)) * proj.kernel_size[0]
-        p = getattr(getattr(module, "dropout", None), "p", 0.0)
-        self = cls.__new__(cls)
-        nn.Module.__init__(self)
-        self._setup(size, proj, module.cls_token, module.position_embeddings, mesh, p, device, layout)
-        return self
-
-    def _setup(self, image_size, proj: nn.Conv2d, cls_token, positions, mesh, dropout, device, layout) -> None:
+        proj, cls_token, positions = serial.patch_embeddings.projection, serial.cls_token, serial.position_embeddings
+        image_size = image_size or int(round((positions.shape[1] - 1) ** 0.5)) * proj.kernel_size[0]
+        dropout = getattr(getattr(serial, "dropout", None), "p", 0.0)
         self._bind(mesh, layout)
         name = type(self).__name__
         self.patch_size, self.in_channels, self.hidden_size = proj.kernel_size[0], proj.in_channels, proj.out_channels
         self.image_size, self.dropout = image_size, dropout
-        if proj.kernel_size != proj.stride or proj.kernel_size[0] != proj.kernel_size[1]:
-            raise ValueError(f"{name} needs a square projection with kernel_size == stride (non-overlapping "
-                             f"patches); got kernel_size={proj.kernel_size}, stride={proj.stride}. Build the "
-                             f"Conv2d with kernel_size=stride=patch_size")
-        layouts.check_divisible(name, "image_size", image_size, self.patch_size, f"patch_size={self.patch_size}")
+        check_projection(name, proj, image_size)
         layouts.check_hidden_parts(name, "hidden_size", self.hidden_size, mesh, self.layout)
         self.patch_embeddings = _Holder(mesh)
         self.patch_embeddings.projection = _Holder(mesh)

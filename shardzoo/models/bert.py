@@ -24,12 +24,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shardzoo.comm import collectives as comm
-from shardzoo.layers import attention_tp as tpl
-from shardzoo.layers import random
 from shardzoo.layers.attention import SelfAttention, check_heads
 from shardzoo.layers.attention_core import local_positions
 from shardzoo.layers.mlp import MLP, activation
+from shardzoo.layers.tensor_layout import layout_of
 from shardzoo.models import common
 from shardzoo.models.config import ACTIVATION_NAMES, HFConfig
 from shardzoo.models.pipeline import StagedModel
@@ -60,24 +58,23 @@ class BERTConfig(HFConfig):
 class BertLayer(nn.Module):
     """Post-LN block: x = norm(x + attn(x)); x = norm(x + mlp(x)). [b, s, H_l] -> same."""
 
-    def __init__(self, config: BERTConfig, mesh, sp_mode: str, device=None, layout=None):
+    def __init__(self, config: BERTConfig, mesh, sp_mode: str, device=None):
         super().__init__()
-        h, eps = config.hidden_size, config.layer_norm_eps
+        h, eps, tpl = config.hidden_size, config.layer_norm_eps, layout_of(mesh)
         self.mesh, self.p = mesh, config.hidden_dropout_prob
         self.attention = SelfAttention(h, config.num_attention_heads, mesh=mesh, causal=False,
                                        attn_dropout=config.attention_probs_dropout_prob, sp_mode=sp_mode,
                                        qkv="separate", device=device)
-        self.attention_norm = tpl.tp_layer_norm(nn.LayerNorm(h, eps), mesh, layout, device)
+        self.attention_norm = tpl.norm(h, eps, device=device)
         self.mlp = MLP(h, config.intermediate_size, mesh=mesh, act=config.hidden_act, device=device)
-        self.output_norm = tpl.tp_layer_norm(nn.LayerNorm(h, eps), mesh, layout, device)
+        self.output_norm = tpl.norm(h, eps, device=device)
 
     def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         x = self.attention_norm(x + self._drop(self.attention(x, key_padding_mask)))
         return self.output_norm(x + self._drop(self.mlp(x)))
 
     def _drop(self, x):
-        return random.dropout(x, self.p, mesh=self.mesh, parallel_region=self.mesh.tp_mode != "1d",
-                              training=self.training)
+        return layout_of(self.mesh).dropout(x, self.p, self.training)
 
 
 class BERT(StagedModel):
@@ -101,7 +98,8 @@ class BERT(StagedModel):
         with self.building(device, seed) as device:  # meta: shapes only, then this rank's shards
             check_heads("BERT", config.hidden_size, config.num_attention_heads, mesh, sp_mode)
             self.config, self.mesh, self.checkpointing = config, mesh, checkpointing
-            self.layout = layout = tpl.input_layout(mesh)
+            tpl = layout_of(mesh)
+            self.layout = tpl.activation
             self.tied_names = ({"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight"}
                                if config.tie_word_embeddings and mlm_head else {})
             self.head_name = "cls.predictions.decoder" if mlm_head else None
@@ -111,34 +109,28 @@ class BERT(StagedModel):
             self.bert = nn.Module()
             if self.is_first:
                 self.bert.embeddings = emb = nn.Module()
-                emb.word_embeddings = common.vocab_embedding(nn.Embedding(config.vocab_size, h, config.pad_token_id),
-                                                             mesh, layout, device)
-                emb.position_embeddings = common.hidden_embedding(nn.Embedding(config.max_position_embeddings, h), mesh,
-                                                                  layout, device)
-                emb.token_type_embeddings = common.hidden_embedding(nn.Embedding(config.type_vocab_size, h), mesh,
-                                                                    layout, device)
-                emb.LayerNorm = tpl.tp_layer_norm(nn.LayerNorm(h, eps), mesh, layout, device)
+                emb.word_embeddings = tpl.vocab_embedding(config.vocab_size, h, config.pad_token_id, device=device)
+                emb.position_embeddings = tpl.embedding(config.max_position_embeddings, h, device=device)
+                emb.token_type_embeddings = tpl.embedding(config.type_vocab_size, h, device=device)
+                emb.LayerNorm = tpl.norm(h, eps, device=device)
             self.bert.encoder = nn.Module()
-            self.bert.encoder.layer = nn.ModuleDict({str(i): BertLayer(config, mesh, sp_mode, device, layout)
-                                                     for i in blocks})
+            self.bert.encoder.layer = nn.ModuleDict({str(i): BertLayer(config, mesh, sp_mode, device) for i in blocks})
             if self.is_last:
-                self.target_layout = layout
+                self.target_layout = self.layout
             if self.is_last and pooler:
                 self.bert.pooler = nn.Module()
-                self.bert.pooler.dense = common.dense(nn.Linear(h, h), mesh, layout, device)
+                self.bert.pooler.dense = tpl.dense(h, h, device=device)
             if self.is_last and mlm_head:
                 self.cls = nn.Module()
                 self.cls.predictions = pred = nn.Module()
                 pred.transform = nn.Module()
-                pred.transform.dense = common.dense(nn.Linear(h, h), mesh, layout, device)
-                pred.transform.LayerNorm = tpl.tp_layer_norm(nn.LayerNorm(h, eps), mesh, layout, device)
+                pred.transform.dense = tpl.dense(h, h, device=device)
+                pred.transform.LayerNorm = tpl.norm(h, eps, device=device)
                 tie = self.bert.embeddings.word_embeddings if self.is_first and config.tie_word_embeddings else None
-                serial = None if tie is not None else nn.Linear(h, config.vocab_size, bias=False)
-                pred.decoder = common.lm_head(h, config.vocab_size, mesh, layout, tie_to=tie, serial=serial,
-                                              device=device)
-                common.vocab_bias(pred, pred.decoder, config.vocab_size, mesh, layout, device)
+                pred.decoder = tpl.lm_head(h, config.vocab_size, bias=False, tie_to=tie, device=device)
+                tpl.vocab_bias(pred, pred.decoder, config.vocab_size, device)
                 pred.mesh = mesh  # the axes of the bias's ShardSpec (checkpointing and loading need them)
-                self.target_layout = common.head_output_layout(pred.decoder, layout)
+                self.target_layout = tpl.after(pred.decoder)
 
     def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -157,15 +149,14 @@ class BERT(StagedModel):
         types = token_type_ids if token_type_ids is not None else torch.zeros_like(ids)
         x = emb.word_embeddings(ids) + emb.position_embeddings(positions[None]) + emb.token_type_embeddings(types)
         x = emb.LayerNorm(x)
-        return random.dropout(x, self.config.hidden_dropout_prob, mesh=self.mesh,
-                              parallel_region=self.mesh.tp_mode != "1d", training=self.training)
+        return self.tpl.dropout(x, self.config.hidden_dropout_prob, self.training)
 
     def mlm_logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final hidden [b, s, H_l] -> vocab-parallel MLM logits [b, s, V_local]."""
         pred = self.cls.predictions
-        x = common.run_dense(pred.transform.dense, x, self.mesh, self.layout)
+        x = self.tpl.run_dense(pred.transform.dense, x)
         x = pred.transform.LayerNorm(activation(self.config.hidden_act)(x))
-        return common.add_vocab_bias(pred.decoder(x), pred.bias, pred.decoder, self.mesh, self.layout)
+        return self.tpl.add_vocab_bias(pred.decoder(x), pred.bias, pred.decoder)
 
     def pool(self, x: torch.Tensor) -> torch.Tensor:
         """Final hidden [b, s, H_l] -> tanh(dense(hidden of token 0)) [b, H_l] on every sp rank
@@ -173,12 +164,11 @@ class BERT(StagedModel):
         if not hasattr(self.bert, "pooler"):
             raise ValueError("this BERT has no pooler (built with pooler=False, or loaded from a checkpoint without "
                              "one, e.g. BertForMaskedLM); build it with pooler=True to pool")
-        first = comm.broadcast(x[:, 0].contiguous(), self.mesh.sp_group, 0)
-        return torch.tanh(common.run_dense(self.bert.pooler.dense, first, self.mesh, self.layout))
+        return torch.tanh(self.tpl.run_dense(self.bert.pooler.dense, self.tpl.first_token(x)))
 
     def gather_pooled(self, pooled: torch.Tensor) -> torch.Tensor:
         """[b, H_l] -> [B, H] on every rank."""
-        return tpl.gather_hidden(pooled, self.mesh, self.layout)
+        return self.tpl.gather_hidden(pooled)
 
 
     @classmethod

@@ -19,11 +19,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shardzoo.layers import attention_tp as tpl
-from shardzoo.layers import random
 from shardzoo.layers.attention import SelfAttention, check_heads, fuse_qkv, split_qkv
 from shardzoo.layers.attention_core import local_positions
 from shardzoo.layers.mlp import MLP
+from shardzoo.layers.tensor_layout import layout_of
 from shardzoo.models import common
 from shardzoo.models.config import ACTIVATION_NAMES, HFConfig
 from shardzoo.models.pipeline import StagedModel
@@ -58,13 +57,12 @@ class GPT2Block(nn.Module):
 
     def __init__(self, config: GPT2Config, mesh, sp_mode: str, device=None):
         super().__init__()
-        h, layout = config.n_embd, tpl.input_layout(mesh)
-        eps = config.layer_norm_epsilon
+        h, eps, tpl = config.n_embd, config.layer_norm_epsilon, layout_of(mesh)
         self.mesh, self.resid_pdrop = mesh, config.resid_pdrop
-        self.ln_1 = tpl.tp_layer_norm(nn.LayerNorm(h, eps), mesh, layout, device)
+        self.ln_1 = tpl.norm(h, eps, device=device)
         self.attn = SelfAttention(h, config.n_head, mesh=mesh, causal=True, attn_dropout=config.attn_pdrop,
                                   sp_mode=sp_mode, device=device)
-        self.ln_2 = tpl.tp_layer_norm(nn.LayerNorm(h, eps), mesh, layout, device)
+        self.ln_2 = tpl.norm(h, eps, device=device)
         self.mlp = MLP(h, config.n_inner or 4 * h, mesh=mesh, act=config.activation_function, device=device)
 
     def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -72,9 +70,7 @@ class GPT2Block(nn.Module):
         return x + self._drop(self.mlp(self.ln_2(x)))
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
-        # 1D activations are replicated over tp (same mask everywhere), grid ones are split
-        return random.dropout(x, self.resid_pdrop, mesh=self.mesh, parallel_region=self.mesh.tp_mode != "1d",
-                              training=self.training)
+        return layout_of(self.mesh).dropout(x, self.resid_pdrop, self.training)
 
 
 class GPT2(StagedModel):
@@ -102,24 +98,20 @@ class GPT2(StagedModel):
             check_heads("GPT2", config.n_embd, config.n_head, mesh, sp_mode)
             self.config, self.mesh, self.checkpointing = config, mesh, checkpointing
             self.tied_names = {"lm_head.weight": "transformer.wte.weight"} if config.tie_word_embeddings else {}
-            self.layout = tpl.input_layout(mesh)
+            tpl = layout_of(mesh)
+            self.layout = tpl.activation
             blocks, self.is_first, self.is_last = common.stage_blocks("GPT2", config.n_layer, stage, stage_layers)
             h = config.n_embd
             self.transformer = nn.Module()
             if self.is_first:
-                self.transformer.wte = common.vocab_embedding(nn.Embedding(config.vocab_size, h), mesh, self.layout,
-                                                              device)
-                self.transformer.wpe = common.hidden_embedding(nn.Embedding(config.n_positions, h), mesh, self.layout,
-                                                               device)
+                self.transformer.wte = tpl.vocab_embedding(config.vocab_size, h, device=device)
+                self.transformer.wpe = tpl.embedding(config.n_positions, h, device=device)
             self.transformer.h = nn.ModuleDict({str(i): GPT2Block(config, mesh, sp_mode, device) for i in blocks})
             if self.is_last:
-                self.transformer.ln_f = tpl.tp_layer_norm(nn.LayerNorm(h, config.layer_norm_epsilon), mesh, self.layout,
-                                                          device)
+                self.transformer.ln_f = tpl.norm(h, config.layer_norm_epsilon, device=device)
                 tie = self.transformer.wte if self.is_first and config.tie_word_embeddings else None
-                serial = None if tie is not None else nn.Linear(h, config.vocab_size, bias=False)
-                self.lm_head = common.lm_head(h, config.vocab_size, mesh, self.layout, tie_to=tie, serial=serial,
-                                              device=device)
-                self.target_layout = common.head_output_layout(self.lm_head, self.layout)
+                self.lm_head = tpl.lm_head(h, config.vocab_size, bias=False, tie_to=tie, device=device)
+                self.target_layout = tpl.after(self.lm_head)
 
     def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """ids [b, s] (first stage) or hidden [b, s, H_l] -> hidden, or logits [b, s, V_local] (last)."""
@@ -137,8 +129,7 @@ class GPT2(StagedModel):
         common.check_seq_len("GPT2", seq, self.config.n_positions, "n_positions")
         positions = local_positions(ids.shape[1], self.mesh, zigzag=True, device=ids.device)
         x = self.transformer.wte(ids) + self.transformer.wpe(positions[None])
-        return random.dropout(x, self.config.embd_pdrop, mesh=self.mesh, parallel_region=self.mesh.tp_mode != "1d",
-                              training=self.training)
+        return self.tpl.dropout(x, self.config.embd_pdrop, self.training)
 
 
 # -- Hugging Face names ------------------------------------------------------------------------

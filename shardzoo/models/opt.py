@@ -14,11 +14,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shardzoo.layers import attention_tp as tpl
-from shardzoo.layers import random
 from shardzoo.layers.attention import SelfAttention, check_heads
 from shardzoo.layers.attention_core import local_positions
 from shardzoo.layers.mlp import activation
+from shardzoo.layers.tensor_layout import layout_of
 from shardzoo.models import common
 from shardzoo.models.config import ACTIVATION_NAMES, HFConfig
 from shardzoo.models.pipeline import StagedModel
@@ -59,18 +58,17 @@ class OPTDecoderLayer(nn.Module):
 
     def __init__(self, config: OPTConfig, mesh, sp_mode: str, device=None):
         super().__init__()
-        h, layout = config.hidden_size, tpl.input_layout(mesh)
+        h, tpl = config.hidden_size, layout_of(mesh)
         self.mesh, self.pre_norm, self.p = mesh, config.do_layer_norm_before, config.dropout
         self.act = activation(config.activation_function)
-        affine = config.layer_norm_elementwise_affine
-        self.self_attn = SelfAttention(h, config.num_attention_heads, mesh=mesh, causal=True,
-                                       bias=config.enable_bias, attn_dropout=config.attention_dropout,
-                                       sp_mode=sp_mode, qkv="separate", device=device)
-        self.self_attn_layer_norm = tpl.tp_layer_norm(nn.LayerNorm(h, elementwise_affine=affine), mesh, layout, device)
-        self.fc1 = tpl.tp_linear(nn.Linear(h, config.ffn_dim, config.enable_bias), mesh, layout, "column", device)
-        self.fc2 = tpl.tp_linear(nn.Linear(config.ffn_dim, h, config.enable_bias), mesh,
-                                 tpl.layout_after(self.fc1, layout), "row", device)
-        self.final_layer_norm = tpl.tp_layer_norm(nn.LayerNorm(h, elementwise_affine=affine), mesh, layout, device)
+        affine, bias = config.layer_norm_elementwise_affine, config.enable_bias
+        self.self_attn = SelfAttention(h, config.num_attention_heads, mesh=mesh, causal=True, bias=bias,
+                                       attn_dropout=config.attention_dropout, sp_mode=sp_mode, qkv="separate",
+                                       device=device)
+        self.self_attn_layer_norm = tpl.norm(h, elementwise_affine=affine, device=device)
+        self.fc1 = tpl.linear(h, config.ffn_dim, bias, style="column", device=device)
+        self.fc2 = tpl.linear(config.ffn_dim, h, bias, style="row", device=device)
+        self.final_layer_norm = tpl.norm(h, elementwise_affine=affine, device=device)
 
     def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """[b, s, H_l] -> same."""
@@ -83,8 +81,7 @@ class OPTDecoderLayer(nn.Module):
         return x if self.pre_norm else self.final_layer_norm(x)
 
     def _drop(self, x):
-        return random.dropout(x, self.p, mesh=self.mesh, parallel_region=self.mesh.tp_mode != "1d",
-                              training=self.training)
+        return layout_of(self.mesh).dropout(x, self.p, self.training)
 
 
 class OPT(StagedModel):
@@ -98,7 +95,8 @@ class OPT(StagedModel):
         with self.building(device, seed) as device:  # meta: shapes only, then this rank's shards
             check_heads("OPT", config.hidden_size, config.num_attention_heads, mesh, sp_mode)
             self.config, self.mesh, self.checkpointing = config, mesh, checkpointing
-            self.layout = tpl.input_layout(mesh)
+            tpl = layout_of(mesh)
+            self.layout = tpl.activation
             tied = {"lm_head.weight": "model.decoder.embed_tokens.weight"}
             self.tied_names = tied if config.tie_word_embeddings else {}
             blocks, self.is_first, self.is_last = common.stage_blocks("OPT", config.num_hidden_layers, stage,
@@ -107,25 +105,20 @@ class OPT(StagedModel):
             self.model = nn.Module()
             self.model.decoder = dec = nn.Module()
             if self.is_first:
-                dec.embed_tokens = common.vocab_embedding(nn.Embedding(config.vocab_size, e, config.pad_token_id), mesh,
-                                                          self.layout, device)
-                dec.embed_positions = common.hidden_embedding(
-                    nn.Embedding(config.max_position_embeddings + POSITION_OFFSET, h), mesh, self.layout, device)
+                dec.embed_tokens = tpl.vocab_embedding(config.vocab_size, e, config.pad_token_id, device=device)
+                dec.embed_positions = tpl.embedding(config.max_position_embeddings + POSITION_OFFSET, h, device=device)
                 if e != h:
-                    dec.project_in = common.dense(nn.Linear(e, h, bias=False), mesh, self.layout, device)
+                    dec.project_in = tpl.dense(e, h, bias=False, device=device)
             dec.layers = nn.ModuleDict({str(i): OPTDecoderLayer(config, mesh, sp_mode, device) for i in blocks})
             if self.is_last:
                 if config.do_layer_norm_before and not config._remove_final_layer_norm:
-                    dec.final_layer_norm = tpl.tp_layer_norm(
-                        nn.LayerNorm(h, elementwise_affine=config.layer_norm_elementwise_affine), mesh, self.layout,
-                        device)
+                    dec.final_layer_norm = tpl.norm(h, elementwise_affine=config.layer_norm_elementwise_affine,
+                                                    device=device)
                 if e != h:
-                    dec.project_out = common.dense(nn.Linear(h, e, bias=False), mesh, self.layout, device)
+                    dec.project_out = tpl.dense(h, e, bias=False, device=device)
                 tie = dec.embed_tokens if self.is_first and config.tie_word_embeddings else None
-                serial = None if tie is not None else nn.Linear(e, config.vocab_size, bias=False)
-                self.lm_head = common.lm_head(e, config.vocab_size, mesh, self.layout, tie_to=tie, serial=serial,
-                                              device=device)
-                self.target_layout = common.head_output_layout(self.lm_head, self.layout)
+                self.lm_head = tpl.lm_head(e, config.vocab_size, bias=False, tie_to=tie, device=device)
+                self.target_layout = tpl.after(self.lm_head)
 
     def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """ids [b, s] (first stage) or hidden [b, s, H_l] -> hidden, or logits [b, s, V_local] (last)."""
@@ -136,17 +129,16 @@ class OPT(StagedModel):
             positions = local_positions(x.shape[1], self.mesh, zigzag=True, device=x.device) + POSITION_OFFSET
             emb = dec.embed_tokens(x)
             if hasattr(dec, "project_in"):
-                emb = common.run_dense(dec.project_in, emb, self.mesh, self.layout)
+                emb = self.tpl.run_dense(dec.project_in, emb)
             x = emb + dec.embed_positions(positions[None])
-            x = random.dropout(x, self.config.dropout, mesh=self.mesh, parallel_region=self.mesh.tp_mode != "1d",
-                               training=self.training)
+            x = self.tpl.dropout(x, self.config.dropout, self.training)
         for block in dec.layers.values():
             x = self.run_block(block, x, key_padding_mask)
         if self.is_last:
             if hasattr(dec, "final_layer_norm"):
                 x = dec.final_layer_norm(x)
             if hasattr(dec, "project_out"):
-                x = common.run_dense(dec.project_out, x, self.mesh, self.layout)
+                x = self.tpl.run_dense(dec.project_out, x)
             x = self.lm_head(x)
         return x
 

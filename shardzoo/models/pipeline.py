@@ -27,11 +27,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from shardzoo.comm.mesh import default_device
-from shardzoo.layers import attention_tp as tpl
-from shardzoo.layers import layouts
 from shardzoo.layers import random as tp_random
 from shardzoo.layers.dp_shard import local_tensor
 from shardzoo.layers.shard_spec import get_shard_spec
+from shardzoo.layers.tensor_layout import layout_of
 from shardzoo.models import common
 from shardzoo.models.loss import GlobalLoss
 
@@ -42,8 +41,9 @@ class StagedModel(GlobalLoss, nn.Module):
     """Base of the model families: token sharding, gathering, loss (models/loss.py), activation
     checkpointing.
 
-    Subclasses set ``causal`` and, in ``__init__``: ``mesh``, ``layout``, ``is_first``,
-    ``is_last``, ``checkpointing`` and on the last stage the head's ``target_layout``."""
+    Subclasses set ``causal`` and, in ``__init__``: ``mesh``, ``layout`` (the activation layout
+    of ``tpl``, the mesh's layout object), ``is_first``, ``is_last``, ``checkpointing`` and on
+    the last stage the head's ``target_layout``."""
 
     causal = False
     head_name = "lm_head"
@@ -86,11 +86,14 @@ class StagedModel(GlobalLoss, nn.Module):
         return block(x, mask)
 
     @property
+    def tpl(self):
+        """The mesh's :class:`~shardzoo.layers.tensor_layout.TensorLayout` (blocks, layouts)."""
+        return layout_of(self.mesh)
+
+    @property
     def mask_layout(self):
-        """Batch layout of key padding masks: the attention's (3D: the QKV output layout)."""
-        if self.layout is None or self.mesh.tp_mode != "3d":
-            return self.layout
-        return layouts.swapped_3d(self.layout)
+        """Batch layout of key padding masks: the attention's, i.e. its QKV projection's output."""
+        return self.tpl.linear_output(self.layout)
 
     def shard_input(self, ids_full: torch.Tensor) -> torch.Tensor:
         """Token ids [B, S] -> this rank's [b, s] (batch as the tp layout, sequence over sp)."""
@@ -103,7 +106,7 @@ class StagedModel(GlobalLoss, nn.Module):
     def shard_target(self, target_full: torch.Tensor) -> torch.Tensor:
         """Targets [B, S] (or [B] for classifiers) -> this rank's rows of the head's output."""
         if target_full.dim() == 1:
-            return tpl.shard_rows(target_full, self.mesh, self.target_layout)
+            return self.tpl.shard_batch(target_full, self.target_layout)
         return common.shard_tokens(target_full, self.mesh, self.target_layout, zigzag=self.causal)
 
     def gather_output(self, y_local: torch.Tensor) -> torch.Tensor:
@@ -114,7 +117,7 @@ class StagedModel(GlobalLoss, nn.Module):
             if y.dim() == 2:  # pooled / classifier logits [B, C]: no sequence dim
                 return y
             return common.gather_tokens(y, self.mesh, None, zigzag=self.causal)
-        y = tpl.gather_hidden(y_local, self.mesh, self.layout)
+        y = self.tpl.gather_hidden(y_local, self.layout)
         return common.gather_tokens(y, self.mesh, None, zigzag=self.causal)
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> list[str]:

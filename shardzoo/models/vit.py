@@ -18,23 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardzoo.comm import collectives as comm
-from shardzoo.layers import attention_tp as tpl
-from shardzoo.layers import random
 from shardzoo.layers.attention import SelfAttention, check_heads
-from shardzoo.layers.head_2d import Classifier2D
-from shardzoo.layers.head_2p5d import Classifier2p5D
-from shardzoo.layers.head_3d import Classifier3D
 from shardzoo.layers.mlp import MLP
-from shardzoo.layers.patch_embedding_2d import PatchEmbedding2D
-from shardzoo.layers.embedding_2p5d import PatchEmbedding2p5D
-from shardzoo.layers.embedding_3d import PatchEmbedding3D
+from shardzoo.layers.tensor_layout import layout_of
 from shardzoo.models import common
 from shardzoo.models.config import ACTIVATION_NAMES, HFConfig
 from shardzoo.models.pipeline import StagedModel
-
-_PATCH = {"2d": PatchEmbedding2D, "2.5d": PatchEmbedding2p5D, "3d": PatchEmbedding3D}
-_CLASSIFIER = {"2d": Classifier2D, "2.5d": Classifier2p5D, "3d": Classifier3D}
 
 
 @dataclass
@@ -72,8 +61,8 @@ class ViTConfig(HFConfig):
 
 
 class ViTEmbeddings(nn.Module):
-    """cat(cls, patches) + positions, replicated (the 1D / serial twin of PatchEmbedding2D):
-    pixels [B, C, img, img] -> [B, N+1, H]."""
+    """cat(cls, patches) + positions, the serial twin every layout's patch embedding is cut
+    from: pixels [B, C, img, img] -> [B, N+1, H]."""
 
     def __init__(self, config: ViTConfig, device=None):
         super().__init__()
@@ -94,13 +83,13 @@ class ViTLayer(nn.Module):
 
     def __init__(self, config: ViTConfig, mesh, sp_mode: str, device=None):
         super().__init__()
-        h, eps, layout = config.hidden_size, config.layer_norm_eps, tpl.input_layout(mesh)
+        h, eps, tpl = config.hidden_size, config.layer_norm_eps, layout_of(mesh)
         self.mesh, self.p = mesh, config.hidden_dropout_prob
-        self.layernorm_before = tpl.tp_layer_norm(nn.LayerNorm(h, eps), mesh, layout, device)
+        self.layernorm_before = tpl.norm(h, eps, device=device)
         self.attention = SelfAttention(h, config.num_attention_heads, mesh=mesh, causal=False, bias=config.qkv_bias,
                                        attn_dropout=config.attention_probs_dropout_prob, sp_mode=sp_mode,
                                        qkv="separate", device=device)
-        self.layernorm_after = tpl.tp_layer_norm(nn.LayerNorm(h, eps), mesh, layout, device)
+        self.layernorm_after = tpl.norm(h, eps, device=device)
         self.mlp = MLP(h, config.intermediate_size, mesh=mesh, act=config.hidden_act, device=device)
 
     def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -108,8 +97,7 @@ class ViTLayer(nn.Module):
         return x + self._drop(self.mlp(self.layernorm_after(x)))
 
     def _drop(self, x):
-        return random.dropout(x, self.p, mesh=self.mesh, parallel_region=self.mesh.tp_mode != "1d",
-                              training=self.training)
+        return layout_of(self.mesh).dropout(x, self.p, self.training)
 
 
 class ViT(StagedModel):
@@ -126,7 +114,8 @@ class ViT(StagedModel):
         with self.building(device, seed) as device:  # meta: shapes only, then this rank's shards
             check_heads("ViT", config.hidden_size, config.num_attention_heads, mesh, sp_mode)
             self.config, self.mesh, self.checkpointing = config, mesh, checkpointing
-            self.layout = layout = tpl.input_layout(mesh)
+            tpl = layout_of(mesh)
+            self.layout = tpl.activation
             self.tied_names = {}
             blocks, self.is_first, self.is_last = common.stage_blocks("ViT", config.num_hidden_layers, stage,
                                                                       stage_layers)
@@ -134,17 +123,14 @@ class ViT(StagedModel):
             h = config.hidden_size
             self.vit = nn.Module()
             if self.is_first:
-                emb = ViTEmbeddings(config)
-                self.vit.embeddings = emb if layout is None else _PATCH[mesh.tp_mode].from_serial(
-                    emb, mesh, device=device, layout=layout, image_size=config.image_size)
+                self.vit.embeddings = tpl.patch_embedding(config.image_size, serial=ViTEmbeddings(config),
+                                                          device=device)
             self.vit.encoder = nn.Module()
             self.vit.encoder.layer = nn.ModuleDict({str(i): ViTLayer(config, mesh, sp_mode, device) for i in blocks})
             if self.is_last:
-                self.vit.layernorm = tpl.tp_layer_norm(nn.LayerNorm(h, config.layer_norm_eps), mesh, layout, device)
-                serial = nn.Linear(h, config.num_labels)
-                self.classifier = serial if layout is None else _CLASSIFIER[mesh.tp_mode].from_serial(
-                    serial, mesh, device=device, layout=layout)
-                self.target_layout = layout
+                self.vit.layernorm = tpl.norm(h, config.layer_norm_eps, device=device)
+                self.classifier = tpl.classifier(h, config.num_labels, device=device)
+                self.target_layout = self.layout
 
     def token_mask(self, rows: int, device=None) -> torch.Tensor | None:
         """Bool [rows, s] key mask of this sp rank's tokens (False on the sequence padding)."""
@@ -162,16 +148,12 @@ class ViT(StagedModel):
             x = self.run_block(block, x, mask)
         if not self.is_last:
             return x
-        x = self.vit.layernorm(x)
-        # the cls token sits on sp rank 0; backward sums its gradient there
-        cls = comm.broadcast(x[:, 0].contiguous(), self.mesh.sp_group, 0)
-        return self.classifier(cls)
+        return self.classifier(self.tpl.first_token(self.vit.layernorm(x)))  # the cls token
 
     def embed(self, pixels: torch.Tensor) -> torch.Tensor:
         """pixels [b, C, img, img] -> this sp rank's tokens [b, s, H_l] (padded at the end)."""
         x = self.vit.embeddings(pixels)
-        x = random.dropout(x, self.config.hidden_dropout_prob, mesh=self.mesh,
-                           parallel_region=self.mesh.tp_mode != "1d", training=self.training)
+        x = self.tpl.dropout(x, self.config.hidden_dropout_prob, self.training)
         pad = self.local_tokens * self.mesh.sp_size - x.shape[1]
         if pad:
             x = F.pad(x, (0, 0, 0, pad))
@@ -180,14 +162,13 @@ class ViT(StagedModel):
 
     def shard_input(self, pixels_full: torch.Tensor) -> torch.Tensor:
         """Pixels [B, C, img, img] -> this rank's batch rows [b, C, img, img]."""
-        return tpl.shard_rows(pixels_full, self.mesh, self.layout)
+        return self.tpl.shard_batch(pixels_full, self.layout)
 
     def gather_output(self, y_local: torch.Tensor) -> torch.Tensor:
         """Logits [b, num_labels] -> [B, num_labels] (last stage); hidden states otherwise."""
         if self.is_last:
-            return tpl.gather_rows(y_local, self.mesh, self.layout)
-        y = tpl.gather_hidden(y_local, self.mesh, self.layout)
-        y = comm.gather_from(y, self.mesh.sp_group, 1) if self.mesh.sp_size > 1 else y
+            return self.tpl.gather_batch(y_local, self.layout)
+        y = self.tpl.gather_sequence(self.tpl.gather_hidden(y_local, self.layout), 1)
         return y[:, : self.config.num_tokens]
 
     @property

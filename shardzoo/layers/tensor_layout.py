@@ -1,0 +1,376 @@
+"""One object per tp_mode: the layout a model is written against.
+
+``layout_of(mesh)`` (cached per mesh) returns the mesh's :class:`TensorLayout`:
+:class:`Layout1D`, :class:`Layout2D`, :class:`Layout2p5D` or :class:`Layout3D`. It knows the
+mode's activation layout (``.activation``; 1D: features split over tp, no batch axes) and is the
+one factory blocks and models use, so they never compare ``tp_mode`` themselves::
+
+    tpl = layout_of(mesh)
+    ln = tpl.norm(h)                                   # LayerNorm of the mode
+    fc1 = tpl.linear(h, 4 * h, style="column")         # first of a pair
+    fc2 = tpl.linear(4 * h, h, style="row")            # second: consumes fc1's output layout
+    x = tpl.shard_input(x_full)                        # [B, S, H] -> this rank's block
+    y = tpl.gather_output(fc2(act(fc1(ln(x)))))        # -> [B, S, H] on every rank
+
+Every factory takes the sizes of its ``torch.nn`` twin or ``serial=`` an existing module
+(whose weights every rank holds: parallel init equals serial init), plus ``layout=`` (the
+input activation layout, default the canonical one) and ``device=``. Every kind exists in every
+mode. The per-mode choices live here and in layouts.py only (docs/design.md, "One object per
+tp_mode").
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from shardzoo.comm import collectives as comm
+from shardzoo.layers import layouts, random
+from shardzoo.layers.embedding_1d import VocabParallelEmbedding1D
+from shardzoo.layers.embedding_2d import Embedding2D, VocabParallelEmbedding2D
+from shardzoo.layers.embedding_2p5d import Embedding2p5D, PatchEmbedding2p5D, VocabParallelEmbedding2p5D
+from shardzoo.layers.embedding_3d import Embedding3D, PatchEmbedding3D, VocabParallelEmbedding3D
+from shardzoo.layers.head_1d import Classifier1D, ParallelLMHead1D
+from shardzoo.layers.head_2d import Classifier2D, LMHead2D
+from shardzoo.layers.head_2p5d import Classifier2p5D, LMHead2p5D
+from shardzoo.layers.head_3d import Classifier3D, LMHead3D
+from shardzoo.layers.layouts import ActivationLayout
+from shardzoo.layers.linear_1d import ParallelLinear1D
+from shardzoo.layers.linear_2d import ParallelLinear2D
+from shardzoo.layers.linear_2p5d import ParallelLinear2p5D
+from shardzoo.layers.linear_3d import ParallelLinear3D
+from shardzoo.layers.norm import LayerNorm1D, RMSNorm1D
+from shardzoo.layers.norm_2d import LayerNorm2D, RMSNorm2D
+from shardzoo.layers.norm_2p5d import LayerNorm2p5D, RMSNorm2p5D
+from shardzoo.layers.norm_3d import LayerNorm3D, RMSNorm3D
+from shardzoo.layers.patch_embedding_1d import PatchEmbedding1D
+from shardzoo.layers.patch_embedding_2d import PatchEmbedding2D
+from shardzoo.layers.sequence import gather_sequence, shard_sequence
+
+STYLES = ("column", "row")
+
+
+def _linear(in_features, out_features, bias, dtype, serial) -> nn.Linear:
+    return serial if serial is not None else nn.Linear(in_features, out_features, bias, dtype=dtype)
+
+
+def _embedding(num_embeddings, embedding_dim, padding_idx, dtype, serial) -> nn.Embedding:
+    return serial if serial is not None else nn.Embedding(num_embeddings, embedding_dim, padding_idx, dtype=dtype)
+
+
+class TensorLayout:
+    """The blocks and activation layout of one tp_mode on one mesh (module docstring).
+
+    Subclasses name their classes (``kinds``: kind -> class) and override what differs from
+    the grid modes. Attributes: ``mesh``, ``mode``, ``activation`` (canonical
+    :class:`~shardzoo.layers.layouts.ActivationLayout`), ``parallel_region`` (activations
+    between blocks are split over tp, so dropout draws per-rank masks)."""
+
+    mode = ""
+    parallel_region = True
+    kinds: dict[str, type] = {}
+
+    def __init__(self, mesh):
+        layouts.check_mesh(mesh, self.mode, type(self).__name__)
+        self.mesh = mesh
+        self.activation = layouts.canonical_layout(mesh)
+
+    # -- layouts ----------------------------------------------------------------------------
+    def linear_output(self, layout: ActivationLayout | None = None) -> ActivationLayout:
+        """The layout a linear layer of this mode produces from ``layout`` (3D swaps two axes)."""
+        return layout or self.activation
+
+    def after(self, module: nn.Module, layout: ActivationLayout | None = None) -> ActivationLayout:
+        """The activation layout ``module`` produces when it consumes ``layout`` (default canonical)."""
+        return getattr(module, "output_layout", None) or (layout or self.activation)
+
+    def _input(self, style: str, layout: ActivationLayout | None) -> ActivationLayout:
+        if style not in STYLES:
+            raise ValueError(f"{type(self).__name__}.linear style={style!r} is not one of {STYLES}")
+        if layout is not None:
+            return layout
+        # a row layer is the second of a pair: it consumes the column layer's output layout
+        return self.linear_output(self.activation) if style == "row" else self.activation
+
+    # -- blocks -----------------------------------------------------------------------------
+    def linear(self, in_features: int | None = None, out_features: int | None = None, bias: bool = True, *,
+               style: str = "column", layout: ActivationLayout | None = None, serial: nn.Linear | None = None,
+               device=None, dtype=None) -> nn.Module:
+        """The mode's linear layer; ``style`` "column" (first of a pair: consumes the block's
+        layout; 1D splits out_features) or "row" (second: consumes the column layer's output;
+        1D splits in_features). x [b, s, in_l] -> [b, s, out_l]."""
+        serial = _linear(in_features, out_features, bias, dtype, serial)
+        layout = self._input(style, layout)
+        return self.kinds["linear"].from_serial(serial, self.mesh, device=device, **self._linear_args(style, layout))
+
+    def _linear_args(self, style: str, layout: ActivationLayout) -> dict:
+        return {"layout": layout}
+
+    def dense(self, in_features: int | None = None, out_features: int | None = None, bias: bool = True, *,
+              serial: nn.Linear | None = None, device=None, dtype=None) -> nn.Module:
+        """A projection that leaves the activation in its input layout (poolers, MLM transforms,
+        OPT's project_in / out); run it with :meth:`run_dense`."""
+        return self.linear(in_features, out_features, bias, serial=serial, device=device, dtype=dtype)
+
+    def run_dense(self, module: nn.Module, x: torch.Tensor, layout: ActivationLayout | None = None) -> torch.Tensor:
+        """``module(x)`` back in ``layout`` (a 3D linear swaps the layout; :meth:`relayout` undoes it)."""
+        layout = layout or self.activation
+        return self.relayout(module(x), self.after(module, layout), layout)
+
+    def norm(self, normalized_shape: int | None = None, eps: float = 1e-5, elementwise_affine: bool = True,
+             bias: bool = True, *, layout: ActivationLayout | None = None, serial: nn.LayerNorm | None = None,
+             device=None, dtype=None) -> nn.Module:
+        """The mode's LayerNorm for activations in ``layout``: [b, s, H_l] -> same."""
+        if serial is None:
+            serial = nn.LayerNorm(normalized_shape, eps, elementwise_affine, bias=bias, dtype=dtype)
+        return self.kinds["norm"].from_serial(serial, self.mesh, device=device, layout=layout or self.activation)
+
+    def rms_norm(self, normalized_shape: int | None = None, eps: float | None = None, elementwise_affine: bool = True,
+                 *, layout: ActivationLayout | None = None, serial: nn.RMSNorm | None = None, device=None,
+                 dtype=None) -> nn.Module:
+        """The mode's RMSNorm for activations in ``layout``: [b, s, H_l] -> same."""
+        if serial is None:
+            serial = nn.RMSNorm(normalized_shape, eps, elementwise_affine, dtype=dtype)
+        return self.kinds["rms_norm"].from_serial(serial, self.mesh, device=device, layout=layout or self.activation)
+
+    def embedding(self, num_embeddings: int | None = None, embedding_dim: int | None = None,
+                  padding_idx: int | None = None, *, layout: ActivationLayout | None = None,
+                  serial: nn.Embedding | None = None, device=None, dtype=None) -> nn.Module:
+        """A small table (positions, token types) whose output follows the activation layout:
+        ids [b, s] -> [b, s, H_l]."""
+        serial = _embedding(num_embeddings, embedding_dim, padding_idx, dtype, serial)
+        return self.kinds["embedding"].from_serial(serial, self.mesh, device=device, layout=layout or self.activation)
+
+    def vocab_embedding(self, num_embeddings: int | None = None, embedding_dim: int | None = None,
+                        padding_idx: int | None = None, *, layout: ActivationLayout | None = None,
+                        serial: nn.Embedding | None = None, device=None, dtype=None) -> nn.Module:
+        """A token table split along the vocabulary (and the hidden in grid modes):
+        ids [b, s] -> [b, s, H_l]."""
+        serial = _embedding(num_embeddings, embedding_dim, padding_idx, dtype, serial)
+        return self.kinds["vocab_embedding"].from_serial(serial, self.mesh, device=device,
+                                                         layout=layout or self.activation)
+
+    def patch_embedding(self, image_size: int | None = None, patch_size: int | None = None,
+                        in_channels: int | None = None, hidden_size: int | None = None, *,
+                        layout: ActivationLayout | None = None, serial: nn.Module | None = None, device=None,
+                        dtype=None) -> nn.Module:
+        """ViT patch embedding (cls token, projection, positions), from the sizes or a HF-style
+        ``ViTEmbeddings``: pixels [b, C, img, img] -> [b, N+1, H_l]."""
+        cls, layout = self.kinds["patch_embedding"], layout or self.activation
+        if serial is None:
+            return cls(image_size, patch_size, in_channels, hidden_size, mesh=self.mesh, dtype=dtype, device=device,
+                       layout=layout)
+        return cls.from_serial(serial, self.mesh, device=device, layout=layout, image_size=image_size)
+
+    def lm_head(self, in_features: int | None = None, vocab_size: int | None = None, bias: bool = False, *,
+                tie_to: nn.Module | None = None, layout: ActivationLayout | None = None,
+                serial: nn.Linear | None = None, device=None, dtype=None) -> nn.Module:
+        """Vocabulary-parallel LM head sharing ``tie_to``'s table, or built from ``serial`` /
+        the sizes: [b, s, H_l] -> logits [b, s, V_local]."""
+        cls, layout = self.kinds["lm_head"], layout or self.activation
+        if tie_to is not None:
+            return cls(in_features, vocab_size, False, mesh=self.mesh, tie_to=tie_to, layout=layout)
+        return cls.from_serial(_linear(in_features, vocab_size, bias, dtype, serial), self.mesh, device=device,
+                               layout=layout)
+
+    def classifier(self, in_features: int | None = None, num_classes: int | None = None, bias: bool = True, *,
+                   layout: ActivationLayout | None = None, serial: nn.Linear | None = None, device=None,
+                   dtype=None) -> nn.Module:
+        """Few-class head with full logits: [b, ..., H_l] -> [b, ..., C]."""
+        serial = _linear(in_features, num_classes, bias, dtype, serial)
+        return self.kinds["classifier"].from_serial(serial, self.mesh, device=device, layout=layout or self.activation)
+
+    # -- entering and leaving the layout (differentiable) -------------------------------------
+    def shard_input(self, x_full: torch.Tensor) -> torch.Tensor:
+        """[B, ..., H] replicated -> this rank's block in the canonical layout."""
+        return self.shard_hidden(x_full, self.activation)
+
+    def gather_output(self, y_local: torch.Tensor) -> torch.Tensor:
+        """This rank's canonical block -> [B, ..., H] on every rank."""
+        return self.gather_hidden(y_local, self.activation)
+
+    def shard_hidden(self, x_full: torch.Tensor, layout: ActivationLayout | None = None) -> torch.Tensor:
+        """[B, ..., H] replicated -> this rank's block in ``layout``."""
+        return layouts.shard_activation(x_full, self.mesh, layout or self.activation)
+
+    def gather_hidden(self, y_local: torch.Tensor, layout: ActivationLayout | None = None) -> torch.Tensor:
+        """This rank's block in ``layout`` -> [B, ..., H] on every rank."""
+        return layouts.gather_activation(y_local, self.mesh, layout or self.activation)
+
+    def shard_batch(self, t_full: torch.Tensor, layout: ActivationLayout | None = None) -> torch.Tensor:
+        """Split only dim 0 as ``layout`` does (ids, masks, targets, images): [B, ...] -> [b, ...]."""
+        return layouts.shard_batch(t_full, self.mesh, layout or self.activation)
+
+    def gather_batch(self, t_local: torch.Tensor, layout: ActivationLayout | None = None) -> torch.Tensor:
+        """Inverse of :meth:`shard_batch`: [b, ...] -> [B, ...] on every rank."""
+        return layouts.gather_batch(t_local, self.mesh, layout or self.activation)
+
+    def shard_sequence(self, x_full: torch.Tensor, dim: int = 1, zigzag: bool = False) -> torch.Tensor:
+        """This rank's part of the sequence over sp: [.., S, ..] -> [.., S/sp, ..]; ``zigzag``
+        (causal attention) keeps chunks r and 2*sp-1-r, so every rank does equal work."""
+        return shard_sequence(x_full, self.mesh.sp_group, dim, zigzag)
+
+    def gather_sequence(self, x_local: torch.Tensor, dim: int = 1, zigzag: bool = False) -> torch.Tensor:
+        """Inverse of :meth:`shard_sequence`: [.., S/sp, ..] -> [.., S, ..] on every sp rank."""
+        return gather_sequence(x_local, self.mesh.sp_group, dim, zigzag)
+
+    def relayout(self, x: torch.Tensor, src: ActivationLayout, dst: ActivationLayout) -> torch.Tensor:
+        """Move an activation from layout ``src`` to ``dst``: gather to full and keep the
+        ``dst`` block. Costs one all-gather of the activation, so models use it once at most."""
+        if src == dst:
+            return x
+        return self.shard_hidden(self.gather_hidden(x, src), dst)
+
+    def first_token(self, x: torch.Tensor) -> torch.Tensor:
+        """Token 0 of every row, [b, s, H_l] -> [b, H_l] on every sp rank (it lives on sp rank
+        0; the backward sums its gradient there): BERT's pooler, ViT's cls token."""
+        return comm.broadcast(x[:, 0].contiguous(), self.mesh.sp_group, 0)
+
+    # -- what blocks ask of the layout ----------------------------------------------------------
+    def dropout(self, x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+        """Dropout on an activation between blocks: per-rank masks where it is split over tp
+        (``parallel_region``), the same mask on every tp rank where it is replicated (1D)."""
+        return random.dropout(x, p, mesh=self.mesh, parallel_region=self.parallel_region, training=training)
+
+    def head_axis(self, layout: ActivationLayout | None = None) -> tuple[str, int]:
+        """(mesh axis splitting the attention heads, its size) for activations in ``layout``."""
+        axis = (layout or self.activation).hidden_axis
+        return axis, self.mesh.size(axis)
+
+    def head_rule(self) -> str:
+        """How the heads are split, for error messages."""
+        axis, parts = self.head_axis()
+        return f"q={parts} (heads split over {axis} in tp_mode={self.mode!r})"
+
+    def block_offsets(self, layout: ActivationLayout, local_batch: int, local_heads: int) -> tuple[int, int]:
+        """(global index of this rank's first batch row, of its first head) for activations
+        [local_batch, ..., local_heads * head_dim] in ``layout``."""
+        return layout.batch_index(self.mesh) * local_batch, self.mesh.rank(layout.hidden_axis) * local_heads
+
+    def vocab_bias(self, owner: nn.Module, head: nn.Module, vocab_size: int, device=None) -> nn.Parameter:
+        """Register ``owner.bias``: a zero output bias [V] split like ``head``'s vocab-parallel
+        logits (BERT's ``cls.predictions.bias``); add it with :meth:`add_vocab_bias`."""
+        from shardzoo.layers.shard_spec import ShardSpec, shard_param
+
+        out = self.after(head)
+        spec = ShardSpec((vocab_size,), (head.vocab_start,), (head.vocab_per_rank,), (out.hidden_axis,),
+                         out.batch_axes)
+        return shard_param(owner, "bias", torch.zeros(vocab_size, device=device), spec)
+
+    def add_vocab_bias(self, logits: torch.Tensor, bias: torch.Tensor, head: nn.Module) -> torch.Tensor:
+        """logits + bias; where each rank holds other batch rows the bias gradient is summed
+        over the batch axes."""
+        return logits + layouts.use_block_param(bias, self.mesh, self.after(head))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(activation=({self.activation}), mesh={self.mesh!r})"
+
+
+class Layout1D(TensorLayout):
+    """Megatron 1D: column / row pairs over tp. Activations between blocks are replicated
+    [b, s, H] (``shard_input`` / ``gather_output`` are identities); inside a pair the features
+    are split over tp (``activation``). Small tables, the dense projections, the classifier and
+    the patch embedding are replicated."""
+
+    mode = "1d"
+    parallel_region = False
+    kinds = {"linear": ParallelLinear1D, "norm": LayerNorm1D, "rms_norm": RMSNorm1D, "embedding": nn.Embedding,
+             "vocab_embedding": VocabParallelEmbedding1D, "patch_embedding": PatchEmbedding1D,
+             "lm_head": ParallelLMHead1D, "classifier": Classifier1D}
+
+    def _linear_args(self, style: str, layout: ActivationLayout) -> dict:
+        return {"style": style}
+
+    def dense(self, in_features=None, out_features=None, bias=True, *, serial=None, device=None, dtype=None):
+        serial = _linear(in_features, out_features, bias, dtype, serial)
+        return serial.to(device) if device is not None else serial  # replicated, as its input
+
+    def norm(self, normalized_shape=None, eps=1e-5, elementwise_affine=True, bias=True, *, layout=None, serial=None,
+             device=None, dtype=None):
+        if serial is None:
+            serial = nn.LayerNorm(normalized_shape, eps, elementwise_affine, bias=bias, dtype=dtype)
+        return LayerNorm1D.from_serial(serial, self.mesh, device=device)
+
+    def rms_norm(self, normalized_shape=None, eps=None, elementwise_affine=True, *, layout=None, serial=None,
+                 device=None, dtype=None):
+        if serial is None:
+            serial = nn.RMSNorm(normalized_shape, eps, elementwise_affine, dtype=dtype)
+        return RMSNorm1D.from_serial(serial, self.mesh, device=device)
+
+    def embedding(self, num_embeddings=None, embedding_dim=None, padding_idx=None, *, layout=None, serial=None,
+                  device=None, dtype=None):
+        serial = _embedding(num_embeddings, embedding_dim, padding_idx, dtype, serial)
+        return serial.to(device) if device is not None else serial  # every tp rank holds the whole table
+
+    def vocab_embedding(self, num_embeddings=None, embedding_dim=None, padding_idx=None, *, layout=None, serial=None,
+                        device=None, dtype=None):
+        serial = _embedding(num_embeddings, embedding_dim, padding_idx, dtype, serial)
+        return VocabParallelEmbedding1D.from_serial(serial, self.mesh, device=device)
+
+    def lm_head(self, in_features=None, vocab_size=None, bias=False, *, tie_to=None, layout=None, serial=None,
+                device=None, dtype=None):
+        if tie_to is not None:
+            return ParallelLMHead1D(in_features, vocab_size, False, mesh=self.mesh, tie_to=tie_to)
+        return ParallelLMHead1D.from_serial(_linear(in_features, vocab_size, bias, dtype, serial), self.mesh,
+                                            device=device)
+
+    def shard_hidden(self, x_full, layout=None):
+        return x_full  # 1D blocks take the replicated activation
+
+    def gather_hidden(self, y_local, layout=None):
+        return y_local
+
+    def head_rule(self) -> str:
+        return f"tp={self.mesh.tp_size}"
+
+
+class Layout2D(TensorLayout):
+    """Optimus (SUMMA) on a q x q grid: batch over tp_row, hidden over tp_col."""
+
+    mode = "2d"
+    kinds = {"linear": ParallelLinear2D, "norm": LayerNorm2D, "rms_norm": RMSNorm2D, "embedding": Embedding2D,
+             "vocab_embedding": VocabParallelEmbedding2D, "patch_embedding": PatchEmbedding2D,
+             "lm_head": LMHead2D, "classifier": Classifier2D}
+
+
+class Layout2p5D(Layout2D):
+    """Tesseract: the 2D grid on d depth slices; batch over tp_dep*tp_row, hidden over tp_col,
+    parameters replicated over tp_dep."""
+
+    mode = "2.5d"
+    kinds = {"linear": ParallelLinear2p5D, "norm": LayerNorm2p5D, "rms_norm": RMSNorm2p5D, "embedding": Embedding2p5D,
+             "vocab_embedding": VocabParallelEmbedding2p5D, "patch_embedding": PatchEmbedding2p5D,
+             "lm_head": LMHead2p5D, "classifier": Classifier2p5D}
+
+
+class Layout3D(TensorLayout):
+    """The 3D cube: batch over tp_x*tp_y, hidden over tp_z; a linear layer maps (I, J | L) to
+    (I, L | J), so a column / row pair ends where it started."""
+
+    mode = "3d"
+    kinds = {"linear": ParallelLinear3D, "norm": LayerNorm3D, "rms_norm": RMSNorm3D, "embedding": Embedding3D,
+             "vocab_embedding": VocabParallelEmbedding3D, "patch_embedding": PatchEmbedding3D,
+             "lm_head": LMHead3D, "classifier": Classifier3D}
+
+    def linear_output(self, layout=None):
+        return layouts.swapped_3d(layout or self.activation)
+
+
+LAYOUTS = {cls.mode: cls for cls in (Layout1D, Layout2D, Layout2p5D, Layout3D)}
+_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def layout_of(mesh) -> TensorLayout:
+    """The :class:`TensorLayout` of ``mesh``'s tp_mode, made once per mesh."""
+    found = _CACHE.get(mesh)
+    if found is None:
+        mode = getattr(mesh, "tp_mode", None)
+        if mode not in LAYOUTS:
+            raise ValueError(f"layout_of needs a ParallelMesh (tp_mode one of {', '.join(LAYOUTS)}); got {mesh!r}")
+        found = _CACHE[mesh] = LAYOUTS[mode](mesh)
+    return found
+
+
+for_mesh = layout_of
