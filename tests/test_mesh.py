@@ -6,6 +6,7 @@ import torch.distributed as dist
 
 from shardzoo import ParallelMesh
 from shardzoo.comm.mesh import tp_sub_shape
+from shardzoo.layers import layout_of
 from shardzoo.testing import run_on_ranks
 
 LAYOUTS = [
@@ -127,8 +128,9 @@ def mesh_region_round_trip(layout, zigzag):
     mesh = ParallelMesh(**layout)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, 8, 12, generator=g, dtype=torch.float64)  # [batch, seq, hidden]
-    local = mesh.shard_sequence(mesh.shard_input(x), dim=1, zigzag=zigzag)
-    back = mesh.gather_output(mesh.gather_sequence(local, dim=1, zigzag=zigzag))
+    tpl = layout_of(mesh)
+    local = tpl.shard_sequence(tpl.shard_input(x), dim=1, zigzag=zigzag)
+    back = tpl.gather_output(tpl.gather_sequence(local, dim=1, zigzag=zigzag))
     assert torch.equal(back, x)
     mesh.close()
     return tuple(local.shape)

@@ -325,38 +325,6 @@ class ParallelMesh:
     def sp_group(self):
         return self.group("sp")
 
-    # -- entering and leaving the parallel region (differentiable) --------------------------
-    def shard_input(self, x_full: torch.Tensor) -> torch.Tensor:
-        """This rank's block of a replicated activation in the mode's canonical layout
-        (1d: replicated, unchanged; 2d/2.5d/3d: batch and hidden split, see layers/layouts.py):
-        [B, ..., H] -> local block."""
-        if self.tp_mode == "1d":
-            return x_full
-        from shardzoo.layers.layouts import shard_activation
-
-        return shard_activation(x_full, self)
-
-    def gather_output(self, y_local: torch.Tensor) -> torch.Tensor:
-        """The full activation from this rank's canonical-layout block: local -> [B, ..., H]."""
-        if self.tp_mode == "1d":
-            return y_local
-        from shardzoo.layers.layouts import gather_activation
-
-        return gather_activation(y_local, self)
-
-    def shard_sequence(self, x_full: torch.Tensor, dim: int = 1, zigzag: bool = False) -> torch.Tensor:
-        """This rank's part of the sequence over ``sp``: [.., S, ..] -> [.., S/sp, ..]; with
-        ``zigzag`` (causal attention) chunks r and 2*sp-1-r, so every rank does equal work."""
-        from shardzoo.layers.sequence import shard_sequence
-
-        return shard_sequence(x_full, self.sp_group, dim, zigzag)
-
-    def gather_sequence(self, x_local: torch.Tensor, dim: int = 1, zigzag: bool = False) -> torch.Tensor:
-        """Inverse of :meth:`shard_sequence`: [.., S/sp, ..] -> [.., S, ..] on every sp rank."""
-        from shardzoo.layers.sequence import gather_sequence
-
-        return gather_sequence(x_local, self.sp_group, dim, zigzag)
-
     def __repr__(self) -> str:
         sizes = ", ".join(f"{a}={self._sizes[a]}" for a in ("dp", "pp", "sp", "tp"))
         sub = "x".join(str(self._sizes[a]) for a in self.tp_sub_axes)

@@ -1,6 +1,7 @@
 """Parallel layers for every tp_mode, ring / Ulysses attention, and ShardSpec.
 
-Every sharded parameter carries a ShardSpec (shard_spec.py); every module has ``.mesh``,
+``layout_of(mesh)`` is the mode's :class:`TensorLayout`, the one factory models are written
+against. Every sharded parameter has a ShardSpec (shard_spec.py); every module has ``.mesh``,
 ``from_serial(module, mesh, ...)`` and differentiable ``shard_input`` / ``gather_output``.
 """
 
@@ -31,6 +32,8 @@ from shardzoo.layers.shard_spec import ShardSpec, full_state_dict, gather_full, 
 from shardzoo.layers.ulysses import ulysses_attention
 from shardzoo.layers.attention import SelfAttention  # noqa: E402  (builds on the layers above)
 from shardzoo.layers.mlp import MLP  # noqa: E402
+from shardzoo.layers.tensor_layout import (Layout1D, Layout2D, Layout2p5D, Layout3D, TensorLayout,  # noqa: E402
+                                           layout_of)
 
 __all__ = [
     # 1D
@@ -46,8 +49,8 @@ __all__ = [
     # sequence parallelism
     "ring_attention", "RingAttentionFunction", "ulysses_attention", "shard_sequence", "gather_sequence",
     "shard_padding_mask", "gather_padding_mask",
-    # blocks
-    "SelfAttention", "MLP",
+    # blocks, and the one factory per tp_mode
+    "SelfAttention", "MLP", "TensorLayout", "Layout1D", "Layout2D", "Layout2p5D", "Layout3D", "layout_of",
     # sharding metadata
     "ShardSpec", "full_state_dict", "gather_full", "get_shard_spec", "set_shard_spec",
 ]  # fmt: skip
