@@ -22,12 +22,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from shardzoo.layers.tensor_layout import layout_of  # noqa: E402
 from shardzoo.planner.volumes import mlp_block_bytes, mlp_param_bytes  # noqa: E402 - the docs/tp_modes.md closed forms
+from shardzoo.testing.grid import MLPBlock, parallel_mlp  # noqa: E402
 
 CONFIGS = [  # (world, label, ParallelMesh kwargs)
     (8, "1d tp=8", dict(tp=8, tp_mode="1d")),
@@ -39,41 +40,13 @@ CONFIGS = [  # (world, label, ParallelMesh kwargs)
 
 
 # -- the block on each rank ----------------------------------------------------------------------
-class MLPBlock(nn.Module):
-    def __init__(self, ln, fc1, fc2):
-        super().__init__()
-        self.ln, self.fc1, self.fc2 = ln, fc1, fc2
-
-    def forward(self, x):
-        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
-
-
 def build(mesh, hidden, ffn, seed):
-    """(parallel block, enter, leave): enter / leave move a full activation in and out."""
-    from shardzoo.layers import layouts
-
+    """(parallel block, enter, leave): the MLP block x + fc2(gelu(fc1(ln(x)))) built by the mode's
+    layout object from one serial block; enter / leave move a full activation in and out."""
     torch.manual_seed(seed)
     serial = MLPBlock(nn.LayerNorm(hidden), nn.Linear(hidden, ffn), nn.Linear(ffn, hidden))
-    if mesh.tp_mode == "1d":
-        from shardzoo.layers.linear_1d import ParallelLinear1D
-        from shardzoo.layers.norm import LayerNorm1D
-
-        block = MLPBlock(LayerNorm1D.from_serial(serial.ln, mesh), ParallelLinear1D.from_serial(serial.fc1, mesh, style="column"),
-                         ParallelLinear1D.from_serial(serial.fc2, mesh, style="row"))
-        return block, (lambda x: x), (lambda y: y)
-    if mesh.tp_mode == "3d":
-        from shardzoo.layers.linear_3d import ParallelLinear3D as Linear
-        from shardzoo.layers.norm_3d import LayerNorm3D as Norm
-    elif mesh.tp_mode == "2d":
-        from shardzoo.layers.linear_2d import ParallelLinear2D as Linear
-        from shardzoo.layers.norm_2d import LayerNorm2D as Norm
-    else:
-        from shardzoo.layers.linear_2p5d import ParallelLinear2p5D as Linear
-        from shardzoo.layers.norm_2p5d import LayerNorm2p5D as Norm
-    fc1 = Linear.from_serial(serial.fc1, mesh)
-    extra = dict(input_layout=fc1.output_layout) if mesh.tp_mode == "3d" else {}
-    block = MLPBlock(Norm.from_serial(serial.ln, mesh), fc1, Linear.from_serial(serial.fc2, mesh, **extra))
-    return block, (lambda x: layouts.shard_activation(x, mesh)), (lambda y: layouts.gather_activation(y, mesh))
+    tpl = layout_of(mesh)
+    return parallel_mlp(serial, mesh), tpl.shard_input, tpl.gather_output
 
 
 def saved_activation_bytes(block, x):

@@ -10,7 +10,7 @@ from shardzoo.layers.embedding_1d import Embedding1D, VocabParallelEmbedding1D
 from shardzoo.layers.embedding_2d import Embedding2D, VocabParallelEmbedding2D
 from shardzoo.layers.embedding_2p5d import Embedding2p5D, PatchEmbedding2p5D, VocabParallelEmbedding2p5D
 from shardzoo.layers.embedding_3d import Embedding3D, PatchEmbedding3D, VocabParallelEmbedding3D
-from shardzoo.layers.head_1d import ParallelLMHead1D
+from shardzoo.layers.head_1d import Classifier1D, LMHead1D, ParallelLMHead1D
 from shardzoo.layers.head_2d import Classifier2D, LMHead2D
 from shardzoo.layers.head_2p5d import Classifier2p5D, LMHead2p5D
 from shardzoo.layers.head_3d import Classifier3D, LMHead3D
@@ -21,9 +21,10 @@ from shardzoo.layers.linear_2d import ParallelLinear2D
 from shardzoo.layers.linear_2p5d import ParallelLinear2p5D
 from shardzoo.layers.linear_3d import ParallelLinear3D
 from shardzoo.layers.norm import LayerNorm1D, RMSNorm1D
-from shardzoo.layers.norm_2d import LayerNorm2D
-from shardzoo.layers.norm_2p5d import LayerNorm2p5D
-from shardzoo.layers.norm_3d import LayerNorm3D
+from shardzoo.layers.norm_2d import LayerNorm2D, RMSNorm2D
+from shardzoo.layers.norm_2p5d import LayerNorm2p5D, RMSNorm2p5D
+from shardzoo.layers.norm_3d import LayerNorm3D, RMSNorm3D
+from shardzoo.layers.patch_embedding_1d import PatchEmbedding1D
 from shardzoo.layers.patch_embedding_2d import PatchEmbedding2D
 from shardzoo.layers.random import ParallelDropout, RNGStreams, dropout, manual_seed, rng_streams, tp_rng
 from shardzoo.layers.ring_attention import RingAttentionFunction, ring_attention
@@ -37,9 +38,11 @@ from shardzoo.layers.tensor_layout import (Layout1D, Layout2D, Layout2p5D, Layou
 
 __all__ = [
     # 1D
-    "ParallelLinear1D", "VocabParallelEmbedding1D", "Embedding1D", "ParallelLMHead1D", "LayerNorm1D", "RMSNorm1D",
+    "ParallelLinear1D", "VocabParallelEmbedding1D", "Embedding1D", "LMHead1D", "ParallelLMHead1D", "LayerNorm1D",
+    "RMSNorm1D", "Classifier1D", "PatchEmbedding1D",
     # 2D / 2.5D / 3D
     "ParallelLinear2D", "ParallelLinear2p5D", "ParallelLinear3D", "LayerNorm2D", "LayerNorm2p5D", "LayerNorm3D",
+    "RMSNorm2D", "RMSNorm2p5D", "RMSNorm3D",
     "Embedding2D", "Embedding2p5D", "Embedding3D", "VocabParallelEmbedding2D", "VocabParallelEmbedding2p5D",
     "VocabParallelEmbedding3D", "PatchEmbedding2D", "PatchEmbedding2p5D", "PatchEmbedding3D", "Classifier2D",
     "Classifier2p5D", "Classifier3D", "LMHead2D", "LMHead2p5D", "LMHead3D",

@@ -82,7 +82,7 @@ class GridEmbedding(_GridEmbeddingBase):
         """ids [B/parts, ...] (this rank's batch block, ``shard_input``) -> [B/parts, ..., H/q]
         in ``self.layout``: rows of the gathered hidden block [V, H/q] of the table."""
         weight = layouts.gather_hidden_param(self.weight, -1, self.mesh, self.layout)  # [V, H/q]
-        return self._tag_output(F.embedding(ids, weight, self.padding_idx))
+        return F.embedding(ids, weight, self.padding_idx)
 
 
 class GridVocabParallelEmbedding(_GridEmbeddingBase):
@@ -123,7 +123,7 @@ class GridVocabParallelEmbedding(_GridEmbeddingBase):
         if self.padding_idx is not None and 0 <= self.padding_idx - self.vocab_start < self.vocab_block:
             pad = self.padding_idx - self.vocab_start
         out = F.embedding(local, self.gathered_weight(), pad).masked_fill(elsewhere.unsqueeze(-1), 0.0)
-        return self._tag_output(comm.reduce_scatter(out, group, 0))
+        return comm.reduce_scatter(out, group, 0)
 
 
 class Embedding2D(GridEmbedding):

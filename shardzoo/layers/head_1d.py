@@ -1,6 +1,6 @@
 """LM head and classifier for 1D tensor parallelism.
 
-``ParallelLMHead1D``: vocab-split logits for the parallel loss.
+``LMHead1D``: vocab-split logits for the parallel loss.
 
 The weight ``[V, H]`` (``nn.Linear(H, V)``'s layout) is split along the vocabulary exactly as
 ``VocabParallelEmbedding1D`` splits its table (``ceil(V/p)`` rows per rank, zero padding rows
@@ -29,7 +29,7 @@ from shardzoo.layers.module import ParallelModule
 from shardzoo.layers.shard_spec import tie_param
 
 
-class ParallelLMHead1D(ParallelModule):
+class LMHead1D(ParallelModule):
     """``logits = x W^T (+ b)`` with W ``[V, H]`` split along V over tp.
 
     Args:
@@ -66,16 +66,16 @@ class ParallelLMHead1D(ParallelModule):
             return
         self._bind(in_features, vocab_size, mesh, gather_output, sequence_parallel)
         if bias:
-            raise ValueError("ParallelLMHead1D(tie_to=...) shares the embedding's weight and has no bias; "
+            raise ValueError("LMHead1D(tie_to=...) shares the embedding's weight and has no bias; "
                              "pass bias=False")
         if (tie_to.num_embeddings, tie_to.embedding_dim) != (vocab_size, in_features):
             raise ValueError(
-                f"ParallelLMHead1D(in_features={in_features}, vocab_size={vocab_size}) cannot tie to an embedding "
+                f"LMHead1D(in_features={in_features}, vocab_size={vocab_size}) cannot tie to an embedding "
                 f"of num_embeddings={tie_to.num_embeddings}, embedding_dim={tie_to.embedding_dim}; build the head "
                 f"with in_features=embedding_dim and vocab_size=num_embeddings"
             )
         if tie_to.mesh is not mesh:
-            raise ValueError("ParallelLMHead1D(tie_to=...) must use the embedding's mesh; pass mesh=embedding.mesh")
+            raise ValueError("LMHead1D(tie_to=...) must use the embedding's mesh; pass mesh=embedding.mesh")
         tie_param(self, "weight", tie_to)
         self.register_parameter("bias", None)
 
@@ -96,7 +96,7 @@ class ParallelLMHead1D(ParallelModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = self.mesh.tp_group
         if self.sequence_parallel:
-            require_sequence_layout("ParallelLMHead1D", x)
+            require_sequence_layout("LMHead1D", x)
             x = comm.all_gather(x, group, SEQ_DIM)
         else:
             x = comm.copy_to(x, group)
@@ -165,3 +165,7 @@ class Classifier1D(ParallelModule):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, num_classes={self.num_classes}, bias={self.bias is not None}"
+
+
+# the name before every mode's head was called LMHead<mode>; kept so existing code still imports
+ParallelLMHead1D = LMHead1D

@@ -35,7 +35,6 @@ def grid_cross_entropy(logits, target, *, mesh, layout: ActivationLayout, vocab_
     this rank's block of per-token losses."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"cross entropy reduction={reduction!r} is not one of 'mean', 'sum', 'none'")
-    layouts.check_layout_tag("the LM head loss", logits, layout, "pass the logits of this head's own forward")
     per_token = vocab_parallel_cross_entropy(
         logits, target, group=mesh.group(layout.hidden_axis), vocab_start=vocab_start, vocab_size=vocab_size,
         ignore_index=ignore_index, label_smoothing=label_smoothing, reduction="none")
@@ -75,7 +74,7 @@ class GridClassifier(layouts.GridModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B/parts, ..., H/q] -> logits [B/parts, ..., C] (same on the hidden group)."""
-        self._check_input(x)  # logits are full over C, not in a layout: left untagged
+        self._check_input(x, self.in_features)
         weight = layouts.gather_hidden_param(self.weight, -1, self.mesh, self.layout)  # [C, H/q]
         logits = comm.reduce_from(torch.matmul(x, weight.t()), self.mesh.group(self.layout.hidden_axis))
         if self.bias is not None:
@@ -94,7 +93,6 @@ class SummaLMHead(layouts.GridModule):
     """Base of LMHead2D / LMHead2p5D: vocabulary-parallel logits by SUMMA x E^T.
     x [B/parts, ..., H/q] -> logits [B/parts, ..., V_pad/q]."""
 
-    layout_arg = None
     any_layout = False
 
     def __init__(self, in_features: int, vocab_size: int, bias: bool = False, *, mesh, tie_to=None, dtype=None,
@@ -138,14 +136,14 @@ class SummaLMHead(layouts.GridModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B/parts, ..., H/q] -> vocab-parallel logits [B/parts, ..., V_pad/q]."""
-        self._check_input(x)
+        self._check_input(x, self.in_features)
         weight = self.weight
         if self.layout.replica_axes:
             weight = comm.copy_to(weight, self.mesh.group(*self.layout.replica_axes))
         logits = summa_linear_t(x, weight, self.grid)
         if self.bias is not None:
             logits = logits + layouts.use_block_param(self.bias, self.mesh, self.layout)
-        return self._tag_output(logits)
+        return logits
 
     def loss(self, logits: torch.Tensor, target: torch.Tensor, **kwargs) -> torch.Tensor:
         """Cross entropy of this head's logits against target ids [B/parts, ...] (this rank's

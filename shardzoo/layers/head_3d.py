@@ -77,11 +77,11 @@ class LMHead3D(layouts.GridModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B/q^2, ..., H/q] -> vocab-parallel logits [B/q^2, ..., V_pad/q]."""
-        self._check_input(x)
+        self._check_input(x, self.in_features)
         logits = linear_3d(x, self.weight, self.mesh, self.layout)
         if self.bias is not None:
             logits = logits + layouts.use_block_param(self.bias, self.mesh, self.output_layout)
-        return self._tag_output(logits)
+        return logits
 
     def loss(self, logits: torch.Tensor, target: torch.Tensor, **kwargs) -> torch.Tensor:
         """Cross entropy of this head's logits against target ids [B/q^2, ...] (``shard_target``);

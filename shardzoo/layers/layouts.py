@@ -102,37 +102,6 @@ def swapped_3d(layout: ActivationLayout) -> ActivationLayout:
     return ActivationLayout("3d", (i_axis, l_axis), j_axis)
 
 
-# -- layout tags: catch a block fed to a module that expects another layout ------------------
-# Grid modules set this plain attribute on their outputs (and shard_activation on its result);
-# a module refuses an input tagged with a different layout. Elementwise ops, views and user code
-# return fresh tensors without it, so untagged inputs are trusted as before: the guard catches
-# direct chaining, not every mistake.
-_TAG = "_shardzoo_layout"
-
-
-def tag_layout(t: torch.Tensor, layout: ActivationLayout) -> torch.Tensor:
-    """Mark ``t`` as a block in ``layout`` (returns ``t``)."""
-    setattr(t, _TAG, layout)
-    return t
-
-
-def layout_tag(t: torch.Tensor) -> ActivationLayout | None:
-    """The layout ``t`` was tagged with by a grid module, or None."""
-    return getattr(t, _TAG, None)
-
-
-def check_layout_tag(who: str, t: torch.Tensor, expected: ActivationLayout, fix: str) -> None:
-    """Raise if ``t`` carries a layout tag other than ``expected`` (untagged tensors pass)."""
-    got = getattr(t, _TAG, None)
-    if got is None or got is expected or got == expected:
-        return
-    raise ValueError(
-        f"{who} expects a block in layout ({expected}); got one in layout ({got}). Each module consumes the "
-        f"layout it was built for, and in 3D a linear layer maps (I, J | L) to (I, L | J); the shapes agree, "
-        f"so the result would be silently wrong. Fix: {fix}"
-    )
-
-
 def check_mesh(mesh, mode: str, who: str) -> None:
     """Raise unless ``mesh`` is a ParallelMesh of ``mode``."""
     if getattr(mesh, "tp_mode", None) != mode:
@@ -183,15 +152,13 @@ def shard_activation(x_full: torch.Tensor, mesh, layout: ActivationLayout | None
     q = mesh.size(layout.hidden_axis)
     check_divisible(who, "the hidden size (last dim)", x_full.shape[-1], q, f"q={q}")
     x = _scatter_batch(x_full, mesh, layout, who)
-    return tag_layout(comm.scatter_to(x, mesh.group(layout.hidden_axis), -1), layout)
+    return comm.scatter_to(x, mesh.group(layout.hidden_axis), -1)
 
 
 def gather_activation(y_local: torch.Tensor, mesh, layout: ActivationLayout | None = None) -> torch.Tensor:
     """The full activation from every rank's block: [B/batch_parts, ..., H/q] -> [B, ..., H]
     on every rank. Differentiable (each rank keeps its block of the gradient)."""
     layout = layout or canonical_layout(mesh)
-    check_layout_tag("gather_activation", y_local, layout,
-                     "pass layout=producer.output_layout, or call producer.gather_output(y_local)")
     y = comm.gather_from(y_local, mesh.group(layout.hidden_axis), -1)
     return _gather_batch(y, mesh, layout)
 
@@ -269,7 +236,6 @@ class GridModule(ParallelModule):
 
     mode = "2d"
     any_layout = True  # False: the module works in the canonical layout only (the SUMMA modules)
-    layout_arg = "layout"  # the constructor argument that sets the input layout (None: canonical only)
 
     def _bind(self, mesh, layout: ActivationLayout | None) -> None:
         check_mesh(mesh, self.mode, type(self).__name__)
@@ -289,18 +255,12 @@ class GridModule(ParallelModule):
     def output_layout(self) -> ActivationLayout:
         return self.layout
 
-    def _check_input(self, x: torch.Tensor) -> None:
-        """Refuse a block tagged with another layout than ``self.layout`` (see ``_TAG``)."""
-        who = type(self).__name__
-        if self.layout_arg:
-            fix = f"build {who} with {self.layout_arg}=previous.output_layout"
-        else:
-            fix = f"{who} takes only the canonical layout; build the previous module on it (no layout= argument)"
-        check_layout_tag(who, x, self.layout, fix)
-
-    def _tag_output(self, y: torch.Tensor) -> torch.Tensor:
-        """Tag ``y`` with ``self.output_layout`` so the next grid module can check it."""
-        return tag_layout(y, self.output_layout)
+    def _check_input(self, x: torch.Tensor, features: int) -> None:
+        """Refuse ``x`` unless it is a local block [..., features / hidden parts]. Only the shape
+        can be checked: a block of the same shape in another layout (2D transposed, 3D swapped)
+        is not detectable, so the layouts fixed at construction are the contract (docs/design.md,
+        "Layouts are fixed at construction")."""
+        check_local_input(type(self).__name__, x, features, self.mesh.size(self.layout.hidden_axis))
 
     def shard_input(self, x_full: torch.Tensor) -> torch.Tensor:
         """[B, ..., H] (replicated) -> this rank's block in ``self.layout``."""

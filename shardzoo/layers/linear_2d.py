@@ -30,7 +30,6 @@ class SummaLinearBase(layouts.GridModule):
     layout); d = 1 in 2D."""
 
     mode = "2d"
-    layout_arg = None
     any_layout = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, mesh, dtype=None, device=None,
@@ -67,14 +66,13 @@ class SummaLinearBase(layouts.GridModule):
         """x: [B/(d*q), ..., in/q] -> [B/(d*q), ..., out/q]."""
         q = self.mesh.q
         layouts.check_local_input(type(self).__name__, x, self.in_features, q)
-        self._check_input(x)
         weight = self.weight
         if self.layout.replica_axes:  # 2.5D: replicated over depth, so the gradient is summed there
             weight = comm.copy_to(weight, self.mesh.group(*self.layout.replica_axes))
         y = summa_linear(x, weight.t(), self.grid)
         if self.bias is not None:
             y = y + layouts.use_block_param(self.bias, self.mesh, self.layout)
-        return self._tag_output(y)
+        return y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

@@ -58,7 +58,7 @@ class _SplitNormalize(torch.autograd.Function):
 class _GridNorm(layouts.GridModule):
     """Shared by the grid LayerNorm / RMSNorm: the hidden-block parameters and the input check."""
 
-    def _setup(self, serial: nn.Module, mesh, device, layout) -> None:
+    def _setup(self, serial: nn.Module, mesh, device, layout: ActivationLayout | None = None) -> None:
         self._bind(mesh, layout)
         name = type(self).__name__
         if len(serial.normalized_shape) != 1:
@@ -82,7 +82,6 @@ class _GridNorm(layouts.GridModule):
                 f"{type(self).__name__} expects the local block [..., H/q={hidden // q}]; "
                 f"got shape {tuple(x.shape)}. Enter the parallel region with module.shard_input(x_full)"
             )
-        self._check_input(x)
         return self.mesh.group(self.layout.hidden_axis)
 
     def _affine(self, y: torch.Tensor) -> torch.Tensor:
@@ -90,7 +89,7 @@ class _GridNorm(layouts.GridModule):
             y = y * layouts.use_block_param(self.weight, self.mesh, self.layout)
         if getattr(self, "bias", None) is not None:
             y = y + layouts.use_block_param(self.bias, self.mesh, self.layout)
-        return self._tag_output(y)
+        return y
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}, layout=({self.layout})"

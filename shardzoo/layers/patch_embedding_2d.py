@@ -110,7 +110,7 @@ class GridPatchEmbedding(layouts.GridModule):
         pixels = comm.copy_to(pixels, self.mesh.group(self.layout.hidden_axis))
         patches = F.conv2d(pixels, weight, bias, stride=self.patch_size).flatten(2).transpose(1, 2)
         x = torch.cat([cls_token.expand(patches.shape[0], -1, -1), patches], 1) + positions
-        return self._tag_output(random.dropout(x, self.dropout, mesh=self.mesh, training=self.training))
+        return random.dropout(x, self.dropout, mesh=self.mesh, training=self.training)
 
     def shard_input(self, pixels_full: torch.Tensor) -> torch.Tensor:
         """Pixels [B, C, img, img] (replicated) -> this rank's batch block [B/parts, C, img, img]."""

@@ -21,6 +21,7 @@ tp_mode").
 
 from __future__ import annotations
 
+import copy
 import weakref
 
 import torch
@@ -32,7 +33,7 @@ from shardzoo.layers.embedding_1d import VocabParallelEmbedding1D
 from shardzoo.layers.embedding_2d import Embedding2D, VocabParallelEmbedding2D
 from shardzoo.layers.embedding_2p5d import Embedding2p5D, PatchEmbedding2p5D, VocabParallelEmbedding2p5D
 from shardzoo.layers.embedding_3d import Embedding3D, PatchEmbedding3D, VocabParallelEmbedding3D
-from shardzoo.layers.head_1d import Classifier1D, ParallelLMHead1D
+from shardzoo.layers.head_1d import Classifier1D, LMHead1D
 from shardzoo.layers.head_2d import Classifier2D, LMHead2D
 from shardzoo.layers.head_2p5d import Classifier2p5D, LMHead2p5D
 from shardzoo.layers.head_3d import Classifier3D, LMHead3D
@@ -58,6 +59,13 @@ def _linear(in_features, out_features, bias, dtype, serial) -> nn.Linear:
 
 def _embedding(num_embeddings, embedding_dim, padding_idx, dtype, serial) -> nn.Embedding:
     return serial if serial is not None else nn.Embedding(num_embeddings, embedding_dim, padding_idx, dtype=dtype)
+
+
+def _replicated(module: nn.Module, given: nn.Module | None, device) -> nn.Module:
+    """A 1D replicated module: every tp rank holds all of it. A module the caller gave is
+    copied, as ``from_serial`` copies, so the caller's module and the layer never share weights."""
+    module = copy.deepcopy(module) if given is not None else module
+    return module.to(device) if device is not None else module
 
 
 class TensorLayout:
@@ -278,14 +286,13 @@ class Layout1D(TensorLayout):
     parallel_region = False
     kinds = {"linear": ParallelLinear1D, "norm": LayerNorm1D, "rms_norm": RMSNorm1D, "embedding": nn.Embedding,
              "vocab_embedding": VocabParallelEmbedding1D, "patch_embedding": PatchEmbedding1D,
-             "lm_head": ParallelLMHead1D, "classifier": Classifier1D}
+             "lm_head": LMHead1D, "classifier": Classifier1D}
 
     def _linear_args(self, style: str, layout: ActivationLayout) -> dict:
         return {"style": style}
 
     def dense(self, in_features=None, out_features=None, bias=True, *, serial=None, device=None, dtype=None):
-        serial = _linear(in_features, out_features, bias, dtype, serial)
-        return serial.to(device) if device is not None else serial  # replicated, as its input
+        return _replicated(_linear(in_features, out_features, bias, dtype, serial), serial, device)
 
     def norm(self, normalized_shape=None, eps=1e-5, elementwise_affine=True, bias=True, *, layout=None, serial=None,
              device=None, dtype=None):
@@ -301,8 +308,7 @@ class Layout1D(TensorLayout):
 
     def embedding(self, num_embeddings=None, embedding_dim=None, padding_idx=None, *, layout=None, serial=None,
                   device=None, dtype=None):
-        serial = _embedding(num_embeddings, embedding_dim, padding_idx, dtype, serial)
-        return serial.to(device) if device is not None else serial  # every tp rank holds the whole table
+        return _replicated(_embedding(num_embeddings, embedding_dim, padding_idx, dtype, serial), serial, device)
 
     def vocab_embedding(self, num_embeddings=None, embedding_dim=None, padding_idx=None, *, layout=None, serial=None,
                         device=None, dtype=None):
@@ -312,9 +318,14 @@ class Layout1D(TensorLayout):
     def lm_head(self, in_features=None, vocab_size=None, bias=False, *, tie_to=None, layout=None, serial=None,
                 device=None, dtype=None):
         if tie_to is not None:
-            return ParallelLMHead1D(in_features, vocab_size, False, mesh=self.mesh, tie_to=tie_to)
-        return ParallelLMHead1D.from_serial(_linear(in_features, vocab_size, bias, dtype, serial), self.mesh,
+            return LMHead1D(in_features, vocab_size, False, mesh=self.mesh, tie_to=tie_to)
+        return LMHead1D.from_serial(_linear(in_features, vocab_size, bias, dtype, serial), self.mesh,
                                             device=device)
+
+    def classifier(self, in_features=None, num_classes=None, bias=True, *, layout=None, serial=None, device=None,
+                   dtype=None):
+        return Classifier1D.from_serial(_linear(in_features, num_classes, bias, dtype, serial), self.mesh,
+                                        device=device)
 
     def shard_hidden(self, x_full, layout=None):
         return x_full  # 1D blocks take the replicated activation
@@ -364,11 +375,11 @@ _CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def layout_of(mesh) -> TensorLayout:
     """The :class:`TensorLayout` of ``mesh``'s tp_mode, made once per mesh."""
+    mode = getattr(mesh, "tp_mode", None)
+    if mode not in LAYOUTS:
+        raise ValueError(f"layout_of needs a ParallelMesh (tp_mode one of {', '.join(LAYOUTS)}); got {mesh!r}")
     found = _CACHE.get(mesh)
     if found is None:
-        mode = getattr(mesh, "tp_mode", None)
-        if mode not in LAYOUTS:
-            raise ValueError(f"layout_of needs a ParallelMesh (tp_mode one of {', '.join(LAYOUTS)}); got {mesh!r}")
         found = _CACHE[mesh] = LAYOUTS[mode](mesh)
     return found
 

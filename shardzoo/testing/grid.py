@@ -46,24 +46,17 @@ def hidden_parts_of(name: str, q: int = 2) -> int:
 
 
 def classes(mode: str) -> dict[str, type]:
-    """Layer classes of ``mode`` ("2d", "2.5d", "3d") by kind: linear, norm, embedding,
-    vocab_embedding, classifier, lm_head, patch (2D also linear_2p5d, to test its mesh check)."""
-    from shardzoo.layers import (embedding_2d, embedding_2p5d, embedding_3d, head_2d, head_2p5d, head_3d,
-                                 linear_2d, linear_2p5d, linear_3d, norm_2d, norm_2p5d, norm_3d, patch_embedding_2d)
+    """Layer classes of ``mode`` ("2d", "2.5d", "3d") by kind, as the mode's TensorLayout
+    builds them (linear, norm, rms_norm, embedding, vocab_embedding, patch_embedding alias
+    patch, lm_head, classifier; 2D also linear_2p5d, to test its mesh check)."""
+    from shardzoo.layers.linear_2p5d import ParallelLinear2p5D
+    from shardzoo.layers.tensor_layout import LAYOUTS
 
+    kinds = dict(LAYOUTS[mode].kinds)
+    kinds["patch"] = kinds["patch_embedding"]
     if mode == "2d":
-        return dict(linear=linear_2d.ParallelLinear2D, norm=norm_2d.LayerNorm2D, embedding=embedding_2d.Embedding2D,
-                    vocab_embedding=embedding_2d.VocabParallelEmbedding2D, classifier=head_2d.Classifier2D,
-                    lm_head=head_2d.LMHead2D, patch=patch_embedding_2d.PatchEmbedding2D,
-                    linear_2p5d=linear_2p5d.ParallelLinear2p5D)
-    if mode == "2.5d":
-        return dict(linear=linear_2p5d.ParallelLinear2p5D, norm=norm_2p5d.LayerNorm2p5D,
-                    embedding=embedding_2p5d.Embedding2p5D, vocab_embedding=embedding_2p5d.VocabParallelEmbedding2p5D,
-                    classifier=head_2p5d.Classifier2p5D, lm_head=head_2p5d.LMHead2p5D,
-                    patch=embedding_2p5d.PatchEmbedding2p5D)
-    return dict(linear=linear_3d.ParallelLinear3D, norm=norm_3d.LayerNorm3D, embedding=embedding_3d.Embedding3D,
-                vocab_embedding=embedding_3d.VocabParallelEmbedding3D, classifier=head_3d.Classifier3D,
-                lm_head=head_3d.LMHead3D, patch=embedding_3d.PatchEmbedding3D)
+        kinds["linear_2p5d"] = ParallelLinear2p5D
+    return kinds
 
 
 class MLPBlock(nn.Module):
@@ -78,15 +71,12 @@ class MLPBlock(nn.Module):
 
 
 def parallel_mlp(serial: MLPBlock, mesh) -> MLPBlock:
-    """The grid-mode twin of a serial ``MLPBlock`` (LayerNorm, Linear, Linear) on ``mesh``;
-    it consumes and returns activations in the mesh's canonical layout."""
-    from shardzoo.layers import layouts
+    """The twin of a serial ``MLPBlock`` (LayerNorm, Linear, Linear) on ``mesh``, built through
+    the mode's factory; it consumes and returns activations in the mesh's canonical layout."""
+    from shardzoo.layers.tensor_layout import layout_of
 
-    kinds = classes(mesh.tp_mode)
-    fc1 = kinds["linear"].from_serial(serial.fc1, mesh)
-    if mesh.tp_mode == "3d":  # fc2 consumes fc1's layout; its output is back in the canonical one
-        fc2 = kinds["linear"].from_serial(serial.fc2, mesh, input_layout=fc1.output_layout)
-        assert fc2.output_layout == layouts.canonical_layout(mesh)
-    else:
-        fc2 = kinds["linear"].from_serial(serial.fc2, mesh)
-    return MLPBlock(kinds["norm"].from_serial(serial.ln, mesh), fc1, fc2)
+    tpl = layout_of(mesh)
+    fc1 = tpl.linear(serial=serial.fc1, style="column")
+    fc2 = tpl.linear(serial=serial.fc2, style="row")  # consumes fc1's output layout (3D: swapped)
+    assert tpl.after(fc2) == tpl.activation, "a column / row pair ends in the layout it started from"
+    return MLPBlock(tpl.norm(serial=serial.ln), fc1, fc2)

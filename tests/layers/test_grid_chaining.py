@@ -1,4 +1,5 @@
-"""Chaining the 2D / 2.5D / 3D layers: the layout tag guard, and a transformer MLP block
+"""Chaining the 2D / 2.5D / 3D layers: the layout contract (factory chaining, what is
+checked at construction and by shape), and a transformer MLP block
 (shardzoo.testing.grid.MLPBlock) trained for three AdamW steps against serial, on every grid
 mesh (with dp=2 or sp=2 around the 2D grid each replica / sp rank feeds its own data)."""
 
@@ -11,62 +12,47 @@ from hypothesis import strategies as st
 from torch import nn
 
 from shardzoo.layers import layouts
+from shardzoo.layers.tensor_layout import layout_of
 from shardzoo.layers.shard_spec import full_state_dict
 from shardzoo.testing import assert_close, assert_close_conditioned, run_on_ranks
-from shardzoo.testing.grid import BATCH_PARTS, DTYPES, MLPBlock, classes, mesh_of, parallel_mlp, world_of
+from shardzoo.testing.grid import BATCH_PARTS, DTYPES, MLPBlock, mesh_of, parallel_mlp, world_of
 from shardzoo.testing.serial_twin import SCALE, check_grads_match, data_seed, perturbed, randn
 
 
-# -- the layout tag guard: a block in another layout is refused, not silently misread -------
-def guard_error(fn, *args):
+# -- layouts are fixed at construction: what is checked, and where ----------------------------
+def error_of(fn, *args, **kwargs):
     try:
-        fn(*args)
+        fn(*args, **kwargs)
     except ValueError as e:
         return str(e)
-    raise AssertionError(f"{fn} accepted a block in the wrong layout")
+    raise AssertionError(f"{fn} accepted a bad input")
 
 
-def check_layout_guard(name, seed):
-    """Chaining a module whose input layout differs from the previous output layout raises;
-    correct chaining still matches serial; untagged tensors (after elementwise ops) pass."""
+def check_layout_contract(name, seed):
+    """The factory chains a column / row pair on the right layouts and equals serial; a layout
+    of another mode is refused at construction; a block of the wrong shape at run time."""
     mesh = mesh_of(name)
-    kinds = classes(mesh.tp_mode)
-    canonical = layouts.canonical_layout(mesh)
+    tpl = layout_of(mesh)
     torch.manual_seed(seed)
     s1, s2 = nn.Linear(8, 16, dtype=torch.float64), nn.Linear(16, 8, dtype=torch.float64)
     x_full = randn(seed, (2 * BATCH_PARTS[name], 3, 8), torch.float64)
-    fc1 = kinds["linear"].from_serial(s1, mesh)
-    x = fc1.shard_input(x_full)
-    assert layouts.layout_tag(x) == fc1.layout == canonical  # shard_input tags its result
-    h = fc1(x)
-    assert layouts.layout_tag(h) == fc1.output_layout
-    if mesh.tp_mode == "3d":  # fc1 produced (x, z | y); a second layer built for (x, y | z) is wrong
-        wrong = kinds["linear"].from_serial(s2, mesh)
-        right = kinds["linear"].from_serial(s2, mesh, input_layout=fc1.output_layout)
-        assert fc1.output_layout != canonical
-    else:  # every 2D module works in one layout; a LayerNorm built for the transposed one is wrong
-        wrong = kinds["norm"](16, mesh=mesh, layout=layouts.ActivationLayout("2d", ("tp_col",), "tp_row"))
-        right = kinds["linear"].from_serial(s2, mesh)
-    m = guard_error(wrong, h)
-    who, arg = type(wrong).__name__, "input_layout" if mesh.tp_mode == "3d" else "layout"
-    for part in (f"{who} expects a block in layout ({wrong.layout})", f"got one in layout ({fc1.output_layout})",
-                 "the result would be silently wrong", f"Fix: build {who} with {arg}=previous.output_layout"):
-        assert part in m, f"{part!r} not in {m!r}"
-    m = guard_error(layouts.gather_activation, h, mesh, layouts.ActivationLayout("2d", ("tp_col",), "tp_row")
-                    if mesh.tp_mode == "2d" else canonical)
-    assert "gather_activation expects a block in layout" in m and "producer.gather_output" in m
-    wrong(torch.relu(h))  # the limit: an elementwise op drops the tag, so nothing is checked
-    y = right(h)
-    assert layouts.layout_tag(y) == right.output_layout == canonical
-    assert_close(right.gather_output(y).detach(), s2(s1(x_full)).detach(), "correctly chained", SCALE)
+    fc1, fc2 = tpl.linear(serial=s1, style="column"), tpl.linear(serial=s2, style="row")
+    assert fc1.layout == tpl.activation and fc2.layout == tpl.after(fc1) and tpl.after(fc2) == tpl.activation
+    y = fc2(fc1(tpl.shard_input(x_full)))
+    assert_close(tpl.gather_output(y).detach(), s2(s1(x_full)).detach(), "factory-chained pair", SCALE)
+    other = layouts.ActivationLayout("2.5d" if tpl.mode != "2.5d" else "2d", ("tp_row",), "tp_col")
+    m = error_of(type(fc1).from_serial, s1, mesh, layout=other)
+    assert f"got a layout for tp_mode={other.mode!r}" in m and "Pass the output_layout" in m, m
+    m = error_of(fc1, x_full)  # the full activation where a local block is expected
+    assert "expects the local input block" in m and "shard_input(x_full)" in m, m
     return True
 
 
 @pytest.mark.parametrize("name", ["2d", "3d"])
-def test_layout_guard(name):
-    """fc2 built for the canonical layout, fed fc1's swapped output (3D) or a LayerNorm built for
-    the transposed layout (2D), raises; building it for the producer's output layout fixes it."""
-    assert all(run_on_ranks(check_layout_guard, world_of(name), name, 1))
+def test_layout_contract(name):
+    """A block in another layout of the same shape cannot be detected (docs/design.md, "Layouts
+    are fixed at construction"); what can be checked is, at construction and by shape."""
+    assert all(run_on_ranks(check_layout_contract, world_of(name), name, 1))
 
 
 # -- a transformer MLP block trained for three AdamW steps ----------------------------------

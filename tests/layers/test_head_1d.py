@@ -1,4 +1,4 @@
-"""ParallelLMHead1D (+ its vocab-parallel loss) against nn.Linear + F.cross_entropy, untied and
+"""LMHead1D (+ its vocab-parallel loss) against nn.Linear + F.cross_entropy, untied and
 tied to a VocabParallelEmbedding1D, vocab sizes not divisible by tp, gather_output, sequence
 parallelism."""
 
@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from shardzoo.layers.embedding_1d import VocabParallelEmbedding1D
-from shardzoo.layers.head_1d import ParallelLMHead1D
+from shardzoo.layers.head_1d import LMHead1D
 from shardzoo.layers.shard_spec import full_state_dict, gather_full, get_shard_spec
 from shardzoo.testing import assert_close, cached_mesh, run_on_ranks
 
@@ -28,13 +28,13 @@ def check_head(case):
         serial_emb = nn.Embedding(vocab, hidden, dtype=dtype)
         serial_weight = serial_emb.weight
         emb = VocabParallelEmbedding1D.from_serial(serial_emb, mesh)
-        head = ParallelLMHead1D(hidden, vocab, mesh=mesh, tie_to=emb, **kwargs)
+        head = LMHead1D(hidden, vocab, mesh=mesh, tie_to=emb, **kwargs)
         assert head.weight is emb.weight
         serial_logits = lambda x: F.linear(x, serial_weight)  # noqa: E731
     else:
         serial = nn.Linear(hidden, vocab, case["bias"], dtype=dtype)
         torch.manual_seed(case["seed"])
-        head = ParallelLMHead1D(hidden, vocab, case["bias"], mesh=mesh, dtype=dtype, **kwargs)
+        head = LMHead1D(hidden, vocab, case["bias"], mesh=mesh, dtype=dtype, **kwargs)
         state = full_state_dict(head)
         for k, v in serial.state_dict().items():
             assert torch.equal(state[k], v), f"init of {k} differs from nn.Linear's"
@@ -105,6 +105,6 @@ def tie_mismatch():
     mesh = cached_mesh(tp=2)
     emb = VocabParallelEmbedding1D(11, 4, mesh=mesh)
     with pytest.raises(ValueError, match="cannot tie to an embedding of num_embeddings=11, embedding_dim=4"):
-        ParallelLMHead1D(4, 12, mesh=mesh, tie_to=emb)
+        LMHead1D(4, 12, mesh=mesh, tie_to=emb)
     with pytest.raises(ValueError, match="has no bias; pass bias=False"):
-        ParallelLMHead1D(4, 11, True, mesh=mesh, tie_to=emb)
+        LMHead1D(4, 11, True, mesh=mesh, tie_to=emb)

@@ -1,5 +1,5 @@
 """Communication volume of every 2D / 2.5D / 3D layer against the closed forms of
-docs/tp_modes.md (implemented in bench/tp_modes.py): the bytes ``shardzoo.comm.count`` records
+docs/tp_modes.md (implemented in shardzoo/planner/volumes.py, which bench/tp_modes.py prints): the bytes ``shardzoo.comm.count`` records
 for a forward + backward must equal the formula exactly. Also: 2.5D with depth 1 is 2D, bit for
 bit and byte for byte."""
 
@@ -11,7 +11,9 @@ from torch import nn
 
 from shardzoo.layers import layouts
 from shardzoo.testing import run_on_ranks
-from shardzoo.testing.grid import BATCH_PARTS, classes, mesh_of, world_of
+from shardzoo.layers.tensor_layout import layout_of
+from shardzoo.planner import volumes
+from shardzoo.testing.grid import BATCH_PARTS, MLPBlock, classes, mesh_of, parallel_mlp, world_of
 from shardzoo.testing.serial_twin import randn
 from shardzoo.testing.grid import DTYPES as _DTYPES
 
@@ -19,31 +21,26 @@ DTYPES = {**_DTYPES, "bf16": torch.bfloat16}
 
 
 # -- communication volume: counted bytes equal the closed forms of docs/tp_modes.md ---------
-def _bench_module():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "bench" / "tp_modes.py"
-    spec = importlib.util.spec_from_file_location("bench_tp_modes", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def mlp_block(mesh, hidden, ffn, seed):
+    """(parallel MLP block, enter): the block bench/tp_modes.py measures, built by the factory."""
+    torch.manual_seed(seed)
+    serial = MLPBlock(nn.LayerNorm(hidden), nn.Linear(hidden, ffn), nn.Linear(ffn, hidden))
+    return parallel_mlp(serial, mesh), layout_of(mesh).shard_input
 
 
 def check_comm_volume(name, batch, seq, hidden, ffn, dtype_name):
     """Bytes this rank sends for the MLP block's forward + backward == docs formula."""
     from shardzoo import comm
 
-    bench = _bench_module()
     mesh = mesh_of(name)
     dtype = DTYPES[dtype_name]
-    block, enter, _ = bench.build(mesh, hidden, ffn, 0)
+    block, enter = mlp_block(mesh, hidden, ffn, 0)
     block.to(dtype)
     x = enter(randn(1, (batch, seq, hidden), dtype)).detach().requires_grad_(True)
     with comm.count() as counter:
         block(x).sum().backward()
     d = mesh.tp_depth
-    expected = bench.mlp_block_bytes(mesh.tp_mode, batch, seq, hidden, ffn, q=mesh.q, d=d, e=dtype.itemsize)
+    expected = volumes.mlp_block_bytes(mesh.tp_mode, batch, seq, hidden, ffn, q=mesh.q, d=d, e=dtype.itemsize)
     assert counter.total_bytes == expected, f"{name}: counted {counter.total_bytes} != formula {expected}"
     return counter.total_bytes
 
@@ -86,7 +83,6 @@ def check_layer_volumes(name, vocab, hidden, classes_, batch, seq):
     """Counted bytes of each embedding / head layer's forward + backward == docs formula."""
     from shardzoo import comm
 
-    bench = _bench_module()
     mesh = mesh_of(name)
     kinds = classes(mesh.tp_mode)
     q, d, mode = mesh.q, mesh.tp_depth, mesh.tp_mode
@@ -96,15 +92,15 @@ def check_layer_volumes(name, vocab, hidden, classes_, batch, seq):
     ids = layouts.shard_batch(torch.randint(0, vocab, (batch, seq)), mesh)
     x = layouts.shard_activation(torch.randn(batch, seq, hidden), mesh).requires_grad_(True)
     cases = [
-        ("embedding", kinds["embedding"](vocab, hidden, mesh=mesh), ids, bench.embedding_bytes(mode, vocab, hidden, q, d)),
+        ("embedding", kinds["embedding"](vocab, hidden, mesh=mesh), ids, volumes.embedding_bytes(mode, vocab, hidden, q, d)),
         ("vocab_embedding", kinds["vocab_embedding"](vocab, hidden, mesh=mesh), ids,
-         bench.vocab_embedding_bytes(mode, vocab, hidden, rows, q, d)),
+         volumes.vocab_embedding_bytes(mode, vocab, hidden, rows, q, d)),
         ("classifier", kinds["classifier"](hidden, classes_, mesh=mesh), x,
-         bench.classifier_bytes(mode, classes_, hidden, rows, q, d)),
+         volumes.classifier_bytes(mode, classes_, hidden, rows, q, d)),
         ("lm_head", kinds["lm_head"](hidden, vocab, True, mesh=mesh), x,
-         bench.lm_head_bytes(mode, vocab, hidden, rows, q, d, bias=True)),
+         volumes.lm_head_bytes(mode, vocab, hidden, rows, q, d, bias=True)),
         ("patch", kinds["patch"](4, 2, 3, hidden, mesh=mesh), layouts.shard_batch(torch.randn(batch, 3, 4, 4), mesh),
-         bench.patch_embedding_bytes(mode, 4, 2, 3, hidden, q, d)),
+         volumes.patch_embedding_bytes(mode, 4, 2, 3, hidden, q, d)),
     ]
     for kind, layer, inp, expected in cases:
         with comm.count() as counter:
