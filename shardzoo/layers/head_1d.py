@@ -155,13 +155,6 @@ class Classifier1D(ParallelModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
-    def shard_input(self, x_full: torch.Tensor) -> torch.Tensor:
-        """Identity: every rank takes the full activation."""
-        return x_full
-
-    def gather_output(self, y_local: torch.Tensor) -> torch.Tensor:
-        """Identity: the logits are full on every rank."""
-        return y_local
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, num_classes={self.num_classes}, bias={self.bias is not None}"

@@ -89,11 +89,11 @@ class GridClassifier(layouts.GridModule):
         return f"in_features={self.in_features}, num_classes={self.num_classes}, layout=({self.layout})"
 
 
-class SummaLMHead(layouts.GridModule):
-    """Base of LMHead2D / LMHead2p5D: vocabulary-parallel logits by SUMMA x E^T.
-    x [B/parts, ..., H/q] -> logits [B/parts, ..., V_pad/q]."""
-
-    any_layout = False
+class GridLMHead(layouts.GridModule):
+    """Base of the grid LM heads: the weight E [V, H] placed as the vocabulary-parallel
+    embedding of the same layout (so ``tie_to`` shares it), vocab-parallel logits in
+    ``output_layout``, their loss, targets and gathering. A subclass writes ``forward``,
+    ``_finish`` (vocab_per_rank, vocab_start) and ``_place_bias``."""
 
     def __init__(self, in_features: int, vocab_size: int, bias: bool = False, *, mesh, tie_to=None, dtype=None,
                  device=None, layout: ActivationLayout | None = None):
@@ -105,12 +105,13 @@ class SummaLMHead(layouts.GridModule):
             return
         if bias:
             raise ValueError(f"{name}(tie_to=...) shares the embedding's weight and has no bias; pass bias=False")
-        if not isinstance(tie_to, GridVocabParallelEmbedding) or tie_to.mesh is not mesh \
-                or (tie_to.num_embeddings, tie_to.embedding_dim) != (vocab_size, in_features):
+        self._bind(mesh, layout or getattr(tie_to, "layout", None))
+        same_place = isinstance(tie_to, GridVocabParallelEmbedding) and tie_to.mesh is mesh \
+            and tie_to.layout == self.layout
+        if not same_place or (tie_to.num_embeddings, tie_to.embedding_dim) != (vocab_size, in_features):
             raise ValueError(f"{name}(in_features={in_features}, vocab_size={vocab_size}) cannot tie to {tie_to}; "
-                             f"tie to a VocabParallelEmbedding of the same mesh with embedding_dim=in_features, "
-                             f"num_embeddings=vocab_size")
-        self._bind(mesh, layout)
+                             f"tie to a VocabParallelEmbedding of the same mesh and layout with "
+                             f"embedding_dim=in_features, num_embeddings=vocab_size")
         self.in_features, self.vocab_size = in_features, vocab_size
         tie_param(self, "weight", tie_to)
         self.register_parameter("bias", None)
@@ -121,13 +122,39 @@ class SummaLMHead(layouts.GridModule):
         self.in_features, self.vocab_size = serial.in_features, serial.out_features
         q = mesh.q
         layouts.check_divisible(type(self).__name__, "in_features", self.in_features, q, f"q={q}")
-        # the placement of the vocab-parallel embedding, so that tie_to can share it
         vocab_parallel_param(self, serial.weight, mesh, self.layout, device)
+        self._finish()
         if serial.bias is None:
             self.register_parameter("bias", None)
         else:
-            layouts.block_param(self, "bias", serial.bias, 0, mesh, self.layout, device)
-        self._finish()
+            self._place_bias(serial.bias, device)
+
+    def loss(self, logits: torch.Tensor, target: torch.Tensor, **kwargs) -> torch.Tensor:
+        """Cross entropy of this head's logits against target ids [B/parts, ...] (this rank's
+        batch block, ``shard_target``); kwargs: ignore_index, label_smoothing, reduction."""
+        return grid_cross_entropy(logits, target, mesh=self.mesh, layout=self.output_layout,
+                                  vocab_start=self.vocab_start, vocab_size=self.vocab_size, **kwargs)
+
+    def shard_target(self, target_full: torch.Tensor) -> torch.Tensor:
+        """Target ids [B, ...] -> this rank's batch block [B/parts, ...] in ``output_layout``."""
+        return layouts.shard_batch(target_full, self.mesh, self.output_layout, type(self).__name__)
+
+    def gather_output(self, y_local: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel [B/parts, ..., V_pad/q] -> [B, ..., V] (padding dropped)."""
+        return super().gather_output(y_local)[..., : self.vocab_size]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, vocab_size={self.vocab_size}, layout=({self.layout})"
+
+
+class SummaLMHead(GridLMHead):
+    """Base of LMHead2D / LMHead2p5D: vocabulary-parallel logits by SUMMA x E^T.
+    x [B/parts, ..., H/q] -> logits [B/parts, ..., V_pad/q]."""
+
+    any_layout = False
+
+    def _place_bias(self, bias: torch.Tensor, device) -> None:
+        layouts.block_param(self, "bias", bias, 0, self.mesh, self.layout, device)
 
     def _finish(self) -> None:
         self.grid = Grid2D(self.mesh)
@@ -144,23 +171,6 @@ class SummaLMHead(layouts.GridModule):
         if self.bias is not None:
             logits = logits + layouts.use_block_param(self.bias, self.mesh, self.layout)
         return logits
-
-    def loss(self, logits: torch.Tensor, target: torch.Tensor, **kwargs) -> torch.Tensor:
-        """Cross entropy of this head's logits against target ids [B/parts, ...] (this rank's
-        batch block, ``shard_target``); kwargs: ignore_index, label_smoothing, reduction."""
-        return grid_cross_entropy(logits, target, mesh=self.mesh, layout=self.layout, vocab_start=self.vocab_start,
-                                  vocab_size=self.vocab_size, **kwargs)
-
-    def shard_target(self, target_full: torch.Tensor) -> torch.Tensor:
-        """Target ids [B, ...] -> this rank's batch block [B/parts, ...]."""
-        return layouts.shard_batch(target_full, self.mesh, self.layout, type(self).__name__)
-
-    def gather_output(self, y_local: torch.Tensor) -> torch.Tensor:
-        """Vocab-parallel [B/parts, ..., V_pad/q] -> [B, ..., V] (padding dropped)."""
-        return super().gather_output(y_local)[..., : self.vocab_size]
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, vocab_size={self.vocab_size}, q={self.mesh.q}"
 
 
 class Classifier2D(GridClassifier):

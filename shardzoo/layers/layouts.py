@@ -90,7 +90,12 @@ _CANONICAL = {
 
 def canonical_layout(mesh) -> ActivationLayout:
     """The layout a mode's first layer consumes (table in the module docstring)."""
-    mode = getattr(mesh, "tp_mode", None)
+    return canonical_for(getattr(mesh, "tp_mode", None))
+
+
+def canonical_for(mode: str) -> ActivationLayout:
+    """:func:`canonical_layout` of a tp_mode, without a mesh (the planner prices layouts it
+    never builds)."""
     if mode not in _CANONICAL:
         raise ValueError(f"activation layouts exist for tp_mode {', '.join(map(repr, _CANONICAL))}; got {mode!r}")
     return _CANONICAL[mode]

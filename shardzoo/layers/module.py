@@ -9,11 +9,13 @@ drawing a fresh serial module, so both paths place parameters the same way.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 
 class ParallelModule(nn.Module):
-    """``from_serial`` for every parallel layer (module docstring)."""
+    """``from_serial`` for every parallel layer (module docstring), and the identity
+    ``shard_input`` / ``gather_output`` of a module whose activations are replicated."""
 
     @classmethod
     def from_serial(cls, module: nn.Module, mesh, device=None, **options):
@@ -23,6 +25,15 @@ class ParallelModule(nn.Module):
         nn.Module.__init__(self)
         self._setup(module, mesh, device, **options)
         return self
+
+    def shard_input(self, x_full: torch.Tensor) -> torch.Tensor:
+        """Identity: a module whose input is replicated takes the full tensor (the grid modules
+        and split-input 1D layers override this)."""
+        return x_full
+
+    def gather_output(self, y_local: torch.Tensor) -> torch.Tensor:
+        """Identity: a module whose output is replicated gives the full tensor already."""
+        return y_local
 
     def _setup(self, serial: nn.Module, mesh, device, **options) -> None:
         raise NotImplementedError(f"{type(self).__name__} must define _setup(serial, mesh, device, **options)")

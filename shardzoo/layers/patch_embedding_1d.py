@@ -58,13 +58,6 @@ class PatchEmbedding1D(ParallelModule):
         x = torch.cat([self.cls_token.expand(patches.shape[0], -1, -1), patches], 1) + self.position_embeddings
         return random.dropout(x, self.dropout, mesh=self.mesh, parallel_region=False, training=self.training)
 
-    def shard_input(self, pixels_full: torch.Tensor) -> torch.Tensor:
-        """Identity: every rank takes the full pixels."""
-        return pixels_full
-
-    def gather_output(self, y_local: torch.Tensor) -> torch.Tensor:
-        """Identity: the output is full on every rank."""
-        return y_local
 
     def extra_repr(self) -> str:
         return (f"image_size={self.image_size}, patch_size={self.patch_size}, in_channels={self.in_channels}, "

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardzoo.comm.mesh import default_device
+from shardzoo.layers.module import ParallelModule
 
 TP_SEED_OFFSET = 2718  # Megatron's offset, so seeds match a Megatron run with the same base seed
 
@@ -152,7 +153,7 @@ def dropout(
         return F.dropout(x, p, training=True)
 
 
-class ParallelDropout(nn.Module):
+class ParallelDropout(ParallelModule):
     """Dropout module over :func:`dropout`; follows ``module.train()`` / ``.eval()``.
 
     Args:
@@ -173,13 +174,6 @@ class ParallelDropout(nn.Module):
         return dropout(x, self.p, mesh=self.mesh, parallel_region=self.parallel_region, training=self.training,
                        streams=self.streams)
 
-    def shard_input(self, x_full: torch.Tensor) -> torch.Tensor:
-        """Identity: dropout keeps whatever layout its input has."""
-        return x_full
-
-    def gather_output(self, y_local: torch.Tensor) -> torch.Tensor:
-        """Identity: dropout keeps whatever layout its input has."""
-        return y_local
 
     def extra_repr(self) -> str:
         return f"p={self.p}, parallel_region={self.parallel_region}"

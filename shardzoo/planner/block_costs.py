@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shardzoo.layers.layouts import ActivationLayout, swapped_3d
+from shardzoo.layers.layouts import ActivationLayout, canonical_for, swapped_3d
 
 ID_BYTES = 8  # int64 token ids and lookup indices
 MASK_BYTES = 1  # bool masks
@@ -334,7 +334,7 @@ class Costs2D(GridCosts):
         q = round((tp // depth) ** 0.5)
         self.q, self.d, self.mode = q, depth, mode
         super().__init__({"tp_row": q, "tp_col": q, "tp_dep": depth}, ep)
-        self.canonical = ActivationLayout(mode, ("tp_dep", "tp_row") if mode == "2.5d" else ("tp_row",), "tp_col")
+        self.canonical = canonical_for(mode)
 
     def after(self, layout):
         return layout

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterator
 
-from shardzoo.comm.mesh import TP_MODES
+from shardzoo.comm.mesh import TP_MODES, tp_grid_text
 from shardzoo.planner.block_costs import Illegal, layout_costs
 from shardzoo.planner.evaluate import Layout
 from shardzoo.planner.model import Batch, ModelShape, check_heads, stage_cost
@@ -95,7 +95,7 @@ def layouts(problem: Problem, modes=TP_MODES, pruned: list[Pruned] | None = None
             pruned.append(Pruned(what, reason))
 
     for mode, tp, depth in tp_grids(world, modes):
-        grid = f"tp={tp},tp_mode={mode}" + (f",tp_depth={depth}" if mode == "2.5d" else "")
+        grid = tp_grid_text(tp, mode, depth)
         costs = layout_costs(mode, tp, depth, problem.param_bytes)
         parts = costs.batch_parts(costs.canonical)
         for sp in divisors(world // tp):

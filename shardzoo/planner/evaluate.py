@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
+from shardzoo.comm.mesh import tp_grid_text
 from shardzoo.planner import time as timing
 from shardzoo.planner.block_costs import Call, Illegal, Piece, layout_costs
 from shardzoo.planner.comm import DP_AXES, Traffic, dp_reduction, pipeline_p2p, tied_sync
@@ -43,8 +44,7 @@ class Layout:
         return self.dp * self.pp * self.sp * self.tp
 
     def __str__(self) -> str:
-        depth = f",tp_depth={self.tp_depth}" if self.tp_mode == "2.5d" else ""
-        return f"dp={self.dp},pp={self.pp},sp={self.sp},tp={self.tp},tp_mode={self.tp_mode}{depth}"
+        return f"dp={self.dp},pp={self.pp},sp={self.sp},{tp_grid_text(self.tp, self.tp_mode, self.tp_depth)}"
 
 
 @dataclass
