@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from ckpt_stack import Stack, load_error, load_stack, run, save_failing_on, save_stack, serial_stack
 from shardzoo import checkpoint
 from shardzoo.checkpoint import CheckpointError
+from shardzoo.testing.checkpoint_stack import Stack, load_error, load_stack, run, save_failing_on, save_stack, serial_stack
 
 
 @pytest.fixture

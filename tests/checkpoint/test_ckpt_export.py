@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ckpt_stack import CONFIG, run, save_stack, serial_stack
 from shardzoo import checkpoint
 from shardzoo.checkpoint import CheckpointError, export_plain
 from shardzoo.checkpoint.cli import parse_size
+from shardzoo.testing.checkpoint_stack import CONFIG, run, save_stack, serial_stack
 
 
 def read_export(out):

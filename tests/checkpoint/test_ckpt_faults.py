@@ -14,9 +14,9 @@ import time
 import pytest
 import torch
 
-from ckpt_stack import run, save_stack, serial_stack
 from shardzoo import checkpoint
 from shardzoo.checkpoint import CheckpointError, export_plain
+from shardzoo.testing.checkpoint_stack import run, save_stack, serial_stack
 
 _WRITES = ("write", "pwrite", "pwritev", "copy_file_range", "replace")
 

@@ -21,8 +21,6 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from ckpt_stack import hf_load_error, load_outcome, run, save_stack, serial_stack, tiny_gpt2_export
-from fuzz_cases import damaged_bytes, damaged_header, damaged_json, join, split
 from shardzoo import checkpoint
 from shardzoo.checkpoint import CheckpointError, export_plain
 from shardzoo.checkpoint.hf_files import HFWeights
@@ -30,6 +28,8 @@ from shardzoo.checkpoint.safetensors_io import read_header
 from shardzoo.models.families import FAMILIES
 from shardzoo.models.pretrained import config_from_dir
 from shardzoo.testing import run_on_ranks
+from shardzoo.testing.checkpoint_stack import hf_load_error, load_outcome, run, save_stack, serial_stack, tiny_gpt2_export
+from shardzoo.testing.fuzz_cases import damaged_bytes, damaged_header, damaged_json, join, split
 
 SEED = 6
 FUZZ = settings(max_examples=int(os.environ.get("SHARDZOO_FUZZ_EXAMPLES", "50")), deadline=None,

@@ -11,12 +11,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ckpt_stack import load_error, run, save_stack, serial_stack
 from shardzoo import checkpoint
 from shardzoo.checkpoint import CheckpointError, export_plain
 from shardzoo.checkpoint.hf_files import HFWeights
 from shardzoo.models.families import FAMILIES
 from shardzoo.models.pretrained import config_from_dir
+from shardzoo.testing.checkpoint_stack import load_error, run, save_stack, serial_stack
 
 SHARD = "shard-00000.safetensors"
 

@@ -5,8 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardzoo.kernels import attention_block_backward, attention_block_forward, flash_attention
-
-from ._helpers import (
+from shardzoo.testing.kernels import (
     DEVICE,
     DTYPES,
     GRAD_TOL,

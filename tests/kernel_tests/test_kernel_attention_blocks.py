@@ -3,12 +3,11 @@ equal full attention, and per-block backward with the global lse sums to the ful
 Also the torch reference's chunking (memory) claim."""
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardzoo.kernels import attention_block_backward, attention_block_forward
 from shardzoo.kernels import flash_attention_ref
-
-from ._helpers import GRAD_TOL, OUT_TOL, assert_close, needs_triton, random_padding_mask, randn, sdpa_attention
+from shardzoo.testing.kernels import (GRAD_TOL, OUT_TOL, LargestOutput, assert_close, needs_triton, random_padding_mask, randn,
+                                      sdpa_attention)
 
 BACKENDS = [pytest.param("triton", marks=needs_triton), "aten", "torch"]
 
@@ -86,21 +85,6 @@ def test_causal_ring_of_two_blocks(backend):
     assert_close(torch.cat([g_aa[2] + g_ba[2], g_bb[2]], 2), dv_w, tol)
 
 
-class _LargestOutput(TorchDispatchMode):
-    """Records the largest tensor any torch op produces."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        result = func(*args, **(kwargs or {}))
-        for t in result if isinstance(result, (tuple, list)) else (result,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return result
-
-
 @pytest.mark.parametrize("causal", [False, True])
 def test_reference_never_builds_the_full_score_matrix(monkeypatch, causal):
     monkeypatch.setattr(flash_attention_ref, "KEY_CHUNK", 16)
@@ -112,7 +96,7 @@ def test_reference_never_builds_the_full_score_matrix(monkeypatch, causal):
     kpm = random_padding_mask(gen, b, sk, empty_row=True)
     want_out, want_lse, dq_w, dk_w, dv_w = full_reference(q, k, v, dout, causal, kpm)
 
-    with _LargestOutput() as probe:
+    with LargestOutput() as probe:
         out, lse = attention_block_forward(q, k, v, causal=causal, key_padding_mask=kpm, backend="torch")
         grads = attention_block_backward(dout, q, k, v, out, lse, causal=causal, key_padding_mask=kpm,
                                          backend="torch")

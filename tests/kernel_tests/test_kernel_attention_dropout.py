@@ -5,8 +5,8 @@ import torch
 
 from shardzoo.kernels import attention_block_backward, attention_block_forward, flash_attention
 from shardzoo.kernels.dropout_mask import FMIX_C1, MASK32, dense_keep_mask, fmix32
-
-from ._helpers import DEVICE, GRAD_TOL, OUT_TOL, assert_close, needs_triton, random_padding_mask, randn, visible_mask
+from shardzoo.testing.kernels import (DEVICE, GRAD_TOL, OUT_TOL, LargestOutput, assert_close, needs_triton, random_padding_mask, randn,
+                                      visible_mask)
 
 BACKENDS = [pytest.param("triton", marks=needs_triton), "torch"]
 P, SEED = 0.3, 2**40 + 12345  # a seed above 2^32 exercises both seed words
@@ -121,13 +121,11 @@ def test_flash_attention_draws_its_seed_from_torch():
 def test_reference_with_dropout_never_builds_the_full_score_matrix(monkeypatch):
     from shardzoo.kernels import flash_attention_ref
 
-    from .test_kernel_attention_blocks import _LargestOutput
-
     monkeypatch.setattr(flash_attention_ref, "KEY_CHUNK", 16)
     monkeypatch.setattr(flash_attention_ref, "QUERY_CHUNK", 24)
     q, k, v, dout, kpm = make_inputs(5, b=1, sq=100, sk=90, d=8)
     drop = dict(dropout_p=P, dropout_seed=SEED, causal=True, key_padding_mask=kpm, backend="torch")
-    with _LargestOutput() as probe:
+    with LargestOutput() as probe:
         out, lse = attention_block_forward(q, k, v, **drop)
         attention_block_backward(dout, q, k, v, out, lse, **drop)
     # one [B, H, 24, 16] chunk (scores, mask, hashes) or a [B, H, S, D] tensor; never [B, H, Sq, Sk]

@@ -6,8 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardzoo.kernels import bias_gelu, bias_gelu_backward, bias_gelu_forward
-
-from ._helpers import DEVICE, DTYPES, GRAD_TOL, OUT_TOL, assert_close, needs_triton, randn
+from shardzoo.testing.kernels import DEVICE, DTYPES, GRAD_TOL, OUT_TOL, assert_close, needs_triton, randn
 
 BACKENDS = [pytest.param("triton", marks=needs_triton), "torch"]
 

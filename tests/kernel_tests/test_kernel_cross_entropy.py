@@ -7,8 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardzoo.kernels import cross_entropy, cross_entropy_grad, cross_entropy_partials
-
-from ._helpers import DEVICE, DTYPES, GRAD_TOL, OUT_TOL, assert_close, needs_triton, randn
+from shardzoo.testing.kernels import DEVICE, DTYPES, GRAD_TOL, OUT_TOL, assert_close, needs_triton, randn
 
 BACKENDS = [pytest.param("triton", marks=needs_triton), "torch"]
 F32 = OUT_TOL[torch.float32]

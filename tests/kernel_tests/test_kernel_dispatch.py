@@ -10,8 +10,7 @@ import torch
 import shardzoo.kernels as kernels
 from shardzoo.kernels import _dispatch, attention_block_backward, attention_block_forward
 from shardzoo.kernels._triton import HAS_TRITON, interpreting
-
-from ._helpers import DEVICE, needs_triton
+from shardzoo.testing.kernels import DEVICE, needs_triton
 
 # the package exports a function of the same name, so fetch the module itself
 flash_attention_module = importlib.import_module("shardzoo.kernels.flash_attention")

@@ -6,8 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardzoo.kernels import fused_layer_norm, layer_norm_backward, layer_norm_forward
-
-from ._helpers import DEVICE, DTYPES, GRAD_TOL, OUT_TOL, assert_close, needs_triton, randn
+from shardzoo.testing.kernels import DEVICE, DTYPES, GRAD_TOL, OUT_TOL, assert_close, needs_triton, randn
 
 BACKENDS = [pytest.param("triton", marks=needs_triton), "torch"]
 

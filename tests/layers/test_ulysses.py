@@ -1,7 +1,8 @@
 """Ulysses attention against serial SDPA on the full sequence: outputs and dq / dk / dv.
 
-Same pattern and helpers as test_ring_attention.py: full inputs from the seed on every rank,
-fp64 SDPA reference, shard (zigzag when causal), attend over the sp group, gather."""
+Same pattern as test_ring_attention.py (shared parts in shardzoo.testing.sequence_attention):
+full inputs from the seed on every rank, fp64 SDPA reference, shard (zigzag when causal),
+attend over the sp group, gather."""
 
 import pytest
 import torch
@@ -11,7 +12,8 @@ from hypothesis import strategies as st
 from shardzoo import comm
 from shardzoo.layers.ulysses import ulysses_attention
 from shardzoo.testing import cached_mesh, run_on_ranks
-from test_ring_attention import DTYPES, MASK_KINDS, compare, full_inputs, make_mask, parallel_attention, reference_grads
+from shardzoo.testing.sequence_attention import (DROP_P, DROP_SEED, DTYPES, MASK_KINDS, compare, full_inputs, make_mask,
+                                                 parallel_attention, reference_grads, single_rank_dropout)
 
 
 def check_ulysses(case, zigzag=None):
@@ -113,8 +115,6 @@ def test_ulysses_attention_indivisible_heads_raises_clear_error():
 def check_ulysses_dropout(causal, zigzag, tp):
     """Ulysses with dropout equals single-rank attention with the same seed; with tp=2 each tp
     rank passes the global index of its first head."""
-    from test_ring_attention import DROP_P, DROP_SEED, single_rank_dropout
-
     mesh = cached_mesh(sp=torch.distributed.get_world_size() // tp, tp=tp)
     world, seq = mesh.sp_size, 8 * mesh.sp_size
     q, k, v, dout = full_inputs(2, 8, seq, 16, torch.float64, 4)

@@ -6,18 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from shardzoo.testing import assert_close, run_on_ranks
-from test_model_gpt2 import LAYOUTS, converted, dp_rows, grads_vs_reference, mesh_of, shardzoo_twin
-
-
-def hf_bert(seed, **overrides):
-    from transformers import BertConfig as HFConfig
-    from transformers import BertForPreTraining
-
-    torch.manual_seed(seed)
-    cfg = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, vocab_size=101,
-               max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    cfg.update(overrides)
-    return BertForPreTraining(HFConfig(**cfg)).eval()
+from shardzoo.testing.hf_twins import LAYOUTS, converted, dp_rows, grads_vs_reference, hf_bert, mesh_of, shardzoo_twin
 
 
 def check_bert(layout, case):

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from shardzoo.layers.shard_spec import gather_full, get_shard_spec
 from shardzoo.testing import assert_close, cached_mesh, run_on_ranks
-from test_model_gpt2 import converted, grads_vs_reference, hf_gpt2, shardzoo_twin
+from shardzoo.testing.hf_twins import converted, grads_vs_reference, hf_gpt2, shardzoo_twin
 
 MESHES = {
     "sp2": (dict(sp=2), 2),
@@ -93,7 +93,7 @@ def causal_case(family, layout, seed):
     """Each rank's loss equals transformers' loss of the global batch; the gradients averaged
     over dp x sp equal its gradients."""
     from shardzoo.models.families import family_named
-    from test_model_opt import hf_opt
+    from shardzoo.testing.hf_twins import hf_opt
 
     mesh = cached_mesh(**MESHES[layout][0])
     hf = hf_gpt2(seed) if family == "gpt2" else hf_opt(seed)
@@ -219,7 +219,7 @@ def test_bert_masked_lm_loss_with_padding(layout):
 def vit_case(seed):
     """ViT on dp=2 x sp=2, one label of one replica ignored: the global mean over 3 labels."""
     from shardzoo.models.vit import hf_to_shardzoo
-    from test_model_vit import hf_vit
+    from shardzoo.testing.hf_twins import hf_vit
 
     mesh = cached_mesh(**MESHES["dp2_sp2"][0])
     hf = hf_vit(seed)

@@ -3,21 +3,9 @@ every tp_mode, with sp=2 and with dp=2, each for pre-LN (opt-125m style) and for
 project_in / project_out (opt-350m style)."""
 
 import pytest
-import torch
 
 from shardzoo.testing import run_on_ranks
-from test_model_gpt2 import LAYOUTS, check_causal_lm
-
-
-def hf_opt(seed, **overrides):
-    from transformers import OPTConfig as HFConfig
-    from transformers import OPTForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = dict(num_hidden_layers=2, hidden_size=64, ffn_dim=128, num_attention_heads=4, vocab_size=101,
-               max_position_embeddings=32, word_embed_proj_dim=64, dropout=0.0, attention_dropout=0.0)
-    cfg.update(overrides)
-    return OPTForCausalLM(HFConfig(**cfg)).eval()
+from shardzoo.testing.hf_twins import LAYOUTS, OPT_350M, check_causal_lm, hf_opt
 
 
 def check_opt(layout, case):
@@ -26,7 +14,6 @@ def check_opt(layout, case):
     return True
 
 
-OPT_350M = {"do_layer_norm_before": False, "word_embed_proj_dim": 32}
 VARIANTS = {"pre_ln": {}, "350m": {"config": OPT_350M}}  # opt-125m style; post-LN with project_in / project_out
 LAYOUT_NAMES = ["serial", "1d_tp2", "1d_tp4", "1d_tp2_sp2", "1d_tp2_dp2", "2d_tp4", "2.5d_tp8", "3d_tp8"]
 

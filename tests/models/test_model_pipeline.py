@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from shardzoo.testing import assert_close, cached_mesh, run_on_ranks
-from test_model_gpt2 import converted, grads_vs_reference, hf_gpt2
+from shardzoo.testing.hf_twins import converted, grads_vs_reference, hf_gpt2
 
 LAYOUTS = {
     "pp2_1d_tp2": (dict(pp=2, tp=2), 4),
@@ -100,8 +100,7 @@ def check_family_pipeline(layout, family):
     from shardzoo import models
     from shardzoo.models import opt, vit
     from shardzoo.models.pipeline import build_schedule, sync_tied_grads
-    from test_model_opt import OPT_350M, hf_opt
-    from test_model_vit import hf_vit
+    from shardzoo.testing.hf_twins import OPT_350M, hf_opt, hf_vit
 
     mesh = cached_mesh(**LAYOUTS[layout][0])
     gen = torch.Generator().manual_seed(5)
@@ -145,7 +144,7 @@ def check_bert_pipeline(layout, case):
     keys change every block's output, so a stage without the mask gives other numbers."""
     from shardzoo.models import BERT, BERTConfig
     from shardzoo.models.bert import hf_to_shardzoo
-    from test_model_bert import hf_bert
+    from shardzoo.testing.hf_twins import hf_bert
 
     mesh = cached_mesh(**LAYOUTS[layout][0])
     hf = hf_bert(0, num_hidden_layers=case["n_layer"])

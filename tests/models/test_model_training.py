@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from shardzoo.testing import cached_mesh, run_on_ranks
-from test_model_gpt2 import converted, hf_gpt2
+from shardzoo.testing.hf_twins import converted, hf_gpt2
 
 STEPS, LR, CLIP = 5, 1e-2, 0.5
 LAYOUTS = {
@@ -139,9 +139,7 @@ def test_error_sequence_longer_than_positions():
 
 def test_hf_names_round_trip():
     from shardzoo.models import bert, gpt2, opt, vit
-    from test_model_bert import hf_bert
-    from test_model_opt import hf_opt
-    from test_model_vit import hf_vit
+    from shardzoo.testing.hf_twins import hf_bert, hf_opt, hf_vit
 
     for module, hf, cfg_cls in ((gpt2, hf_gpt2(0), gpt2.GPT2Config), (bert, hf_bert(0), bert.BERTConfig),
                                 (opt, hf_opt(0), opt.OPTConfig), (vit, hf_vit(0), vit.ViTConfig)):

@@ -6,18 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from shardzoo.testing import assert_close, run_on_ranks
-from test_model_gpt2 import LAYOUTS, converted, dp_rows, grads_vs_reference, mesh_of, shardzoo_twin
-
-
-def hf_vit(seed, **overrides):
-    from transformers import ViTConfig as HFConfig
-    from transformers import ViTForImageClassification
-
-    torch.manual_seed(seed)
-    cfg = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, image_size=8,
-               patch_size=2, num_channels=3, num_labels=5)
-    cfg.update(overrides)
-    return ViTForImageClassification(HFConfig(**cfg)).eval()
+from shardzoo.testing.hf_twins import LAYOUTS, converted, dp_rows, grads_vs_reference, hf_vit, mesh_of, shardzoo_twin
 
 
 def check_vit(layout, case):

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from shardzoo.testing import assert_close, cached_mesh, run_on_ranks
-from test_model_gpt2 import LAYOUTS
+from shardzoo.testing.hf_twins import LAYOUTS
 
 VOCAB = 101  # not divisible by 2, 4 or 8: every tp layout pads the vocabulary
 BATCH, SEQ = 4, 8

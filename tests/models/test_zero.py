@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from shardzoo.testing import run_on_ranks
-from zero_stack import CLIP, assert_weights, trained_weights, world_of
+from shardzoo.testing.zero_stack import CLIP, assert_weights, trained_weights, world_of
 
 ZEROS = (0, 1, 2, 3)
 

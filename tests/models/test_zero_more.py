@@ -1,4 +1,4 @@
-"""ZeRO beyond the plain step (tests/models/zero_stack.py): pipeline stages, gradient
+"""ZeRO beyond the plain step (shardzoo/testing/zero_stack.py): pipeline stages, gradient
 accumulation without a reduce per micro-batch, bf16 mixed precision, checkpoints resharded
 across dp sizes, ZeRO stages and tp_modes (model and AdamW state), convert, and the errors."""
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from shardzoo.testing import run_on_ranks
-from zero_stack import (CLIP, assert_weights, convert_to_files, load_into, no_sync_leaves_grads_local, single_rank_group_is_noop,
-                        train_and_save, train_bf16, train_pipelined, trained_weights, world_of, wrapping_errors)
+from shardzoo.testing.zero_stack import (CLIP, assert_weights, load_into, no_sync_leaves_grads_local, single_rank_group_is_noop,
+                                         train_and_save, train_bf16, train_pipelined, trained_weights, world_of, wrapping_errors)
 
 # bf16 compute (FSDP2 MixedPrecisionPolicy, fp32 master weights and reduce) after 3 AdamW steps
 # against fp32 serial, relative L2 error of all weights together: measured 1.02e-2 (1d, tp=2,
@@ -15,6 +15,18 @@ from zero_stack import (CLIP, assert_weights, convert_to_files, load_into, no_sy
 # at zero, so after 3 steps they are only Adam's steps, whose signs bf16 noise flips (fc2.bias
 # 0.14). The bound leaves 3x.
 BF16_REL_TOL = 3e-2
+
+
+def convert_to_files(ckpt_dir: str, out_dir: str) -> dict[str, torch.Tensor]:
+    """``shardzoo convert CKPT OUT --names shardzoo`` (in process); the tensors written."""
+    from safetensors.torch import load_file
+
+    from shardzoo.cli import main
+
+    assert main(["convert", ckpt_dir, out_dir, "--names", "shardzoo", "--no-progress"]) == 0
+    import pathlib
+
+    return {k: v for f in sorted(pathlib.Path(out_dir).glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
 def test_pipeline_pp2_dp2_tp2_zero3_equals_serial(zero_serial):

@@ -27,6 +27,7 @@ from shardzoo.planner.measure import run_layout
 from shardzoo.planner.model import ModelShape
 from shardzoo.planner.presets import HARDWARE
 from shardzoo.testing import run_on_ranks
+from shardzoo.testing.family_configs import config_of
 
 CHANNELS = ("counted", "ddp", "p2p", "tied")
 GRIDS = {  # world -> tp grids that fit it: (tp_mode, tp, tp_depth)
@@ -34,22 +35,6 @@ GRIDS = {  # world -> tp grids that fit it: (tp_mode, tp, tp_depth)
     4: [("1d", 2, 1), ("1d", 4, 1), ("2d", 4, 1)],
     8: [("1d", 2, 1), ("2d", 4, 1), ("2.5d", 8, 2), ("3d", 8, 1)],
 }
-
-
-def config_of(family: str, layers: int, vocab: int, ffn: int, dropout: float) -> dict:
-    h, heads = 16, 4
-    return {
-        "gpt2": dict(n_layer=layers, n_embd=h, n_head=heads, n_inner=ffn, vocab_size=vocab, n_positions=16,
-                     resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout),
-        "opt": dict(num_hidden_layers=layers, hidden_size=h, num_attention_heads=heads, ffn_dim=ffn, vocab_size=vocab,
-                    max_position_embeddings=16, dropout=dropout, attention_dropout=dropout),
-        "bert": dict(num_hidden_layers=layers, hidden_size=h, num_attention_heads=heads, intermediate_size=ffn,
-                     vocab_size=vocab, max_position_embeddings=16, hidden_dropout_prob=dropout,
-                     attention_probs_dropout_prob=dropout),
-        "vit": dict(num_hidden_layers=layers, hidden_size=h, num_attention_heads=heads, intermediate_size=ffn,
-                    image_size=8, patch_size=4, num_labels=3, hidden_dropout_prob=dropout,
-                    attention_probs_dropout_prob=dropout),
-    }[family]
 
 
 @st.composite

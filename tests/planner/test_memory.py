@@ -11,7 +11,7 @@ from shardzoo.planner.measure import saved_bytes
 from shardzoo.planner.model import ModelShape
 from shardzoo.planner.presets import HARDWARE
 from shardzoo.testing import run_on_ranks
-from test_exact import config_of
+from shardzoo.testing.family_configs import config_of
 
 CASES = [  # family, ParallelMesh kwargs, sp_mode, dropout
     ("gpt2", dict(tp=8, tp_mode="3d"), "ring", 0.1),

@@ -1,6 +1,8 @@
 """Hypothesis strategies that damage real saved files: byte edits, truncation, extension,
 header length fields near 2**64, replaced or edited safetensors headers, and JSON documents
-(index.json, config.json, model.safetensors.index.json) edited at a random place."""
+(index.json, config.json, model.safetensors.index.json) edited at a random place.
+
+For the checkpoint fuzz tests; imports hypothesis, so ``shardzoo.testing`` does not import it."""
 
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ def split(raw: bytes) -> tuple[int, dict, bytes]:
 
 
 def join(header, data: bytes, pad: bool = True) -> bytes:
+    """A safetensors file from a header (a dict, or its JSON bytes) and data; ``pad``
+    pads the header with spaces to a multiple of 8 bytes. The inverse of ``split``."""
     raw = header if isinstance(header, bytes) else json.dumps(header).encode()
     if pad:
         raw += b" " * (-len(raw) % 8)

@@ -1,9 +1,12 @@
-"""Shared settings for the kernel tests: device, tolerances, plain-torch attention."""
+"""Shared settings for the kernel tests (tests/kernel_tests): device, tolerances, plain-torch attention.
+
+Imports pytest (for ``needs_triton``); not imported by ``shardzoo.testing`` itself."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardzoo.kernels import HAS_TRITON
 from shardzoo.kernels._triton import interpreting
@@ -67,4 +70,20 @@ def random_padding_mask(gen, b, sk, empty_row=False, device=DEVICE):
 
 
 def randn(gen, *shape, dtype=torch.float32, scale=1.0):
+    """Normal samples of ``shape`` from ``gen``, times ``scale``, in ``dtype`` on DEVICE."""
     return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(DEVICE)
+
+
+class LargestOutput(TorchDispatchMode):
+    """Records the largest tensor any torch op produces (``largest``: its numel), as a context manager."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        for t in result if isinstance(result, (tuple, list)) else (result,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return result

@@ -90,11 +90,13 @@ def build(layout: str, seed: int, dtype=torch.float32) -> Stack:
 
 
 def world_of(layout: str) -> int:
+    """Number of ranks ``layout`` runs on (1 for "serial")."""
     return LAYOUTS[layout][1]
 
 
 # -- per-rank functions ----------------------------------------------------------------------
 def save_stack(layout: str, seed: int, ckpt_dir: str) -> bool:
+    """Save the stack of ``seed`` built in ``layout`` to ``ckpt_dir`` (with CONFIG); True."""
     checkpoint.save(build(layout, seed), ckpt_dir, config=CONFIG)
     return True
 
@@ -134,14 +136,17 @@ def run(layout: str, fn, *args):
 
 # -- training, for the optimizer resume test ------------------------------------------------
 def batch(step: int) -> torch.Tensor:
+    """Token ids [2, 3] of step ``step``, the same in every layout."""
     return torch.randint(0, VOCAB, (2, 3), generator=torch.Generator().manual_seed(100 + step))
 
 
 def loss_of(model: Stack, step: int) -> torch.Tensor:
+    """Scalar mean of the squared output [2, 3, HIDDEN] on ``batch(step)``."""
     return model(batch(step)).pow(2).mean()
 
 
 def train_step(model: Stack, opt, step: int) -> None:
+    """One optimizer step on ``loss_of(model, step)``."""
     opt.zero_grad()
     loss_of(model, step).backward()
     opt.step()
@@ -199,6 +204,7 @@ def save_failing_on(layout: str, seed: int, ckpt_dir: str, fail_rank: int) -> bo
 
 
 def load_error(layout: str, ckpt_dir: str) -> str:
+    """The CheckpointError message of loading ``ckpt_dir`` into ``layout``; "" when it loads."""
     try:
         checkpoint.load(build(layout, 0), ckpt_dir)
     except checkpoint.CheckpointError as e:
@@ -235,6 +241,7 @@ def tiny_gpt2_export(out_dir: str, ckpt_dir: str) -> bool:
 
 
 def hf_load_error(hf_dir: str) -> str:
+    """The CheckpointError message of ``GPT2.from_pretrained(hf_dir)`` on tp=2; "" when it loads."""
     from shardzoo.models.gpt2 import GPT2
 
     try:

@@ -35,10 +35,12 @@ EPS = 1e-5
 
 
 def world_of(layout: str) -> int:
+    """Number of ranks ``layout`` runs on."""
     return LAYOUTS[layout][1]
 
 
 def mesh_of(layout: str):
+    """The (cached) ParallelMesh of ``layout``."""
     return cached_mesh(**LAYOUTS[layout][0])
 
 
@@ -49,6 +51,7 @@ def batch(step: int, rows: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def build(mesh, dtype=torch.float32, stage=None):
+    """The GPT-2 of CONFIG (seed 0) on ``mesh`` in ``dtype``; ``stage``: its pipeline stage."""
     from shardzoo.models import GPT2, GPT2Config
 
     model = GPT2(GPT2Config(**CONFIG), mesh=mesh, seed=0, stage=stage)
@@ -56,6 +59,7 @@ def build(mesh, dtype=torch.float32, stage=None):
 
 
 def dp_rows(t: torch.Tensor, mesh) -> torch.Tensor:
+    """This dp replica's rows of ``t`` [rows, ...] -> [rows / dp, ...]."""
     return t.chunk(mesh.dp_size, 0)[mesh.dp_rank]
 
 
@@ -163,18 +167,6 @@ def train_and_save(layout: str, zero: int, ckpt_dir: str):
     checkpoint.save(model, ckpt_dir, opt)
     weights, state = full_weights(model), full_optimizer_state(model, opt)
     return (weights, state) if dist.get_rank() == 0 else None
-
-
-def convert_to_files(ckpt_dir: str, out_dir: str) -> dict[str, torch.Tensor]:
-    """``shardzoo convert CKPT OUT --names shardzoo`` (in process); the tensors written."""
-    from safetensors.torch import load_file
-
-    from shardzoo.cli import main
-
-    assert main(["convert", ckpt_dir, out_dir, "--names", "shardzoo", "--no-progress"]) == 0
-    import pathlib
-
-    return {k: v for f in sorted(pathlib.Path(out_dir).glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
 def load_into(layout: str, zero: int, ckpt_dir: str):

@@ -1,0 +1,105 @@
+"""Sequence-parallel attention against serial SDPA on the full sequence: full inputs and padding
+masks from a seed, the fp64 reference output and gradients, the shard -> attend -> gather round
+trip, and the tolerances. For the ring and Ulysses attention tests."""
+
+import torch
+import torch.nn.functional as F
+
+from shardzoo.layers.sequence import gather_sequence, shard_padding_mask, shard_sequence
+from shardzoo.testing import assert_close
+
+DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16}
+MASK_KINDS = ["none", "random", "right_pad", "rank_padded", "all_padded"]
+# bf16 inputs vs the fp64 reference on the same rounded inputs (docs/sequence_parallel.md)
+BF16_TOL = {"out": (2e-2, 2e-2), "grad": (5e-2, 5e-2)}
+
+
+def sdpa_reference(q, k, v, mask, causal, scale=None):
+    """Serial attention with an explicit bool mask; rows that see no key give 0, as the kernel."""
+    seq_q, seq_k = q.shape[2], k.shape[2]
+    visible = torch.ones(q.shape[0], 1, seq_q, seq_k, dtype=torch.bool)
+    if causal:
+        visible &= torch.ones(seq_q, seq_k, dtype=torch.bool).tril()
+    if mask is not None:
+        visible &= mask[:, None, None, :]
+    has_key = visible.any(-1, keepdim=True)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible | ~has_key, scale=scale)
+    return out * has_key
+
+
+def make_mask(kind, batch, seq, world, zigzag, seed):
+    """A [batch, seq] bool padding mask (True = attend) of the given kind, or None."""
+    g = torch.Generator().manual_seed(seed + 99)
+    if kind == "none":
+        return None
+    mask = torch.ones(batch, seq, dtype=torch.bool)
+    if kind == "random":
+        mask = torch.rand(batch, seq, generator=g) > 0.3
+    elif kind == "right_pad":
+        for b in range(batch):
+            mask[b, int(torch.randint(1, seq + 1, (1,), generator=g)) :] = False
+    elif kind == "rank_padded":  # every key held by one rank is padding
+        padded_rank = seed % world
+        chunks = [padded_rank, 2 * world - 1 - padded_rank] if zigzag else [padded_rank]
+        pieces = 2 * world if zigzag else world
+        for c in chunks:
+            mask[:, c * seq // pieces : (c + 1) * seq // pieces] = False
+    elif kind == "all_padded":  # batch element 0 sees no key at all
+        mask[0] = False
+    return mask
+
+
+def full_inputs(batch, heads, seq, head_dim, dtype, seed):
+    """q, k, v, dout [batch, heads, seq, head_dim] in ``dtype``, drawn in fp64 from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, dout = (torch.randn(batch, heads, seq, head_dim, generator=g, dtype=torch.float64).to(dtype) for _ in range(4))
+    return q, k, v, dout
+
+
+def reference_grads(q, k, v, dout, mask, causal):
+    """fp64 reference output and (dq, dk, dv) for the (possibly rounded) inputs."""
+    q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    out = sdpa_reference(q64, k64, v64, mask, causal)
+    out.backward(dout.double())
+    return out.detach(), q64.grad, k64.grad, v64.grad
+
+
+def parallel_attention(attention, q, k, v, dout, mask, causal, group, shard_zigzag=None, **kwargs):
+    """Shard full inputs (zigzag when causal unless ``shard_zigzag`` says otherwise), run
+    ``attention`` on the shards, gather; returns out, dq, dk, dv."""
+    zigzag = causal if shard_zigzag is None else shard_zigzag
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    local = [shard_sequence(t, group, dim=2, zigzag=zigzag) for t in leaves]
+    local_mask = None if mask is None else shard_padding_mask(mask, group, zigzag=zigzag)
+    out_local = attention(*local, group=group, causal=causal, key_padding_mask=local_mask, **kwargs)
+    out = gather_sequence(out_local, group, dim=2, zigzag=zigzag)
+    out.backward(dout)
+    return out.detach(), leaves[0].grad, leaves[1].grad, leaves[2].grad
+
+
+def compare(actual, expected, dtype, what):
+    """Assert (out, dq, dk, dv) of a parallel run equal the fp64 reference: dtype kept; bf16 at
+    BF16_TOL, other dtypes at assert_close's tolerance times 4."""
+    names = ("out", "dq", "dk", "dv")
+    for name, a, e in zip(names, actual, expected):
+        assert a.dtype == dtype, f"{what} {name} dtype {a.dtype} != {dtype}"
+        if dtype == torch.bfloat16:
+            rtol, atol = BF16_TOL["out" if name == "out" else "grad"]
+            torch.testing.assert_close(a.double(), e, rtol=rtol, atol=atol, msg=lambda m: f"{what} {name}: {m}")
+        else:
+            assert_close(a, e.to(dtype), f"{what} {name}", scale=4.0)
+
+
+# dropout probability and seed of the dropout cases (a seed above 2**32)
+DROP_P, DROP_SEED = 0.25, 2**35 + 7
+
+
+def single_rank_dropout(q, k, v, dout, mask, causal, heads=slice(None)):
+    """Single-rank flash_attention with dropout on the full sequence (all heads), then ``heads``:
+    out, dq, dk, dv."""
+    from shardzoo.kernels import flash_attention
+
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    out = flash_attention(*leaves, causal=causal, key_padding_mask=mask, dropout_p=DROP_P, dropout_seed=DROP_SEED)
+    out.backward(dout)
+    return tuple(t[:, heads] for t in (out.detach(), *(x.grad for x in leaves)))
