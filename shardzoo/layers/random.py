@@ -24,7 +24,6 @@ Activation checkpointing that recomputes a forked block must save and restore
 from __future__ import annotations
 
 import contextlib
-import weakref
 from typing import Iterator
 
 import torch
@@ -107,14 +106,16 @@ class RNGStreams:
             _set_state(self.device, outside)
 
 
-_streams_of_mesh: "weakref.WeakKeyDictionary[object, RNGStreams]" = weakref.WeakKeyDictionary()
+# the streams are kept on the mesh itself: they refer to their mesh, so a cache keyed weakly by
+# the mesh would keep every mesh (and its process groups' threads) alive
+_ATTR = "_rng_streams"
 
 
 def rng_streams(mesh) -> RNGStreams:
     """The streams attached to ``mesh``, created on first use from ``torch.initial_seed()``."""
-    streams = _streams_of_mesh.get(mesh)
+    streams = mesh.__dict__.get(_ATTR)
     if streams is None:
-        streams = _streams_of_mesh[mesh] = RNGStreams(mesh)
+        streams = mesh.__dict__[_ATTR] = RNGStreams(mesh)
     return streams
 
 
@@ -122,7 +123,7 @@ def manual_seed(mesh, seed: int) -> RNGStreams:
     """Seed torch's default stream with ``seed`` (same on every rank) and reset the mesh's
     streams from it (tp stream: ``seed + TP_SEED_OFFSET + tp_rank``). Returns the streams."""
     torch.manual_seed(seed)
-    streams = _streams_of_mesh[mesh] = RNGStreams(mesh, seed)
+    streams = mesh.__dict__[_ATTR] = RNGStreams(mesh, seed)
     return streams
 
 

@@ -22,7 +22,6 @@ tp_mode").
 from __future__ import annotations
 
 import copy
-import weakref
 
 import torch
 from torch import nn
@@ -370,7 +369,7 @@ class Layout3D(TensorLayout):
 
 
 LAYOUTS = {cls.mode: cls for cls in (Layout1D, Layout2D, Layout2p5D, Layout3D)}
-_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_ATTR = "_tensor_layout"
 
 
 def layout_of(mesh) -> TensorLayout:
@@ -378,9 +377,13 @@ def layout_of(mesh) -> TensorLayout:
     mode = getattr(mesh, "tp_mode", None)
     if mode not in LAYOUTS:
         raise ValueError(f"layout_of needs a ParallelMesh (tp_mode one of {', '.join(LAYOUTS)}); got {mesh!r}")
-    found = _CACHE.get(mesh)
+    # kept on the mesh itself: the layout refers to its mesh, so a cache keyed weakly by the mesh
+    # would keep every mesh (and its process groups' threads) alive; mesh <-> layout is a cycle
+    # the collector frees with the mesh
+    found = mesh.__dict__.get(_ATTR)
     if found is None:
-        found = _CACHE[mesh] = LAYOUTS[mode](mesh)
+        found = LAYOUTS[mode](mesh)
+        mesh.__dict__[_ATTR] = found
     return found
 
 
