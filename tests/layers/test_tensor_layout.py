@@ -128,3 +128,26 @@ def test_every_kind_in_every_mode_equals_serial(mode):
 def test_layout_of_refuses_what_is_not_a_mesh():
     with pytest.raises(ValueError, match="layout_of needs a ParallelMesh"):
         layout_of(object())
+
+
+def closed_mesh_is_freed():
+    """A mesh whose layout object and RNG streams were made is collected once closed and
+    dropped (each refers to its mesh, so a cache keyed weakly by the mesh kept every one alive,
+    with its process groups' threads)."""
+    import gc
+    import weakref
+
+    from shardzoo import ParallelMesh
+    from shardzoo.layers.random import rng_streams
+
+    mesh = ParallelMesh(tp=2)
+    layout_of(mesh), rng_streams(mesh)
+    ref = weakref.ref(mesh)
+    mesh.close()
+    del mesh
+    gc.collect()
+    return ref() is None
+
+
+def test_layout_and_streams_do_not_keep_a_closed_mesh_alive():
+    assert run_on_ranks(closed_mesh_is_freed, 2) == [True, True]
