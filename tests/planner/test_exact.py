@@ -16,6 +16,8 @@ on the shared worker pools.
 
 from fractions import Fraction
 
+import re
+
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -114,10 +116,14 @@ def test_exact_on_8_ranks(spec):
     check_exact(spec)
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: with activation checkpointing, OPT on 2d recomputes one more SUMMA "
-                   "product (fc2's forward, 1024 bytes here) than the planner's recompute model counts")
 def test_opt_2d_checkpointing_recompute():
+    """Known gap, pinned: with activation checkpointing OPT on 2d recomputes one more SUMMA
+    product (fc2's forward, 1024 bytes here) than the planner's recompute model counts. The
+    test fails if the gap changes size or closes (then check_exact must simply pass)."""
     spec = _spec("opt", 4, "2d", 4, ckpt=True)
     spec["config"] = config_of("opt", 1, 33, 32, 0.0)
     spec["batch"] = 2
-    check_exact(spec)
+    with pytest.raises(AssertionError) as err:
+        check_exact(spec)
+    found = re.search(r"sent (\d+), planned (\d+)", str(err.value))
+    assert found and int(found[1]) - int(found[2]) == 1024, f"the known 1024-byte gap changed: {err.value}"
