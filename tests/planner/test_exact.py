@@ -14,9 +14,8 @@ stages 2 and 3 run FSDP2's own collectives, which nothing here counts. Few examp
 on the shared worker pools.
 """
 
-from fractions import Fraction
-
 import re
+from fractions import Fraction
 
 import pytest
 from hypothesis import example, given, settings
