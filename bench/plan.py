@@ -4,7 +4,7 @@ published configurations.
 1. Validation (``--hardware calibrate``): for a GPT-2 config that fits 4 and 8 ranks, plan, then
    run the candidates the planner enumerates, ZeRO stages 0-3 included (up to
    ``--max-candidates`` per world, spread evenly over the predicted ranking, the top pick always
-   among them): AdamW training steps on local ranks,
+   among them): AdamW training steps on fresh local ranks per candidate,
    measured step time (median after a warm-up step, slowest rank) and peak RSS per rank (the
    high-water mark from before the build to the last step). Reported: (a) peak memory error per
    candidate, (b) Spearman rank correlation of predicted vs measured step time, (c) the measured
@@ -81,16 +81,19 @@ def validate_world(world: int, args, hw) -> dict:
     plan_s = time.perf_counter() - start
     chosen = spread([c for c in planned if c.fits], args.max_candidates)
     rows, start = [], time.perf_counter()
-    with WorkerPool(world, timeout=args.timeout) as pool:
-        for c in chosen:
-            spec = dict(family="gpt2", config=config, layout=c.layout, micro_batches=c.micro_batches,
-                        batch=args.batch, seq=args.seq, steps=args.steps, checkpointing=c.activation_checkpointing,
-                        zero=c.zero)
+    for c in chosen:
+        spec = dict(family="gpt2", config=config, layout=c.layout, micro_batches=c.micro_batches,
+                    batch=args.batch, seq=args.seq, steps=args.steps, checkpointing=c.activation_checkpointing,
+                    zero=c.zero)
+        # fresh ranks per candidate, as a user's run starts: a reused process keeps the meshes,
+        # groups and heap of the candidates before it in its RSS
+        with WorkerPool(world, timeout=args.timeout) as pool:
             got = pool.run(run_layout, spec)
-            rows.append(dict(candidate=c, step_s=max(r["step_s"] for r in got),
-                             peak=max(r["peak_rss"] for r in got)))
-            print(f"world {world}: {c.describe()}: step {rows[-1]['step_s']:.3f} s (predicted {c.step_seconds:.3f}), "
-                  f"peak {rows[-1]['peak'] / 2**20:.0f} MiB (predicted {c.peak_bytes_per_rank / 2**20:.0f})", flush=True)
+        rows.append(dict(candidate=c, step_s=max(r["step_s"] for r in got),
+                         peak=max(r["peak_rss"] for r in got), base=max(r["base_rss"] for r in got)))
+        print(f"world {world}: {c.describe()}: step {rows[-1]['step_s']:.3f} s (predicted {c.step_seconds:.3f}), "
+              f"peak {rows[-1]['peak'] / 2**20:.0f} MiB (predicted {c.peak_bytes_per_rank / 2**20:.0f}; "
+              f"{rows[-1]['base'] / 2**20:.0f} MiB held before the build)", flush=True)
     return dict(world=world, rows=rows, plan_s=plan_s, measure_s=time.perf_counter() - start,
                 enumerated=planned.count, top=planned[0])
 

@@ -189,8 +189,9 @@ class Pricer:
         (the blocks' calls, their seconds) is summed once."""
         hw, problem, ep = self.hw, self.problem, self.problem.param_bytes
         n, b, m = layout.dp * layout.sp, self.batch(layout), layout.micro_batches
-        links = timing.Links(timing.axis_strides(**layout.mesh_kwargs()), hw)
-        share = hw.rank_share(min(layout.world, hw.devices_per_node))
+        ranks = min(layout.world, hw.devices_per_node)
+        links = timing.Links(timing.axis_strides(**layout.mesh_kwargs()), hw, ranks)
+        share = links.share
         base = self._base(cost, layout, stage)
         base_bytes, base_s = self._total(base), links.seconds(base)
         rc = self._summed("recompute", cost.block, recompute_calls(cost.block))
@@ -201,7 +202,7 @@ class Pricer:
             z_one, step = self._reduction(cost, layout, zero)
             z_bytes, z_s = self._total(z_one), links.seconds(z_one)
             optimizer = timing.optimizer_seconds(cost.params / (n if zero else 1), hw)
-            step_s = (links.seconds(step) + optimizer) / share
+            step_s = links.seconds(step) + optimizer / share
             step_bytes = self._total(step)
             for ckpt in checkpointing:
                 memory = stage_memory(cost, stage=stage, pp=layout.pp, micro_batches=m, checkpointing=ckpt, zero=zero,
@@ -209,7 +210,7 @@ class Pricer:
                 compute = timing.compute_seconds(cost, ckpt, hw, problem.e) / share
                 comm_s = base_s + z_s + (rc_s if ckpt and cost.blocks else 0.0)
                 per_mb = base_bytes + z_bytes + (rc_bytes if ckpt and cost.blocks else 0)
-                out[(ckpt, zero)] = StageReport(stage, memory, held // n if zero == 3 else held, compute + comm_s / share,
+                out[(ckpt, zero)] = StageReport(stage, memory, held // n if zero == 3 else held, compute + comm_s,
                                                 step_s, compute, per_mb * m + step_bytes, self.denominator, share)
         return out
 

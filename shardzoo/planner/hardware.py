@@ -2,7 +2,8 @@
 
 ``calibrate()`` measures, in a few seconds, this host's matmul FLOP/s per core, its memory
 bandwidth (reported only: the models price elementwise work at the elementwise bandwidths),
-the gloo bandwidth and per-message latency between two local ranks, and the memory a rank
+the gloo bandwidth and per-message latency between two local ranks (alone, and with 2 and 4
+busy ranks per core, where a message waits for a core), and the memory a rank
 process holds before any model (torch, gloo); the result is cached in
 ``$SHARDZOO_CACHE_DIR`` (default ``~/.cache/shardzoo``) as ``hardware-<host>.json`` and reused.
 """
@@ -18,7 +19,7 @@ import time
 from dataclasses import asdict, dataclass, fields
 
 GIB = 1 << 30
-CACHE_VERSION = 3
+CACHE_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,9 @@ class Hardware:
     elementwise kernel streams (read + write) over tensors that fit a cache;
     large_elementwise_bandwidth: the same over tensors larger than block_costs.LARGE_BYTES (0:
     as elementwise_bandwidth); flops_efficiency: the fraction of ``flops`` matmuls reach;
-    source: where the numbers come from."""
+    source: where the numbers come from; shared_latency_2x / _4x: seconds per message on a CPU
+    host whose cores each run 2 / 4 busy ranks (0: not measured, the latency is scaled by
+    ranks / cores; see ``message_latency``)."""
 
     name: str
     flops: float
@@ -52,6 +55,8 @@ class Hardware:
     cores_per_node: int = 0
     source: str = ""
     large_elementwise_bandwidth: float = 0.0
+    shared_latency_2x: float = 0.0
+    shared_latency_4x: float = 0.0
 
     def __post_init__(self):
         if not self.large_elementwise_bandwidth:
@@ -69,6 +74,21 @@ class Hardware:
             return self.cores_per_node / ranks_on_node
         return float(self.cores_per_node // ranks_on_node)
 
+    def message_latency(self, latency: float, ranks_on_node: int) -> float:
+        """Seconds per message of a link of ``latency`` when ``ranks_on_node`` ranks share the
+        node. With more busy ranks than cores a message waits until the receiving rank gets a
+        core back, which costs far more than the link: linear in ranks per core through the
+        measured points (1, latency), (2, shared_latency_2x), (4, shared_latency_4x), and beyond
+        the last one along its slope. Unmeasured points: latency * ranks / cores."""
+        if not self.cores_per_node or ranks_on_node <= self.cores_per_node:
+            return latency
+        x = ranks_on_node / self.cores_per_node
+        if not (self.shared_latency_2x and self.shared_latency_4x):
+            return latency * x
+        if x <= 2:
+            return latency + (x - 1) * (self.shared_latency_2x - latency)
+        return max(latency, self.shared_latency_2x + (x - 2) * (self.shared_latency_4x - self.shared_latency_2x) / 2)
+
 
 def _positive(name: str, value, path: str):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
@@ -77,7 +97,8 @@ def _positive(name: str, value, path: str):
     return value
 
 
-OPTIONAL = ("flops_efficiency", "cores_per_node", "source", "large_elementwise_bandwidth")
+OPTIONAL = ("flops_efficiency", "cores_per_node", "source", "large_elementwise_bandwidth", "shared_latency_2x",
+            "shared_latency_4x")
 
 
 def from_json(data: dict, path: str) -> Hardware:
@@ -90,6 +111,8 @@ def from_json(data: dict, path: str) -> Hardware:
         raise ValueError(f"{path} lacks {missing}; delete it and calibrate again")
     kwargs = {k: data[k] for k in names if k in data}
     for k, v in kwargs.items():
+        if k in ("shared_latency_2x", "shared_latency_4x") and v == 0 and not isinstance(v, bool):
+            continue  # 0: not measured
         if k not in ("name", "source", "cores_per_node"):
             _positive(k, v, path)
     for k in ("memory_bytes", "devices_per_node", "runtime_bytes"):
@@ -252,6 +275,63 @@ def _gloo_probe(small: int, large: int, reps: int) -> dict:
     return out
 
 
+SHARED_CORES = 2  # cores the shared-latency probe pins its ranks to (fewer if the host has fewer)
+# the matmul between its messages: ~3 ms on one core, the compute a training rank of a small
+# model does between two collectives (the wait for a core grows with it)
+SHARED_MATMUL = 512
+
+
+def _shared_latency_probe(iters: int, n: int) -> dict:
+    """On each of 4 * c ranks pinned to the same c cores: seconds per small all_reduce between
+    rank pairs, beyond the compute in between, with 2 * c and then all 4 * c ranks busy (an
+    [n, n] matmul between messages, as training ranks compute between collectives)."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cores = world // 4
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:cores])
+    pairs = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)]
+    torch.set_num_threads(1)
+    a, x = torch.randn(n, n), torch.zeros(1)
+
+    def loop(talk: bool) -> float:
+        start = time.perf_counter()
+        for _ in range(iters):
+            a @ a
+            if talk:
+                dist.all_reduce(x, group=pairs[rank // 2])
+        return time.perf_counter() - start
+
+    out = {}
+    for busy in (2 * cores, 4 * cores):
+        dist.barrier()
+        if rank < busy:  # the others wait in the barrier, off the cores
+            loop(True)
+            quiet, talking = zip(*[(loop(False), loop(True)) for _ in range(3)])
+            out[busy] = (statistics.median(quiet), statistics.median(talking))
+        dist.barrier()
+    return out
+
+
+def _shared_latency() -> tuple[float, float]:
+    """(seconds per message with 2 ranks per core, with 4), pinned to ``SHARED_CORES`` cores: an
+    all_reduce between 2 ranks is 2 messages."""
+    from shardzoo.comm.workers import WorkerPool
+
+    cores, iters = max(1, min(SHARED_CORES, _cores())), 30
+    with WorkerPool(4 * cores, timeout=300) as pool:
+        got = pool.run(_shared_latency_probe, iters, SHARED_MATMUL)
+
+    def per_message(busy):
+        quiet = max(r[busy][0] for r in got[:busy])
+        talking = max(r[busy][1] for r in got[:busy])
+        return max(talking - quiet, 1e-9) / iters / 2
+
+    return per_message(2 * cores), per_message(4 * cores)
+
+
 def calibrate(use_cache: bool = True) -> Hardware:
     """This host as a Hardware (cached; ``use_cache=False`` measures again)."""
     path = cache_path()
@@ -275,15 +355,18 @@ def calibrate(use_cache: bool = True) -> Hardware:
     def rate(key):
         return statistics.fmean(r[key] for r in probe)
 
+    shared_2x, shared_4x = _shared_latency()
+
     hw = Hardware("calibrate", flops=rate("flops"), memory_bytes=_host_memory(), mem_bandwidth=_measure_mem_bandwidth(),
                   intra_bandwidth=bandwidth, inter_bandwidth=bandwidth, intra_latency=latency, inter_latency=latency,
                   devices_per_node=1 << 20, runtime_bytes=max(r["rss"] for r in probe),
                   attention_flops=rate("attention"), elementwise_bandwidth=rate("elementwise"),
                   large_elementwise_bandwidth=rate("large_elementwise"), cores_per_node=_cores(),
+                  shared_latency_2x=max(shared_2x, latency), shared_latency_4x=max(shared_4x, latency),
                   source=f"measured on {platform.node()} at {time.strftime('%Y-%m-%d %H:%M')}: on 2 local ranks at "
                          f"once, one thread each, fp32 matmul, attention, LayerNorm (small tensors) and cross entropy "
-                         f"(large) per core; gloo all_reduce between the 2 ranks; rank RSS after a tiny training "
-                         f"step; memory copy")
+                         f"(large) per core; gloo all_reduce between the 2 ranks, alone and with 2 and 4 busy "
+                         f"ranks per core; rank RSS after a tiny training step; memory copy")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:

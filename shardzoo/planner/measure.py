@@ -12,7 +12,8 @@ then AdamW) and returns, for the last step, this rank's
   and then all-reduces it as DDP would) with, at ZeRO stage 1, ZeroRedundancyOptimizer's
   parameter broadcasts, torch pipelining's stage sends (``P2POp`` sends on the pp group) and the
   tied-embedding all-reduce of ``sync_tied_grads``;
-* ``param_bytes`` (the stage's parameters, each tensor once), step seconds and peak RSS.
+* ``param_bytes`` (the stage's parameters, each tensor once), step seconds, peak RSS and the RSS
+  before the build (``base_rss``: what the process held already).
 """
 
 from __future__ import annotations
@@ -135,6 +136,7 @@ def run_layout(spec: dict) -> dict:
 
     mesh = cached_mesh(**spec["layout"])
     _reset_peak_rss()  # the peak covers building, the warm-up step (optimizer state) and the measured steps
+    base_rss = _rss_kib("VmRSS") * 1024
     model = build_model(spec, mesh)
     param_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
     totals = {"ddp": Fraction(0), "p2p": Fraction(0), "tied": Fraction(0)}
@@ -178,7 +180,7 @@ def run_layout(spec: dict) -> dict:
         times.append(time.perf_counter() - start)
         counted = counter.total_bytes
     return {"stage": mesh.pp_rank, "param_bytes": param_bytes, "counted": counted, **totals,
-            "step_s": statistics.median(times), "peak_rss": _rss_kib("VmHWM") * 1024}
+            "step_s": statistics.median(times), "peak_rss": _rss_kib("VmHWM") * 1024, "base_rss": base_rss}
 
 
 _BLOCKS = {"gpt2": "transformer.h", "opt": "model.decoder.layers", "bert": "bert.encoder.layer",

@@ -35,7 +35,7 @@ def comm_by_group(plan, cand) -> list[tuple[str, float, float, str]]:
     cost = dict(plan.pricer.distinct_stages(layout))[report.stage]
     one, step = plan.pricer.traffic(cost, layout, report.stage, cand.activation_checkpointing, cand.zero)
     strides = timing.axis_strides(**cand.layout)
-    share = plan.hardware.rank_share(min(layout.world, plan.hardware.devices_per_node))
+    links = timing.Links(strides, plan.hardware, min(layout.world, plan.hardware.devices_per_node))
     groups: dict = {}
     # bytes: m micro-batches and the step's own; seconds: the pipeline's critical path
     for traffic, times, path in ((one, layout.micro_batches, layout.micro_batches + layout.pp - 1), (step, 1, 1)):
@@ -44,7 +44,8 @@ def comm_by_group(plan, cand) -> list[tuple[str, float, float, str]]:
             name = "x".join(axes)
             gb, secs, _ = groups.get(name, (0.0, 0.0, ""))
             kind = "intra-node" if bandwidth == plan.hardware.intra_bandwidth else "inter-node"
-            groups[name] = (gb + n * times / 1e9, secs + (n / bandwidth + messages * latency) * path / share, kind)
+            per_byte, per_message = links.per_group(axes)
+            groups[name] = (gb + n * times / 1e9, secs + (n * per_byte + messages * per_message) * path, kind)
     return sorted(((k, *v) for k, v in groups.items()), key=lambda g: -g[2])
 
 

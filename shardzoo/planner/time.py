@@ -2,7 +2,7 @@
 
     t_stage   = (3 * matmul FLOPs / (F * efficiency) + 3 * attention FLOPs / F_attention
                  + elementwise passes * 2 * e / elementwise bandwidth (of small or large tensors)
-                 + sum over groups (bytes / bandwidth + messages * latency)) / share
+                 + sum over groups bytes / bandwidth) / share + sum over groups messages * latency
     t_step    = (m + pp - 1) * max over stages of t_stage   (GPipe and 1F1B: same bubble)
                 + per-step communication (gradient reduction, tied table) + optimizer step
 
@@ -43,19 +43,29 @@ def link(axes: tuple[str, ...], strides: dict[str, tuple[int, int]], hw: Hardwar
 
 
 class Links:
-    """(bandwidth, latency) per group of one layout, looked up once per group."""
+    """Seconds of the calls of one layout, per group: bytes at the group's link bandwidth
+    (divided by ``share``: on a CPU host copies run at the rank's share of a core) plus messages
+    at the link's latency as ``Hardware.message_latency`` puts it for ``ranks_on_node`` ranks
+    (on an oversubscribed host the wait for a core, not the link, is most of a message)."""
 
-    def __init__(self, strides: dict[str, tuple[int, int]], hw: Hardware):
+    def __init__(self, strides: dict[str, tuple[int, int]], hw: Hardware, ranks_on_node: int = 1):
         self.strides, self.hw, self._cache = strides, hw, {}
+        self.share, self.ranks = hw.rank_share(ranks_on_node), ranks_on_node
+
+    def per_group(self, axes: tuple[str, ...]) -> tuple[float, float]:
+        """(seconds per byte, seconds per message) of the group spanning ``axes``."""
+        lk = self._cache.get(axes)
+        if lk is None:
+            bandwidth, latency = link(axes, self.strides, self.hw)
+            lk = self._cache[axes] = (1 / (bandwidth * self.share), self.hw.message_latency(latency, self.ranks))
+        return lk
 
     def seconds(self, traffic) -> float:
         """Seconds to send ``traffic`` (a comm.Traffic) at each group's link."""
-        total, cache = 0.0, self._cache
+        total = 0.0
         for axes, n, messages in traffic.links():
-            lk = cache.get(axes)
-            if lk is None:
-                lk = cache[axes] = link(axes, self.strides, self.hw)
-            total += n / lk[0] + messages * lk[1]
+            per_byte, per_message = self.per_group(axes)
+            total += n * per_byte + messages * per_message
         return total
 
 

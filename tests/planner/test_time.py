@@ -40,3 +40,19 @@ def test_the_bubble_of_an_oversubscribed_host_is_lent_to_the_busy_ranks(share, e
     layout = SimpleNamespace(micro_batches=4, pp=2)
     reports = [SimpleNamespace(micro_seconds=1.0, step_seconds=0.0, share=share)] * 2
     assert step_seconds(layout, reports) == pytest.approx(expected)
+
+
+def test_a_message_on_an_oversubscribed_host_costs_the_measured_shared_latency():
+    """Latency per message through the calibrated points (1, link), (2, 2x), (4, 4x) ranks per
+    core, along the last slope beyond; unmeasured hosts scale the link latency by ranks / cores."""
+    hw = dataclasses.replace(HARDWARE["a100"], cores_per_node=2, shared_latency_2x=1e-3, shared_latency_4x=3e-3)
+    link = 1e-4
+    assert hw.message_latency(link, 1) == link and hw.message_latency(link, 2) == link  # a core each
+    assert hw.message_latency(link, 3) == pytest.approx(link + 0.5 * (1e-3 - link))
+    assert hw.message_latency(link, 4) == pytest.approx(1e-3)
+    assert hw.message_latency(link, 6) == pytest.approx(2e-3)
+    assert hw.message_latency(link, 8) == pytest.approx(3e-3)
+    assert hw.message_latency(link, 16) == pytest.approx(7e-3)
+    unmeasured = dataclasses.replace(hw, shared_latency_2x=0.0, shared_latency_4x=0.0)
+    assert unmeasured.message_latency(link, 8) == pytest.approx(4 * link)
+    assert HARDWARE["a100"].message_latency(link, 8) == link  # accelerators: one device per rank
