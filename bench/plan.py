@@ -180,6 +180,9 @@ def main(argv=None):
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--paper-memory-gib", type=float, default=16.0)
     ap.add_argument("--paper-batch", type=int, default=16)
+    ap.add_argument("--cached-hardware", action="store_true",
+                    help="reuse the cached calibration instead of measuring the host again just before the runs "
+                         "(this host's speed drifts within the hour)")
     ap.add_argument("--glibc-default", action="store_true",
                     help="measure RSS under glibc's default malloc, which keeps freed heap (see docs/planner.md)")
     args = ap.parse_args(argv)
@@ -189,7 +192,7 @@ def main(argv=None):
         os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 << 10))
     from shardzoo.planner.hardware import calibrate
 
-    hw = calibrate()
+    hw = calibrate(use_cache=args.cached_hardware)
     results = [validate_world(w, args, hw) for w in args.worlds]
     tables, data = [], {"args": vars(args), "hardware": hw.to_json(), "worlds": []}
     for res in results:

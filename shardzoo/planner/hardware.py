@@ -1,10 +1,10 @@
 """What a device can do, as the time and memory models need it, and measuring this host.
 
-``calibrate()`` measures, in a few seconds, this host's matmul FLOP/s per core, its memory
-bandwidth (reported only: the models price elementwise work at the elementwise bandwidths),
-the gloo bandwidth and per-message latency between two local ranks (alone, and with 2 and 4
-busy ranks per core, where a message waits for a core), and the memory a rank
-process holds before any model (torch, gloo); the result is cached in
+``calibrate()`` measures this host, in under a minute (two pools of local ranks): its matmul
+FLOP/s per core, its memory bandwidth (reported only: the models price elementwise work at the
+elementwise bandwidths), the gloo bandwidth and per-message latency between two local ranks
+(alone, and with 2 and 4 busy ranks per core, where a message waits for a core), and the memory
+a rank process holds before any model (torch, gloo); the result is cached in
 ``$SHARDZOO_CACHE_DIR`` (default ``~/.cache/shardzoo``) as ``hardware-<host>.json`` and reused.
 """
 
