@@ -174,7 +174,7 @@ def main(argv=None):
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--steps", type=int, default=3, help="training steps per candidate, the first a warm-up")
+    ap.add_argument("--steps", type=int, default=4, help="training steps per candidate, the first a warm-up")
     ap.add_argument("--max-candidates", type=int, default=24, help="per world")
     ap.add_argument("--zero", type=int, nargs="+", default=[0, 1, 2, 3], help="ZeRO stages to enumerate")
     ap.add_argument("--timeout", type=float, default=1800)
@@ -216,7 +216,12 @@ def main(argv=None):
         tables.append(f"### World {res['world']}\n\n" + markdown_table(
             ["candidate", "peak MiB predicted", "peak MiB measured", "error", "step s predicted",
              "step s measured"], rows) + f"\n\n{summary}")
-        data["worlds"].append(dict(world=res["world"], summary=summary, rows=rows))
+        runs = [dict(layout=r["candidate"].layout, micro_batches=r["candidate"].micro_batches,
+                     activation_checkpointing=r["candidate"].activation_checkpointing, zero=r["candidate"].zero,
+                     step_s_predicted=r["candidate"].step_seconds, step_s_measured=r["step_s"],
+                     peak_predicted=r["candidate"].peak_bytes_per_rank, peak_measured=r["peak"])
+                for r in res["rows"]]
+        data["worlds"].append(dict(world=res["world"], summary=summary, rows=rows, runs=runs))
     sp_rows = sequence_parallel_paper(args)
     tables.append(f"### Sequence parallelism vs 1D at fixed memory (BERT-Base, 12 devices, "
                   f"{args.paper_memory_gib:g} GiB each as assumed here; bf16, no checkpointing)\n\n"

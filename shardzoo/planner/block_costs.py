@@ -63,12 +63,20 @@ class Piece:
     elems: int = 0
     big_elems: int = 0  # the part of ``elems`` over tensors larger than LARGE_BYTES
     tensors: int = 0  # parameter tensors held (one message each where a step sends them one by one)
+    # saves a tensor for backward whose bytes another piece counts (fc2's input is ReLU's output):
+    # still a save, so activation checkpointing recomputes up to and through this piece
+    saves: bool = False
+
+    @property
+    def saves_any(self) -> bool:
+        """Packs a tensor for backward (checkpointing's recompute runs at least this far)."""
+        return bool(self.saved) or self.saves
 
     def __add__(self, other: "Piece") -> "Piece":
         return Piece(self.calls + other.calls, self.params + other.params, self.saved + other.saved,
                      max(self.workspace, other.workspace), self.flops + other.flops,
                      self.attn_flops + other.attn_flops, self.elems + other.elems, self.big_elems + other.big_elems,
-                     self.tensors + other.tensors)
+                     self.tensors + other.tensors, self.saves or other.saves)
 
 
 # elementwise passes per element (forward + backward), as torch's CPU kernels run them (measured
@@ -150,11 +158,11 @@ class Costs1D:
             need(who, "out_features", n_out, p, f"tp={p}")
             return Piece(calls("bwd", ("tp",), "all_reduce", rows * n_in * e, p),
                          n_out // p * n_in + (n_out // p if bias else 0), rows * n_in * e if input_saved else 0,
-                         flops=flops, tensors=1 + bias, **elementwise(BIAS_PASSES, rows * n_out // p if bias else 0, e))
+                         flops=flops, tensors=1 + bias, saves=True, **elementwise(BIAS_PASSES, rows * n_out // p if bias else 0, e))
         need(who, "in_features", n_in, p, f"tp={p}")
         return Piece(calls("fwd", ("tp",), "all_reduce", rows * n_out * e, p, after_save=True),
                      n_out * n_in // p + (n_out if bias else 0), rows * n_in // p * e if input_saved else 0,
-                     flops=flops, tensors=1 + bias, **elementwise(BIAS_PASSES, rows * n_out if bias else 0, e))
+                     flops=flops, tensors=1 + bias, saves=True, **elementwise(BIAS_PASSES, rows * n_out if bias else 0, e))
 
     def layer_norm(self, h, rows, e, layout=None, *, affine=True, bias=True) -> Piece:
         """Replicated: saves its input and the row mean / rstd."""
@@ -362,7 +370,7 @@ class Costs2D(GridCosts):
         out += self._summa("bwd", row, x, col, w, "reduce") + calls("bwd", ("tp_dep",), "all_reduce", w, d)
         out += self._block_param_grads(layout, n_out // q, 1) if bias else []
         return Piece(out, n_in * n_out // (q * q) + (n_out // q if bias else 0), x if input_saved else 0,
-                     workspace=2 * (x + w), flops=2 * rows * n_in * n_out // q, tensors=1 + bias,
+                     workspace=2 * (x + w), flops=2 * rows * n_in * n_out // q, tensors=1 + bias, saves=True,
                      **elementwise(BIAS_PASSES, rows * n_out // q if bias else 0, e))
 
     def lm_head(self, vocab, h, rows, e, layout=None, *, tied=False) -> Piece:

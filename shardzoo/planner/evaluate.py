@@ -60,6 +60,7 @@ class StageReport:
     comm_scaled: int  # bytes of a whole step times ``denominator``
     denominator: int
     share: float = 1.0  # Hardware.rank_share: below 1 when ranks time-share a CPU host's cores
+    stages_alike: int = 1  # pipeline stages of this one's kind (same ends and block count), itself included
 
     @property
     def comm_bytes(self) -> Fraction:
@@ -70,9 +71,16 @@ class StageReport:
 def recompute_calls(block: list[Piece]) -> list[Call]:
     """Forward calls activation checkpointing runs again in backward: up to the block's last
     saved tensor (torch's non-reentrant checkpoint stops recomputing there)."""
-    last = max((i for i, p in enumerate(block) if p.saved), default=-1)
+    last = max((i for i, p in enumerate(block) if p.saves_any), default=-1)
     out = [c for p in block[:last] for c in p.calls if c.phase == "fwd"]
     return out + ([c for c in block[last].calls if c.phase == "fwd" and not c.after_save] if last >= 0 else [])
+
+
+def message_chunk(cost: StageCost, base: Traffic, hw: Hardware, e: int) -> float:
+    """Seconds of compute (on a whole core) a rank of this stage runs between two messages of a
+    micro-batch: the wait for a core on an oversubscribed host grows with it."""
+    messages = sum(n for _, _, n in base.links())
+    return timing.compute_seconds(cost, False, hw, e) / max(messages, 1)
 
 
 class Pricer:
@@ -190,9 +198,10 @@ class Pricer:
         hw, problem, ep = self.hw, self.problem, self.problem.param_bytes
         n, b, m = layout.dp * layout.sp, self.batch(layout), layout.micro_batches
         ranks = min(layout.world, hw.devices_per_node)
-        links = timing.Links(timing.axis_strides(**layout.mesh_kwargs()), hw, ranks)
-        share = links.share
         base = self._base(cost, layout, stage)
+        links = timing.Links(timing.axis_strides(**layout.mesh_kwargs()), hw, ranks,
+                             message_chunk(cost, base, hw, problem.e))
+        share = links.share
         base_bytes, base_s = self._total(base), links.seconds(base)
         rc = self._summed("recompute", cost.block, recompute_calls(cost.block))
         rc_bytes, rc_s = self._total(rc) * cost.blocks, links.seconds(rc) * cost.blocks
@@ -219,23 +228,58 @@ class Pricer:
         """{(checkpointing, zero): [StageReport]} over the stages that can be the worst: the
         first of each kind (same ends and block count), which holds the most micro-batches."""
         costs = costs if costs is not None else self.distinct_stages(layout)
+        alike = stage_kind_counts(self.problem.shape.layers, layout.pp)
         out = {}
         for k, cost in costs:
             for key, report in self.price_variants(layout, cost, k, checkpointing, zeros).items():
+                report.stages_alike = alike.get(k, 1)
                 out.setdefault(key, []).append(report)
         return out
 
 
+def stage_kind_counts(layers: int, pp: int) -> dict[int, int]:
+    """{first stage of each kind: how many of the ``pp`` stages are of that kind}; a kind is
+    (holds the embeddings, holds the head, block count), blocks split as ``models.stage_blocks``
+    splits them (the first ``layers % pp`` stages get one more)."""
+    base, extra = divmod(layers, pp)
+    first: dict[tuple, int] = {}
+    counts: dict[int, int] = {}
+    for k in range(pp):
+        rep = first.setdefault((k == 0, k == pp - 1, base + (k < extra)), k)
+        counts[rep] = counts.get(rep, 0) + 1
+    return counts
+
+
 def step_seconds(layout: Layout, reports: list[StageReport]) -> float:
     """(m + pp - 1) micro-batch times of the slowest stage (the 1F1B / GPipe critical path),
-    then the per-step work. On a CPU host with more ranks than cores a rank waiting in the
-    bubble leaves its core to the others: the critical path runs at a whole core per rank
-    (``share`` times the time-shared micro-batch time), and the step is at least the m
-    micro-batches every rank computes at the shared speed."""
+    then the per-step work. With more ranks than cores (``share`` < 1) see
+    :func:`shared_pipeline_seconds`."""
     slowest, share = max(r.micro_seconds for r in reports), min(r.share for r in reports)
     m, pp = layout.micro_batches, layout.pp
-    pipe = max(m * slowest, (m + pp - 1) * slowest * share) if share < 1 else (m + pp - 1) * slowest
+    pipe = shared_pipeline_seconds(m, pp, reports) if share < 1 and pp > 1 else (m + pp - 1) * slowest
     return pipe + max(r.step_seconds for r in reports)
+
+
+def shared_pipeline_seconds(m: int, pp: int, reports: list[StageReport]) -> float:
+    """The pipeline part of a step when the ranks time-share a CPU host's cores. A rank waiting
+    in the bubble, or on a lighter stage, leaves its core to the others, so the step is the
+    larger of:
+
+    - the work: every stage's m micro-batches at the shared speed, spread over all cores,
+      ``m * mean over the pp stages of t_k``;
+    - the critical path: the slowest stage's m micro-batches, plus one micro-batch through each
+      other stage (fill and drain), each stage at the most cores its ranks can hold (a whole core
+      per rank, at most all the cores: ``t_k * max(share, 1 / pp)``).
+
+    ``t_k`` is a stage's micro-batch time at the shared speed (``StageReport.micro_seconds``);
+    each report stands for ``stages_alike`` stages."""
+    share = min(r.share for r in reports)
+    speedup = max(share, 1 / pp)
+    work = m * sum(r.micro_seconds * r.stages_alike for r in reports) / pp
+    alone = [r.micro_seconds * speedup for r in reports]
+    slowest = max(alone)
+    path = (m - 1) * slowest + sum(t * r.stages_alike for t, r in zip(alone, reports))
+    return max(work, path)
 
 
 def _channel(key) -> str:

@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict, dataclass, fields
 
 GIB = 1 << 30
-CACHE_VERSION = 4
+CACHE_VERSION = 5
 
 
 @dataclass(frozen=True)
@@ -36,8 +36,11 @@ class Hardware:
     large_elementwise_bandwidth: the same over tensors larger than block_costs.LARGE_BYTES (0:
     as elementwise_bandwidth); flops_efficiency: the fraction of ``flops`` matmuls reach;
     source: where the numbers come from; shared_latency_2x / _4x: seconds per message on a CPU
-    host whose cores each run 2 / 4 busy ranks (0: not measured, the latency is scaled by
-    ranks / cores; see ``message_latency``)."""
+    host whose cores each run 2 / 4 busy ranks, measured with ``shared_chunk`` seconds of
+    single-core compute between messages (0: not measured, the latency is scaled by ranks /
+    cores; see ``message_latency``); shared_latency_2x_long / _4x_long: the same with
+    ``shared_chunk_long`` seconds between messages (0: not measured, the short figures serve
+    for every chunk)."""
 
     name: str
     flops: float
@@ -57,6 +60,10 @@ class Hardware:
     large_elementwise_bandwidth: float = 0.0
     shared_latency_2x: float = 0.0
     shared_latency_4x: float = 0.0
+    shared_chunk: float = 0.0
+    shared_latency_2x_long: float = 0.0
+    shared_latency_4x_long: float = 0.0
+    shared_chunk_long: float = 0.0
 
     def __post_init__(self):
         if not self.large_elementwise_bandwidth:
@@ -74,20 +81,36 @@ class Hardware:
             return self.cores_per_node / ranks_on_node
         return float(self.cores_per_node // ranks_on_node)
 
-    def message_latency(self, latency: float, ranks_on_node: int) -> float:
+    def message_latency(self, latency: float, ranks_on_node: int, chunk: float | None = None) -> float:
         """Seconds per message of a link of ``latency`` when ``ranks_on_node`` ranks share the
-        node. With more busy ranks than cores a message waits until the receiving rank gets a
-        core back, which costs far more than the link: linear in ranks per core through the
-        measured points (1, latency), (2, shared_latency_2x), (4, shared_latency_4x), and beyond
-        the last one along its slope. Unmeasured points: latency * ranks / cores."""
+        node and each rank computes ``chunk`` seconds (on a whole core) between two messages.
+
+        With more busy ranks than cores a message waits until the receiving rank gets a core
+        back, which costs far more than the link, and the wait grows with the compute the
+        core's other ranks run meanwhile. In ranks per core: linear through the measured points
+        (1, latency), (2, shared_latency_2x), (4, shared_latency_4x), and beyond the last one
+        along its slope; in ``chunk``: linear between the figures measured at ``shared_chunk``
+        and at ``shared_chunk_long`` (the ``_long`` points), held at the nearer one outside.
+        Unmeasured points: latency * ranks / cores."""
         if not self.cores_per_node or ranks_on_node <= self.cores_per_node:
             return latency
         x = ranks_on_node / self.cores_per_node
         if not (self.shared_latency_2x and self.shared_latency_4x):
             return latency * x
-        if x <= 2:
-            return latency + (x - 1) * (self.shared_latency_2x - latency)
-        return max(latency, self.shared_latency_2x + (x - 2) * (self.shared_latency_4x - self.shared_latency_2x) / 2)
+        short = _along_ranks(x, latency, self.shared_latency_2x, self.shared_latency_4x)
+        long_measured = self.shared_latency_2x_long and self.shared_latency_4x_long
+        if chunk is None or not long_measured or self.shared_chunk_long <= self.shared_chunk:
+            return short
+        long = _along_ranks(x, latency, self.shared_latency_2x_long, self.shared_latency_4x_long)
+        f = min(1.0, max(0.0, (chunk - self.shared_chunk) / (self.shared_chunk_long - self.shared_chunk)))
+        return short + f * (long - short)
+
+
+def _along_ranks(x: float, latency: float, at_2x: float, at_4x: float) -> float:
+    """Seconds per message at ``x`` ranks per core through (1, latency), (2, at_2x), (4, at_4x)."""
+    if x <= 2:
+        return latency + (x - 1) * (at_2x - latency)
+    return max(latency, at_2x + (x - 2) * (at_4x - at_2x) / 2)
 
 
 def _positive(name: str, value, path: str):
@@ -97,8 +120,9 @@ def _positive(name: str, value, path: str):
     return value
 
 
-OPTIONAL = ("flops_efficiency", "cores_per_node", "source", "large_elementwise_bandwidth", "shared_latency_2x",
-            "shared_latency_4x")
+SHARED = ("shared_latency_2x", "shared_latency_4x", "shared_chunk", "shared_latency_2x_long",
+          "shared_latency_4x_long", "shared_chunk_long")
+OPTIONAL = ("flops_efficiency", "cores_per_node", "source", "large_elementwise_bandwidth") + SHARED
 
 
 def from_json(data: dict, path: str) -> Hardware:
@@ -111,7 +135,7 @@ def from_json(data: dict, path: str) -> Hardware:
         raise ValueError(f"{path} lacks {missing}; delete it and calibrate again")
     kwargs = {k: data[k] for k in names if k in data}
     for k, v in kwargs.items():
-        if k in ("shared_latency_2x", "shared_latency_4x") and v == 0 and not isinstance(v, bool):
+        if k in SHARED and v == 0 and not isinstance(v, bool):
             continue  # 0: not measured
         if k not in ("name", "source", "cores_per_node"):
             _positive(k, v, path)
@@ -276,9 +300,10 @@ def _gloo_probe(small: int, large: int, reps: int) -> dict:
 
 
 SHARED_CORES = 2  # cores the shared-latency probe pins its ranks to (fewer if the host has fewer)
-# the matmul between its messages: ~3 ms on one core, the compute a training rank of a small
-# model does between two collectives (the wait for a core grows with it)
-SHARED_MATMUL = 512
+# the matmuls between its messages: [512, 512] is a few ms on one core, [1024, 1024] eight times
+# that, the span of the compute a training rank of a small model does between two messages (the
+# wait for a core grows with it)
+SHARED_MATMUL, SHARED_MATMUL_LONG = 512, 1024
 
 
 def _shared_latency_probe(iters: int, n: int) -> dict:
@@ -315,21 +340,24 @@ def _shared_latency_probe(iters: int, n: int) -> dict:
     return out
 
 
-def _shared_latency() -> tuple[float, float]:
-    """(seconds per message with 2 ranks per core, with 4), pinned to ``SHARED_CORES`` cores: an
-    all_reduce between 2 ranks is 2 messages."""
+def _shared_latency() -> dict:
+    """Hardware's shared_* fields: seconds per message with 2 and with 4 ranks per core, each
+    after a short and after a long matmul (``shared_chunk`` / ``shared_chunk_long``: its seconds
+    on one core), pinned to ``SHARED_CORES`` cores: an all_reduce between 2 ranks is 2 messages."""
     from shardzoo.comm.workers import WorkerPool
 
-    cores, iters = max(1, min(SHARED_CORES, _cores())), 30
+    cores = max(1, min(SHARED_CORES, _cores()))
+    out = {}
     with WorkerPool(4 * cores, timeout=300) as pool:
-        got = pool.run(_shared_latency_probe, iters, SHARED_MATMUL)
-
-    def per_message(busy):
-        quiet = max(r[busy][0] for r in got[:busy])
-        talking = max(r[busy][1] for r in got[:busy])
-        return max(talking - quiet, 1e-9) / iters / 2
-
-    return per_message(2 * cores), per_message(4 * cores)
+        for suffix, n, iters in (("", SHARED_MATMUL, 30), ("_long", SHARED_MATMUL_LONG, 8)):
+            got = pool.run(_shared_latency_probe, iters, n)
+            for per_core, busy in ((2, 2 * cores), (4, 4 * cores)):
+                quiet = max(r[busy][0] for r in got[:busy])
+                talking = max(r[busy][1] for r in got[:busy])
+                out[f"shared_latency_{per_core}x{suffix}"] = max(talking - quiet, 1e-9) / iters / 2
+            # the quiet loop of 2 ranks per core: each matmul on a whole core is half its share
+            out[f"shared_chunk{suffix}"] = max(r[2 * cores][0] for r in got[:2 * cores]) / iters / 2
+    return out
 
 
 def calibrate(use_cache: bool = True) -> Hardware:
@@ -355,18 +383,19 @@ def calibrate(use_cache: bool = True) -> Hardware:
     def rate(key):
         return statistics.fmean(r[key] for r in probe)
 
-    shared_2x, shared_4x = _shared_latency()
+    shared = _shared_latency()
+    shared.update({k: max(v, latency) for k, v in shared.items() if k.startswith("shared_latency")})
 
     hw = Hardware("calibrate", flops=rate("flops"), memory_bytes=_host_memory(), mem_bandwidth=_measure_mem_bandwidth(),
                   intra_bandwidth=bandwidth, inter_bandwidth=bandwidth, intra_latency=latency, inter_latency=latency,
                   devices_per_node=1 << 20, runtime_bytes=max(r["rss"] for r in probe),
                   attention_flops=rate("attention"), elementwise_bandwidth=rate("elementwise"),
                   large_elementwise_bandwidth=rate("large_elementwise"), cores_per_node=_cores(),
-                  shared_latency_2x=max(shared_2x, latency), shared_latency_4x=max(shared_4x, latency),
+                  **shared,
                   source=f"measured on {platform.node()} at {time.strftime('%Y-%m-%d %H:%M')}: on 2 local ranks at "
                          f"once, one thread each, fp32 matmul, attention, LayerNorm (small tensors) and cross entropy "
                          f"(large) per core; gloo all_reduce between the 2 ranks, alone and with 2 and 4 busy "
-                         f"ranks per core; rank RSS after a tiny training step; memory copy")
+                         f"ranks per core after short and long matmuls; rank RSS after a tiny training step; memory copy")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:

@@ -6,9 +6,9 @@
     t_step    = (m + pp - 1) * max over stages of t_stage   (GPipe and 1F1B: same bubble)
                 + per-step communication (gradient reduction, tied table) + optimizer step
 
-On a CPU host with more ranks than cores (share < 1) a rank idle in the bubble lends its core:
-the pipeline part is max(m * t_stage, (m + pp - 1) * t_stage * share) instead
-(``evaluate.step_seconds``).
+On a CPU host with more ranks than cores (share < 1) a rank idle in the bubble, or on a lighter
+stage, lends its core: the pipeline part is the larger of the mean stage's m micro-batches and
+the critical path at a whole core per rank (``evaluate.shared_pipeline_seconds``).
 
 Placement: ranks are numbered dp, pp, sp, tp (tp fastest; the tp sub-axes slow to fast as in
 ParallelMesh), so the tp and sp groups are the ones that stay inside a node. A group is inside a
@@ -46,18 +46,20 @@ class Links:
     """Seconds of the calls of one layout, per group: bytes at the group's link bandwidth
     (divided by ``share``: on a CPU host copies run at the rank's share of a core) plus messages
     at the link's latency as ``Hardware.message_latency`` puts it for ``ranks_on_node`` ranks
-    (on an oversubscribed host the wait for a core, not the link, is most of a message)."""
+    computing ``chunk`` seconds (on a whole core) between messages (on an oversubscribed host
+    the wait for a core, not the link, is most of a message)."""
 
-    def __init__(self, strides: dict[str, tuple[int, int]], hw: Hardware, ranks_on_node: int = 1):
+    def __init__(self, strides: dict[str, tuple[int, int]], hw: Hardware, ranks_on_node: int = 1,
+                 chunk: float | None = None):
         self.strides, self.hw, self._cache = strides, hw, {}
-        self.share, self.ranks = hw.rank_share(ranks_on_node), ranks_on_node
+        self.share, self.ranks, self.chunk = hw.rank_share(ranks_on_node), ranks_on_node, chunk
 
     def per_group(self, axes: tuple[str, ...]) -> tuple[float, float]:
         """(seconds per byte, seconds per message) of the group spanning ``axes``."""
         lk = self._cache.get(axes)
         if lk is None:
             bandwidth, latency = link(axes, self.strides, self.hw)
-            lk = self._cache[axes] = (1 / (bandwidth * self.share), self.hw.message_latency(latency, self.ranks))
+            lk = self._cache[axes] = (1 / (bandwidth * self.share), self.hw.message_latency(latency, self.ranks, self.chunk))
         return lk
 
     def seconds(self, traffic) -> float:

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from shardzoo.planner.block_costs import LARGE_BYTES, Piece, elementwise
-from shardzoo.planner.evaluate import step_seconds
+from shardzoo.planner.evaluate import stage_kind_counts, step_seconds
 from shardzoo.planner.model import StageCost
 from shardzoo.planner.presets import HARDWARE
 from shardzoo.planner.time import compute_seconds
@@ -38,8 +38,27 @@ def test_the_bubble_of_an_oversubscribed_host_is_lent_to_the_busy_ranks(share, e
     """pp=2, 4 micro-batches of 1 s each at the shared speed: (m + pp - 1) = 5 s with a core per
     rank; time-shared, max(m, (m + pp - 1) * share) s."""
     layout = SimpleNamespace(micro_batches=4, pp=2)
-    reports = [SimpleNamespace(micro_seconds=1.0, step_seconds=0.0, share=share)] * 2
+    reports = [SimpleNamespace(micro_seconds=1.0, step_seconds=0.0, share=share, stages_alike=1)] * 2
     assert step_seconds(layout, reports) == pytest.approx(expected)
+
+
+def test_a_time_shared_pipeline_is_priced_by_its_mean_stage_and_its_critical_path():
+    """pp=4 on 4 ranks of 2 cores (share 0.5), 8 micro-batches: stage 0 (1 s), two middle
+    stages (1 s each, one report standing for both) and a heavy last stage (5 s). The work is
+    m * mean = 8 * 8 / 4 = 16 s; the critical path runs each stage on a whole core (half its
+    shared time): 7 * 2.5 + (0.5 + 2 * 0.5 + 2.5) = 21.5 s, the larger. With 16 ranks the stage
+    can use at most the 2 cores (share 1/8, each stage at a quarter of its shared time)."""
+    def reports(share):
+        return [SimpleNamespace(micro_seconds=t, step_seconds=0.0, share=share, stages_alike=n)
+                for t, n in ((1.0, 1), (1.0, 2), (5.0, 1))]
+
+    assert step_seconds(SimpleNamespace(micro_batches=8, pp=4), reports(0.5)) == pytest.approx(21.5)
+    assert step_seconds(SimpleNamespace(micro_batches=8, pp=4), reports(0.125)) == pytest.approx(
+        max(16.0, 7 * 1.25 + 0.25 + 0.5 + 1.25))
+    assert stage_kind_counts(4, 4) == {0: 1, 1: 2, 3: 1}
+    assert stage_kind_counts(7, 4) == {0: 1, 1: 2, 3: 1}  # 2, 2, 2, 1 blocks
+    assert stage_kind_counts(6, 4) == {0: 1, 1: 1, 2: 1, 3: 1}  # 2, 2, 1, 1 blocks
+    assert stage_kind_counts(5, 1) == {0: 1}
 
 
 def test_a_message_on_an_oversubscribed_host_costs_the_measured_shared_latency():
