@@ -84,7 +84,7 @@ def validate_world(world: int, args, hw) -> dict:
     for c in chosen:
         spec = dict(family="gpt2", config=config, layout=c.layout, micro_batches=c.micro_batches,
                     batch=args.batch, seq=args.seq, steps=args.steps, checkpointing=c.activation_checkpointing,
-                    zero=c.zero)
+                    zero=c.zero, time_on_heap=not args.glibc_default)
         # fresh ranks per candidate, as a user's run starts: a reused process keeps the meshes,
         # groups and heap of the candidates before it in its RSS
         with WorkerPool(world, timeout=args.timeout) as pool:
@@ -186,13 +186,14 @@ def main(argv=None):
     ap.add_argument("--glibc-default", action="store_true",
                     help="measure RSS under glibc's default malloc, which keeps freed heap (see docs/planner.md)")
     args = ap.parse_args(argv)
-    if not args.glibc_default:
-        # the planner predicts live bytes; glibc otherwise keeps freed blocks above the heap's
-        # live top in the RSS. Read by each rank's malloc at its start (the pools spawn later).
-        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 << 10))
     from shardzoo.planner.hardware import calibrate
 
-    hw = calibrate(use_cache=args.cached_hardware)
+    hw = calibrate(use_cache=args.cached_hardware)  # under the default allocator, as training steps are timed
+    if not args.glibc_default:
+        # the planner predicts live bytes; glibc otherwise keeps freed blocks above the heap's
+        # live top in the RSS. Read by each rank's malloc at its start (the pools spawn later);
+        # run_layout times its steps after switching back to a heap that keeps freed blocks.
+        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 << 10))
     results = [validate_world(w, args, hw) for w in args.worlds]
     tables, data = [], {"args": vars(args), "hardware": hw.to_json(), "worlds": []}
     for res in results:
@@ -238,9 +239,11 @@ def main(argv=None):
             f"hardware: this host calibrated ({hw.source}). More ranks than cores time-share the cores; the "
             "planner scales compute and communication by cores / ranks. Pipelines run with return_outputs=False. "
             + ("Ranks run under glibc's default malloc (freed heap stays in the RSS)." if args.glibc_default else
-               f"Ranks run with MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_')} (blocks of 128 KiB "
-               "and more are returned to the OS when freed, so the RSS follows live bytes; --glibc-default "
-               "measures without it)."))
+               f"Ranks start with MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_')} (blocks of 128 KiB "
+               "and more are returned to the OS when freed, so the RSS follows live bytes) for the peak, taken over "
+               "the build and two steps; the timed steps follow on a heap that keeps freed blocks up to 32 MiB "
+               "(mallopt), as glibc settles by default, since faulting pages in for every large tensor would "
+               "slow them; --glibc-default measures without either."))
     write_results("plan", "Planner: predicted vs measured, and published layouts (bench/plan.py)", table, data, note)
 
 

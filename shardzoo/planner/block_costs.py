@@ -66,6 +66,7 @@ class Piece:
     # saves a tensor for backward whose bytes another piece counts (fc2's input is ReLU's output):
     # still a save, so activation checkpointing recomputes up to and through this piece
     saves: bool = False
+    huge_elems: int = 0  # the part of ``big_elems`` over tensors of HUGE_BYTES or more
 
     @property
     def saves_any(self) -> bool:
@@ -76,21 +77,25 @@ class Piece:
         return Piece(self.calls + other.calls, self.params + other.params, self.saved + other.saved,
                      max(self.workspace, other.workspace), self.flops + other.flops,
                      self.attn_flops + other.attn_flops, self.elems + other.elems, self.big_elems + other.big_elems,
-                     self.tensors + other.tensors, self.saves or other.saves)
+                     self.tensors + other.tensors, self.saves or other.saves, self.huge_elems + other.huge_elems)
 
 
 # elementwise passes per element (forward + backward), as torch's CPU kernels run them (measured
 # with torch.profiler): the loss over the logits, a LayerNorm, a bias add, an embedding lookup
 LOSS_PASSES, NORM_PASSES, BIAS_PASSES, LOOKUP_PASSES = 12, 12, 2, 3
-# An elementwise operand larger than this streams from memory rather than a CPU's cache (and
-# its freshly allocated output faults its pages in): priced at the large-tensor bandwidth.
-LARGE_BYTES = 1 << 20  # a CPU core's L2 here; accelerator presets price both sizes alike
+# An elementwise operand larger than LARGE_BYTES streams from memory rather than a CPU's cache:
+# priced at the large-tensor bandwidth. One of HUGE_BYTES or more is past the largest block
+# glibc's malloc keeps in its heap, so each new one is mapped afresh and faults its pages in:
+# priced at the huge-tensor bandwidth. Accelerator presets price every size alike.
+LARGE_BYTES = 1 << 20  # a CPU core's L2 here
+HUGE_BYTES = 32 << 20  # glibc's largest mmap threshold on 64-bit hosts
 
 
 def elementwise(passes: int, n: int, e: int) -> dict:
     """Piece fields for ``passes`` elementwise passes over a tensor of ``n`` elements of ``e`` bytes."""
     total = passes * n
-    return {"elems": total, "big_elems": total if n * e > LARGE_BYTES else 0}
+    return {"elems": total, "big_elems": total if n * e > LARGE_BYTES else 0,
+            "huge_elems": total if n * e >= HUGE_BYTES else 0}
 
 
 def calls(phase, axes, kind, payload, p, times=1, after_save=False, counted=True) -> list[Call]:

@@ -25,9 +25,10 @@ DDP_BUCKET_BYTES = 25 << 20  # torch DDP's default bucket_cap_mb
 RING_MERGE_PASSES = 6  # per ring step: the log-sum-exp merge of out and lse, the dQ / dK / dV sums
 ULYSSES_COPY_PASSES = 8  # the head / sequence regrouping copies of q, k, v and out, both ways
 
-# messages (latency terms) one rank starts per call, under the ring algorithms of the byte model
+# messages (latency terms) one call waits for in turn: the ring algorithms of the byte model, but
+# a broadcast goes down gloo's binomial tree (ceil(log2 p) rounds); the bytes stay the ring's
 _STEPS = {"all_reduce": lambda p: 2 * (p - 1), "all_gather": lambda p: p - 1, "reduce_scatter": lambda p: p - 1,
-          "all_to_all": lambda p: p - 1, "broadcast": lambda p: p - 1, "reduce": lambda p: p - 1,
+          "all_to_all": lambda p: p - 1, "broadcast": lambda p: (p - 1).bit_length(), "reduce": lambda p: p - 1,
           "send": lambda p: 1}
 
 

@@ -76,13 +76,6 @@ def recompute_calls(block: list[Piece]) -> list[Call]:
     return out + ([c for c in block[last].calls if c.phase == "fwd" and not c.after_save] if last >= 0 else [])
 
 
-def message_chunk(cost: StageCost, base: Traffic, hw: Hardware, e: int) -> float:
-    """Seconds of compute (on a whole core) a rank of this stage runs between two messages of a
-    micro-batch: the wait for a core on an oversubscribed host grows with it."""
-    messages = sum(n for _, _, n in base.links())
-    return timing.compute_seconds(cost, False, hw, e) / max(messages, 1)
-
-
 class Pricer:
     """Prices the layouts of one problem (``enumerate.Problem``) on ``hw``."""
 
@@ -192,15 +185,19 @@ class Pricer:
         """Everything about one rank of ``stage`` for one (checkpointing, zero) choice."""
         return self.price_variants(layout, cost, stage, (checkpointing,), (zero,))[(checkpointing, zero)]
 
-    def price_variants(self, layout: Layout, cost: StageCost, stage: int, checkpointing, zeros) -> dict:
+    def price_variants(self, layout: Layout, cost: StageCost, stage: int, checkpointing, zeros,
+                       chunk: float | None = None) -> dict:
         """{(checkpointing, zero): StageReport} of one rank of ``stage``; what the variants share
-        (the blocks' calls, their seconds) is summed once."""
+        (the blocks' calls, their seconds) is summed once. ``chunk``: see ``longest_chunk``."""
         hw, problem, ep = self.hw, self.problem, self.problem.param_bytes
         n, b, m = layout.dp * layout.sp, self.batch(layout), layout.micro_batches
         ranks = min(layout.world, hw.devices_per_node)
         base = self._base(cost, layout, stage)
-        links = timing.Links(timing.axis_strides(**layout.mesh_kwargs()), hw, ranks,
-                             message_chunk(cost, base, hw, problem.e))
+        strides = timing.axis_strides(**layout.mesh_kwargs())
+        links = timing.Links(strides, hw, ranks, chunk)
+        # the per-step calls (gradient reduction, parameter broadcasts) follow one another with
+        # no compute between them: the shortest wait for a core
+        step_links = timing.Links(strides, hw, ranks, 0.0)
         share = links.share
         base_bytes, base_s = self._total(base), links.seconds(base)
         rc = self._summed("recompute", cost.block, recompute_calls(cost.block))
@@ -211,7 +208,7 @@ class Pricer:
             z_one, step = self._reduction(cost, layout, zero)
             z_bytes, z_s = self._total(z_one), links.seconds(z_one)
             optimizer = timing.optimizer_seconds(cost.params / (n if zero else 1), hw)
-            step_s = links.seconds(step) + optimizer / share
+            step_s = step_links.seconds(step) + optimizer / share
             step_bytes = self._total(step)
             for ckpt in checkpointing:
                 memory = stage_memory(cost, stage=stage, pp=layout.pp, micro_batches=m, checkpointing=ckpt, zero=zero,
@@ -223,18 +220,39 @@ class Pricer:
                                                 step_s, compute, per_mb * m + step_bytes, self.denominator, share)
         return out
 
+    def longest_chunk(self, costs) -> float:
+        """The longest compute (seconds on a whole core) any piece of any stage runs between two
+        of its messages: its work over its messages plus one. A message between time-shared
+        ranks waits for the core its receiver shares, and the rank on that core may be in such
+        a stretch (the LM head and loss, a block's MLP) whatever the receiver itself runs."""
+        longest = 0.0
+        for _, cost in costs:
+            for piece in (cost.first, cost.last, *cost.block):
+                key = ("chunk", id(piece))
+                entry = self._sums.get(key)
+                if entry is None or entry[0] is not piece:
+                    seconds = timing.piece_seconds(piece, self.hw, self.problem.e) / (1 + _piece_messages(piece))
+                    entry = self._sums[key] = (piece, seconds)
+                longest = max(longest, entry[1])
+        return longest
+
     def price(self, layout: Layout, checkpointing=(False, True), zeros=(0,),
               costs: list[StageCost] | None = None) -> dict:
         """{(checkpointing, zero): [StageReport]} over the stages that can be the worst: the
         first of each kind (same ends and block count), which holds the most micro-batches."""
         costs = costs if costs is not None else self.distinct_stages(layout)
         alike = stage_kind_counts(self.problem.shape.layers, layout.pp)
+        chunk = self.longest_chunk(costs) if self.hw.cores_per_node else None
         out = {}
         for k, cost in costs:
-            for key, report in self.price_variants(layout, cost, k, checkpointing, zeros).items():
+            for key, report in self.price_variants(layout, cost, k, checkpointing, zeros, chunk).items():
                 report.stages_alike = alike.get(k, 1)
                 out.setdefault(key, []).append(report)
         return out
+
+
+def _piece_messages(piece) -> int:
+    return sum(n for _, _, n in Traffic().add(piece.calls).links())
 
 
 def stage_kind_counts(layers: int, pp: int) -> dict[int, int]:
@@ -251,30 +269,29 @@ def stage_kind_counts(layers: int, pp: int) -> dict[int, int]:
 
 
 def step_seconds(layout: Layout, reports: list[StageReport]) -> float:
-    """(m + pp - 1) micro-batch times of the slowest stage (the 1F1B / GPipe critical path),
-    then the per-step work. With more ranks than cores (``share`` < 1) see
-    :func:`shared_pipeline_seconds`."""
-    slowest, share = max(r.micro_seconds for r in reports), min(r.share for r in reports)
+    """The m micro-batches through the pipeline (:func:`pipeline_seconds`), then the per-step
+    work."""
     m, pp = layout.micro_batches, layout.pp
-    pipe = shared_pipeline_seconds(m, pp, reports) if share < 1 and pp > 1 else (m + pp - 1) * slowest
+    pipe = pipeline_seconds(m, pp, reports) if pp > 1 else m * max(r.micro_seconds for r in reports)
     return pipe + max(r.step_seconds for r in reports)
 
 
-def shared_pipeline_seconds(m: int, pp: int, reports: list[StageReport]) -> float:
-    """The pipeline part of a step when the ranks time-share a CPU host's cores. A rank waiting
-    in the bubble, or on a lighter stage, leaves its core to the others, so the step is the
-    larger of:
+def pipeline_seconds(m: int, pp: int, reports: list[StageReport]) -> float:
+    """The forward and backward of m micro-batches through pp stages (1F1B or GPipe). The
+    critical path is the slowest stage's m micro-batches plus one micro-batch through each other
+    stage (the fill and the drain): ``(m - 1) * max_k t_k + sum_k t_k``, which is the familiar
+    ``(m + pp - 1) * t`` when the stages are alike.
 
-    - the work: every stage's m micro-batches at the shared speed, spread over all cores,
-      ``m * mean over the pp stages of t_k``;
-    - the critical path: the slowest stage's m micro-batches, plus one micro-batch through each
-      other stage (fill and drain), each stage at the most cores its ranks can hold (a whole core
-      per rank, at most all the cores: ``t_k * max(share, 1 / pp)``).
+    When the ranks time-share a CPU host's cores (``share`` < 1) a rank waiting in the bubble, or
+    on a lighter stage, leaves its core to the others. The path then runs each stage at the most
+    cores its ranks can hold (a whole core per rank, at most all the cores: ``t_k * max(share,
+    1 / pp)``), and the step is at least the work: every stage's m micro-batches at the shared
+    speed spread over all cores, ``m * mean over the pp stages of t_k``.
 
-    ``t_k`` is a stage's micro-batch time at the shared speed (``StageReport.micro_seconds``);
+    ``t_k`` is a stage's micro-batch time (``StageReport.micro_seconds``, at the shared speed);
     each report stands for ``stages_alike`` stages."""
     share = min(r.share for r in reports)
-    speedup = max(share, 1 / pp)
+    speedup = max(share, 1 / pp) if share < 1 else 1.0
     work = m * sum(r.micro_seconds * r.stages_alike for r in reports) / pp
     alone = [r.micro_seconds * speedup for r in reports]
     slowest = max(alone)

@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict, dataclass, fields
 
 GIB = 1 << 30
-CACHE_VERSION = 5
+CACHE_VERSION = 6
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,8 @@ class Hardware:
     FLOP/s the attention kernel reaches (forward + backward); elementwise_bandwidth: bytes/s an
     elementwise kernel streams (read + write) over tensors that fit a cache;
     large_elementwise_bandwidth: the same over tensors larger than block_costs.LARGE_BYTES (0:
-    as elementwise_bandwidth); flops_efficiency: the fraction of ``flops`` matmuls reach;
+    as elementwise_bandwidth); huge_elementwise_bandwidth: the same over tensors of
+    block_costs.HUGE_BYTES or more (0: as large_elementwise_bandwidth); flops_efficiency: the fraction of ``flops`` matmuls reach;
     source: where the numbers come from; shared_latency_2x / _4x: seconds per message on a CPU
     host whose cores each run 2 / 4 busy ranks, measured with ``shared_chunk`` seconds of
     single-core compute between messages (0: not measured, the latency is scaled by ranks /
@@ -64,10 +65,13 @@ class Hardware:
     shared_latency_2x_long: float = 0.0
     shared_latency_4x_long: float = 0.0
     shared_chunk_long: float = 0.0
+    huge_elementwise_bandwidth: float = 0.0
 
     def __post_init__(self):
         if not self.large_elementwise_bandwidth:
             object.__setattr__(self, "large_elementwise_bandwidth", self.elementwise_bandwidth)
+        if not self.huge_elementwise_bandwidth:
+            object.__setattr__(self, "huge_elementwise_bandwidth", self.large_elementwise_bandwidth)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -122,7 +126,8 @@ def _positive(name: str, value, path: str):
 
 SHARED = ("shared_latency_2x", "shared_latency_4x", "shared_chunk", "shared_latency_2x_long",
           "shared_latency_4x_long", "shared_chunk_long")
-OPTIONAL = ("flops_efficiency", "cores_per_node", "source", "large_elementwise_bandwidth") + SHARED
+OPTIONAL = ("flops_efficiency", "cores_per_node", "source", "large_elementwise_bandwidth",
+            "huge_elementwise_bandwidth") + SHARED
 
 
 def from_json(data: dict, path: str) -> Hardware:
@@ -196,9 +201,11 @@ def _measure_norm_bandwidth(reps: int = 9) -> float:
     return NORM_PASSES * x.numel() * 8 / _median_seconds(lambda: norm(x).sum().backward(), reps)
 
 
-def _measure_loss_bandwidth(reps: int = 5) -> float:
-    """The same over large tensors: shardzoo's cross entropy forward + backward of [1024, 8192]
-    fp32 logits (32 MiB) is LOSS_PASSES passes (on a group of one rank: no communication)."""
+def _measure_loss_bandwidth(rows: int = 256, reps: int = 5) -> float:
+    """The same over large tensors: shardzoo's cross entropy forward + backward of [rows, 8192]
+    fp32 logits is LOSS_PASSES passes (on a group of one rank: no communication). 256 rows are
+    8 MiB, a large tensor that glibc's heap keeps; 1024 rows are 32 MiB, a huge one that each
+    step maps afresh."""
     import torch
     import torch.distributed as dist
 
@@ -206,8 +213,8 @@ def _measure_loss_bandwidth(reps: int = 5) -> float:
     from shardzoo.planner.block_costs import LOSS_PASSES
 
     own = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
-    logits = torch.randn(1024, 8192, requires_grad=True)
-    target = torch.randint(0, 8192, (1024,))
+    logits = torch.randn(rows, 8192, requires_grad=True)
+    target = torch.randint(0, 8192, (rows,))
 
     def run():
         vocab_parallel_cross_entropy(logits, target, group=own, vocab_start=0, vocab_size=8192).backward()
@@ -293,7 +300,8 @@ def _gloo_probe(small: int, large: int, reps: int) -> dict:
     out = {"small": timed(small), "large": timed(large), "rss": _runtime_rss()}
     # compute rates with every rank busy at once, one thread each, as training ranks run
     for key, measure in (("flops", _measure_flops), ("attention", _measure_attention),
-                         ("elementwise", _measure_norm_bandwidth), ("large_elementwise", _measure_loss_bandwidth)):
+                         ("elementwise", _measure_norm_bandwidth), ("large_elementwise", _measure_loss_bandwidth),
+                         ("huge_elementwise", lambda: _measure_loss_bandwidth(1024))):
         dist.barrier()
         out[key] = _single_thread(measure)
     return out
@@ -391,10 +399,11 @@ def calibrate(use_cache: bool = True) -> Hardware:
                   devices_per_node=1 << 20, runtime_bytes=max(r["rss"] for r in probe),
                   attention_flops=rate("attention"), elementwise_bandwidth=rate("elementwise"),
                   large_elementwise_bandwidth=rate("large_elementwise"), cores_per_node=_cores(),
+                  huge_elementwise_bandwidth=rate("huge_elementwise"),
                   **shared,
                   source=f"measured on {platform.node()} at {time.strftime('%Y-%m-%d %H:%M')}: on 2 local ranks at "
                          f"once, one thread each, fp32 matmul, attention, LayerNorm (small tensors) and cross entropy "
-                         f"(large) per core; gloo all_reduce between the 2 ranks, alone and with 2 and 4 busy "
+                         f"(8 and 32 MiB of logits) per core; gloo all_reduce between the 2 ranks, alone and with 2 and 4 busy "
                          f"ranks per core after short and long matmuls; rank RSS after a tiny training step; memory copy")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"

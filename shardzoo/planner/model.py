@@ -95,17 +95,18 @@ class StageCost:
         return sum(p.saved for p in self.block)
 
     @cached_property
-    def block_work(self) -> tuple[int, int, int, int]:
-        """(matmul FLOPs, attention FLOPs, elementwise passes, of which over large tensors) of
-        one block, forward (elementwise: forward + backward)."""
+    def block_work(self) -> tuple[int, int, int, int, int]:
+        """(matmul FLOPs, attention FLOPs, elementwise passes, of which over large tensors, of
+        which over huge ones) of one block, forward (elementwise: forward + backward)."""
         return (sum(p.flops for p in self.block), sum(p.attn_flops for p in self.block),
-                sum(p.elems for p in self.block), sum(p.big_elems for p in self.block))
+                sum(p.elems for p in self.block), sum(p.big_elems for p in self.block),
+                sum(p.huge_elems for p in self.block))
 
     @cached_property
-    def work(self) -> tuple[int, int, int, int]:
+    def work(self) -> tuple[int, int, int, int, int]:
         """The same for the whole stage and one micro-batch."""
         ends = (self.first, self.last)
-        per_end = ((p.flops, p.attn_flops, p.elems, p.big_elems) for p in ends)
+        per_end = ((p.flops, p.attn_flops, p.elems, p.big_elems, p.huge_elems) for p in ends)
         return tuple(self.blocks * w + sum(col) for w, col in zip(self.block_work, zip(*per_end)))
 
     @cached_property

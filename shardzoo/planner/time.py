@@ -3,12 +3,14 @@
     t_stage   = (3 * matmul FLOPs / (F * efficiency) + 3 * attention FLOPs / F_attention
                  + elementwise passes * 2 * e / elementwise bandwidth (of small or large tensors)
                  + sum over groups bytes / bandwidth) / share + sum over groups messages * latency
-    t_step    = (m + pp - 1) * max over stages of t_stage   (GPipe and 1F1B: same bubble)
+    t_step    = (m - 1) * max over stages of t_stage + sum over stages of t_stage
+                (GPipe and 1F1B: the slowest stage's m micro-batches, one through each other
+                stage to fill and drain)
                 + per-step communication (gradient reduction, tied table) + optimizer step
 
 On a CPU host with more ranks than cores (share < 1) a rank idle in the bubble, or on a lighter
 stage, lends its core: the pipeline part is the larger of the mean stage's m micro-batches and
-the critical path at a whole core per rank (``evaluate.shared_pipeline_seconds``).
+the critical path at a whole core per rank (``evaluate.pipeline_seconds``).
 
 Placement: ranks are numbered dp, pp, sp, tp (tp fastest; the tp sub-axes slow to fast as in
 ParallelMesh), so the tp and sp groups are the ones that stay inside a node. A group is inside a
@@ -45,9 +47,10 @@ def link(axes: tuple[str, ...], strides: dict[str, tuple[int, int]], hw: Hardwar
 class Links:
     """Seconds of the calls of one layout, per group: bytes at the group's link bandwidth
     (divided by ``share``: on a CPU host copies run at the rank's share of a core) plus messages
-    at the link's latency as ``Hardware.message_latency`` puts it for ``ranks_on_node`` ranks
-    computing ``chunk`` seconds (on a whole core) between messages (on an oversubscribed host
-    the wait for a core, not the link, is most of a message)."""
+    at the link's latency as ``Hardware.message_latency`` puts it for ``ranks_on_node`` ranks (on
+    an oversubscribed host the wait for a core, not the link, is most of a message). That wait
+    grows with the compute the receiver's core-mates run meanwhile: ``chunk`` seconds on a whole
+    core (``evaluate.Pricer.longest_chunk``)."""
 
     def __init__(self, strides: dict[str, tuple[int, int]], hw: Hardware, ranks_on_node: int = 1,
                  chunk: float | None = None):
@@ -75,14 +78,28 @@ def compute_seconds(cost, checkpointing: bool, hw: Hardware, e: int) -> float:
     """Seconds of one rank's work for one micro-batch of a stage (a model.StageCost): matmuls
     (backward twice the forward) at the achievable FLOP/s, attention at the kernel's FLOP/s,
     elementwise passes at the elementwise bandwidth; checkpointing runs the blocks' forward again."""
-    flops, attn, elems, big = cost.work
+    flops, attn, elems, big, huge = cost.work
     again = cost.blocks if checkpointing else 0
-    b_flops, b_attn, b_elems, b_big = cost.block_work
+    b_flops, b_attn, b_elems, b_big, b_huge = cost.block_work
     matmul = (3 * flops + again * b_flops) / (hw.flops * hw.flops_efficiency)
     attention = (3 * attn + again * b_attn) / hw.attention_flops
-    big = big + again * b_big / 2  # the recompute runs the forward half of the passes again
-    small = elems + again * b_elems / 2 - big
-    return matmul + attention + 2 * e * (small / hw.elementwise_bandwidth + big / hw.large_elementwise_bandwidth)
+    # the recompute runs the forward half of the passes again
+    elems, big, huge = (x + again * b / 2 for x, b in ((elems, b_elems), (big, b_big), (huge, b_huge)))
+    return matmul + attention + elementwise_seconds(elems, big, huge, hw, e)
+
+
+def elementwise_seconds(elems: float, big: float, huge: float, hw: Hardware, e: int) -> float:
+    """Seconds of ``elems`` elementwise passes (of which ``big`` over large tensors and of those
+    ``huge`` over huge ones), each reading and writing ``e`` bytes per element."""
+    small, large = elems - big, big - huge
+    return 2 * e * (small / hw.elementwise_bandwidth + large / hw.large_elementwise_bandwidth
+                    + huge / hw.huge_elementwise_bandwidth)
+
+
+def piece_seconds(piece, hw: Hardware, e: int) -> float:
+    """Seconds of one piece's forward and backward on a whole core (as ``compute_seconds``)."""
+    matmul = 3 * piece.flops / (hw.flops * hw.flops_efficiency) + 3 * piece.attn_flops / hw.attention_flops
+    return matmul + elementwise_seconds(piece.elems, piece.big_elems, piece.huge_elems, hw, e)
 
 
 def optimizer_seconds(param_elements: float, hw: Hardware) -> float:

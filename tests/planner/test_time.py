@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from shardzoo.planner.block_costs import LARGE_BYTES, Piece, elementwise
+from shardzoo.planner.block_costs import HUGE_BYTES, LARGE_BYTES, Piece, elementwise
 from shardzoo.planner.evaluate import stage_kind_counts, step_seconds
 from shardzoo.planner.model import StageCost
 from shardzoo.planner.presets import HARDWARE
@@ -16,9 +16,13 @@ from shardzoo.planner.time import compute_seconds
 
 def test_elementwise_work_over_a_large_tensor_is_counted_apart():
     small, large = LARGE_BYTES // 4, LARGE_BYTES // 4 + 1  # fp32 elements: at and just past the threshold
-    assert elementwise(3, small, 4) == {"elems": 3 * small, "big_elems": 0}
-    assert elementwise(3, large, 4) == {"elems": 3 * large, "big_elems": 3 * large}
+    assert elementwise(3, small, 4) == {"elems": 3 * small, "big_elems": 0, "huge_elems": 0}
+    assert elementwise(3, large, 4) == {"elems": 3 * large, "big_elems": 3 * large, "huge_elems": 0}
     assert (Piece(**elementwise(2, small, 4)) + Piece(**elementwise(5, large, 4))).big_elems == 5 * large
+    below, huge = HUGE_BYTES // 4 - 1, HUGE_BYTES // 4  # past glibc's largest heap block: mapped afresh
+    assert elementwise(1, below, 4)["huge_elems"] == 0
+    assert elementwise(2, huge, 4) == {"elems": 2 * huge, "big_elems": 2 * huge, "huge_elems": 2 * huge}
+    assert (Piece(**elementwise(1, large, 4)) + Piece(**elementwise(2, huge, 4))).huge_elems == 2 * huge
 
 
 def test_large_tensors_are_priced_at_the_large_bandwidth():
@@ -31,12 +35,21 @@ def test_large_tensors_are_priced_at_the_large_bandwidth():
     extra = compute_seconds(stage, False, slow, 4) - compute_seconds(stage, False, hw, 4)
     expected = 2 * 4 * 2 * n * (1 / slow.large_elementwise_bandwidth - 1 / hw.elementwise_bandwidth)
     assert extra == pytest.approx(expected, rel=1e-9)
+    assert hw.huge_elementwise_bandwidth == hw.large_elementwise_bandwidth  # unset: as large tensors
+
+
+def test_huge_tensors_are_priced_at_the_huge_bandwidth():
+    n = HUGE_BYTES // 4  # fp32 elements: a huge tensor, mapped afresh on every use
+    stage = StageCost(first=Piece(**elementwise(3, n, 4)), block=[Piece()], blocks=1, last=Piece(), boundary=0,
+                      tied_table=0)
+    hw = dataclasses.replace(HARDWARE["a100"], large_elementwise_bandwidth=2e12, huge_elementwise_bandwidth=1e12)
+    assert compute_seconds(stage, False, hw, 4) == pytest.approx(2 * 4 * 3 * n / 1e12, rel=1e-9)
 
 
 @pytest.mark.parametrize("share, expected", [(1.0, 5.0), (0.5, 4.0), (0.25, 4.0), (0.9, 4.5)])
 def test_the_bubble_of_an_oversubscribed_host_is_lent_to_the_busy_ranks(share, expected):
     """pp=2, 4 micro-batches of 1 s each at the shared speed: (m + pp - 1) = 5 s with a core per
-    rank; time-shared, max(m, (m + pp - 1) * share) s."""
+    rank; time-shared, max(m, (m + pp - 1) * max(share, 1 / pp)) s."""
     layout = SimpleNamespace(micro_batches=4, pp=2)
     reports = [SimpleNamespace(micro_seconds=1.0, step_seconds=0.0, share=share, stages_alike=1)] * 2
     assert step_seconds(layout, reports) == pytest.approx(expected)
@@ -55,6 +68,8 @@ def test_a_time_shared_pipeline_is_priced_by_its_mean_stage_and_its_critical_pat
     assert step_seconds(SimpleNamespace(micro_batches=8, pp=4), reports(0.5)) == pytest.approx(21.5)
     assert step_seconds(SimpleNamespace(micro_batches=8, pp=4), reports(0.125)) == pytest.approx(
         max(16.0, 7 * 1.25 + 0.25 + 0.5 + 1.25))
+    # a core per rank: the heavy stage's 8 micro-batches, one through each other stage
+    assert step_seconds(SimpleNamespace(micro_batches=8, pp=4), reports(1.0)) == pytest.approx(7 * 5 + 1 + 2 + 5)
     assert stage_kind_counts(4, 4) == {0: 1, 1: 2, 3: 1}
     assert stage_kind_counts(7, 4) == {0: 1, 1: 2, 3: 1}  # 2, 2, 2, 1 blocks
     assert stage_kind_counts(6, 4) == {0: 1, 1: 1, 2: 1, 3: 1}  # 2, 2, 1, 1 blocks
