@@ -90,3 +90,32 @@ def test_a_message_on_an_oversubscribed_host_costs_the_measured_shared_latency()
     unmeasured = dataclasses.replace(hw, shared_latency_2x=0.0, shared_latency_4x=0.0)
     assert unmeasured.message_latency(link, 8) == pytest.approx(4 * link)
     assert HARDWARE["a100"].message_latency(link, 8) == link  # accelerators: one device per rank
+
+
+def test_the_wait_for_a_core_grows_with_the_compute_between_messages():
+    """Between the figures calibrated after a short and a long matmul the latency is linear in
+    the chunk, held at the nearer figure outside; without the long figures the short ones serve."""
+    hw = dataclasses.replace(HARDWARE["a100"], cores_per_node=2, shared_latency_2x=1e-3, shared_latency_4x=3e-3,
+                             shared_chunk=2e-3, shared_latency_2x_long=5e-3, shared_latency_4x_long=7e-3,
+                             shared_chunk_long=20e-3)
+    link = 1e-4
+    assert hw.message_latency(link, 4, chunk=0.0) == pytest.approx(1e-3)
+    assert hw.message_latency(link, 4, chunk=11e-3) == pytest.approx(3e-3)  # halfway
+    assert hw.message_latency(link, 4, chunk=1.0) == pytest.approx(5e-3)
+    assert hw.message_latency(link, 8, chunk=20e-3) == pytest.approx(7e-3)
+    assert hw.message_latency(link, 2, chunk=1.0) == link  # a core each: no wait
+    short_only = dataclasses.replace(hw, shared_latency_2x_long=0.0, shared_latency_4x_long=0.0)
+    assert short_only.message_latency(link, 4, chunk=1.0) == pytest.approx(1e-3)
+
+
+def test_a_broadcast_waits_for_the_rounds_of_a_binomial_tree():
+    """Messages (latency terms) per call: a ring for the byte-model collectives, ceil(log2 p)
+    rounds for a broadcast; its bytes stay the ring's."""
+    from shardzoo.planner.block_costs import calls
+    from shardzoo.planner.comm import Traffic
+
+    for p, rounds in ((2, 1), (3, 2), (4, 2), (8, 3), (9, 4)):
+        [(_, _, messages)] = Traffic().add(calls("fwd", ("tp",), "broadcast", 1024, p)).links()
+        assert messages == rounds
+    [(_, _, messages)] = Traffic().add(calls("fwd", ("tp",), "all_reduce", 1024, 8)).links()
+    assert messages == 14
