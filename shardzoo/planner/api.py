@@ -16,9 +16,10 @@ from fractions import Fraction
 from shardzoo.comm.mesh import TP_MODES
 from shardzoo.planner.block_costs import Illegal
 from shardzoo.planner.enumerate import ZERO_STAGES, Problem, Pruned, layouts
-from shardzoo.planner.evaluate import Layout, Pricer, step_seconds
+from shardzoo.planner.evaluate import Layout, Pricer
 from shardzoo.planner.hardware import GIB, Hardware, calibrate
 from shardzoo.planner.presets import CALIBRATED, HARDWARE, load_model
+from shardzoo.planner.time import step_seconds
 
 CANDIDATE_KEYS = ("layout", "micro_batches", "activation_checkpointing", "zero", "param_bytes_per_rank",
                   "peak_bytes_per_rank", "comm_bytes_per_rank_per_step", "step_seconds", "tokens_per_second", "fits")

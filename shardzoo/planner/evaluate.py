@@ -268,37 +268,6 @@ def stage_kind_counts(layers: int, pp: int) -> dict[int, int]:
     return counts
 
 
-def step_seconds(layout: Layout, reports: list[StageReport]) -> float:
-    """The m micro-batches through the pipeline (:func:`pipeline_seconds`), then the per-step
-    work."""
-    m, pp = layout.micro_batches, layout.pp
-    pipe = pipeline_seconds(m, pp, reports) if pp > 1 else m * max(r.micro_seconds for r in reports)
-    return pipe + max(r.step_seconds for r in reports)
-
-
-def pipeline_seconds(m: int, pp: int, reports: list[StageReport]) -> float:
-    """The forward and backward of m micro-batches through pp stages (1F1B or GPipe). The
-    critical path is the slowest stage's m micro-batches plus one micro-batch through each other
-    stage (the fill and the drain): ``(m - 1) * max_k t_k + sum_k t_k``, which is the familiar
-    ``(m + pp - 1) * t`` when the stages are alike.
-
-    When the ranks time-share a CPU host's cores (``share`` < 1) a rank waiting in the bubble, or
-    on a lighter stage, leaves its core to the others. The path then runs each stage at the most
-    cores its ranks can hold (a whole core per rank, at most all the cores: ``t_k * max(share,
-    1 / pp)``), and the step is at least the work: every stage's m micro-batches at the shared
-    speed spread over all cores, ``m * mean over the pp stages of t_k``.
-
-    ``t_k`` is a stage's micro-batch time (``StageReport.micro_seconds``, at the shared speed);
-    each report stands for ``stages_alike`` stages."""
-    share = min(r.share for r in reports)
-    speedup = max(share, 1 / pp) if share < 1 else 1.0
-    work = m * sum(r.micro_seconds * r.stages_alike for r in reports) / pp
-    alone = [r.micro_seconds * speedup for r in reports]
-    slowest = max(alone)
-    path = (m - 1) * slowest + sum(t * r.stages_alike for t, r in zip(alone, reports))
-    return max(work, path)
-
-
 def _channel(key) -> str:
     """Who sends an entry: shardzoo.comm (counted), DDP / FSDP2, torch pipelining, the tied sync."""
     phase, axes, kind, _, counted = key

@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import pytest
 
 from shardzoo.planner.block_costs import HUGE_BYTES, LARGE_BYTES, Piece, elementwise
-from shardzoo.planner.evaluate import stage_kind_counts, step_seconds
+from shardzoo.planner.evaluate import stage_kind_counts
 from shardzoo.planner.model import StageCost
 from shardzoo.planner.presets import HARDWARE
-from shardzoo.planner.time import compute_seconds
+from shardzoo.planner.time import compute_seconds, step_seconds
 
 
 def test_elementwise_work_over_a_large_tensor_is_counted_apart():
