@@ -18,7 +18,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 from shardzoo.comm.accounting import CommRecord
-from shardzoo.planner.block_costs import Call, Piece, calls, elementwise
+from shardzoo.layers.block_costs import Call, Piece, calls, elementwise
 
 DP_AXES = ("dp", "sp")  # data_parallel reduces gradients over the dp x sp group
 DDP_BUCKET_BYTES = 25 << 20  # torch DDP's default bucket_cap_mb

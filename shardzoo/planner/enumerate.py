@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from shardzoo.comm.mesh import TP_MODES, tp_grid_text
-from shardzoo.planner.block_costs import Illegal, layout_costs
+from shardzoo.layers.block_costs import Illegal
+from shardzoo.layers.tensor_layout import LAYOUTS
 from shardzoo.planner.evaluate import Layout
 from shardzoo.planner.model import Batch, ModelShape, check_heads, stage_cost
 
@@ -65,7 +66,7 @@ class Problem:
 
 def _grid_rule(problem: Problem, mode: str, tp: int, depth: int, sp: int) -> str | None:
     """Why the model cannot be built on this tp grid with this sp at all (or None)."""
-    costs = layout_costs(mode, tp, depth, problem.param_bytes)
+    costs = LAYOUTS[mode].costs(tp, depth, problem.param_bytes)
     parts = costs.batch_parts(costs.canonical)
     probe = Batch(parts, problem.seq, sp, problem.sp_mode, problem.e, True, problem.mask_bytes)
     try:
@@ -96,7 +97,7 @@ def layouts(problem: Problem, modes=TP_MODES, pruned: list[Pruned] | None = None
 
     for mode, tp, depth in tp_grids(world, modes):
         grid = tp_grid_text(tp, mode, depth)
-        costs = layout_costs(mode, tp, depth, problem.param_bytes)
+        costs = LAYOUTS[mode].costs(tp, depth, problem.param_bytes)
         parts = costs.batch_parts(costs.canonical)
         for sp in divisors(world // tp):
             reason = _grid_rule(problem, mode, tp, depth, sp)

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from shardzoo.comm.mesh import tp_grid_text
+from shardzoo.layers.block_costs import Call, Illegal, Piece
+from shardzoo.layers.tensor_layout import LAYOUTS
 from shardzoo.planner import time as timing
-from shardzoo.planner.block_costs import Call, Illegal, Piece, layout_costs
 from shardzoo.planner.comm import DP_AXES, Traffic, dp_reduction, pipeline_p2p, tied_sync
 from shardzoo.planner.hardware import Hardware
 from shardzoo.planner.memory import MemoryBreakdown, stage_memory
@@ -110,7 +111,7 @@ class Pricer:
         key = (layout.tp_mode, layout.tp, layout.tp_depth, layout.sp, b.rows)
         parts = self._parts.get(key)
         if parts is None:
-            costs = layout_costs(layout.tp_mode, layout.tp, layout.tp_depth, self.problem.param_bytes)
+            costs = LAYOUTS[layout.tp_mode].costs(layout.tp, layout.tp_depth, self.problem.param_bytes)
             try:
                 parts = stage_parts(self.problem.shape, costs, b)
             except Illegal as err:
@@ -156,7 +157,7 @@ class Pricer:
         return one.add(pipeline_p2p(cost.boundary, layout.pp, stage == 0, stage == layout.pp - 1))
 
     def _target_axes(self, layout: Layout) -> list[tuple[str, int]]:
-        costs = layout_costs(layout.tp_mode, layout.tp, layout.tp_depth, self.problem.param_bytes)
+        costs = LAYOUTS[layout.tp_mode].costs(layout.tp, layout.tp_depth, self.problem.param_bytes)
         return target_axes(self.problem.shape, costs, layout.dp, layout.sp)
 
     def _reduction(self, cost: StageCost, layout: Layout, zero: int) -> tuple[Traffic, Traffic]:

@@ -2,7 +2,8 @@
 
 ``stage_cost`` lists what one rank of a stage runs per micro-batch: the embeddings (first stage),
 one transformer block (repeated ``blocks`` times) and the head with its loss (last stage), each
-block kind priced by the layout's cost object (block_costs.py), attention over sp by comm.py.
+block kind priced by the layout's cost object (``TensorLayout.costs``, layers/block_costs.py),
+attention over sp by comm.py.
 The families mirror shardzoo/models (GPT-2, OPT: pre-LN causal LMs; BERT: post-LN encoder with
 the masked-LM head; ViT: pre-LN encoder with a classifier): the same layers, in the same order,
 with the same sharing of saved tensors.
@@ -15,8 +16,8 @@ import math
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from shardzoo.layers.block_costs import ID_BYTES, Illegal, Piece, calls, elementwise, need
 from shardzoo.models.common import stage_blocks
-from shardzoo.planner.block_costs import ID_BYTES, Illegal, Piece, calls, elementwise, need
 from shardzoo.planner.comm import attention_core
 
 

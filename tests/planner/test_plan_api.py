@@ -134,3 +134,17 @@ def test_calibration_cache_is_reused_and_checked(tmp_path, monkeypatch):
         f.write("{not json")
     with pytest.raises(ValueError, match="is not valid JSON"):
         hardware.calibrate()
+
+
+@pytest.mark.parametrize("mode, tp, depth", [("1d", 4, 1), ("2d", 4, 1), ("2.5d", 8, 2), ("3d", 8, 1)])
+def test_each_layout_states_what_its_blocks_cost(mode, tp, depth):
+    """The planner prices a layout through its layout class, without building it: a linear
+    layer's weight is split over the tp ranks (2.5D keeps a copy per depth slice) and its
+    forward and backward send over the layout's own mesh axes."""
+    from shardzoo.layers.tensor_layout import LAYOUTS
+
+    costs = LAYOUTS[mode].costs(tp, depth)
+    piece = costs.linear(64, 128, 32 * tp, 4, bias=False)
+    assert piece.params == 64 * 128 * depth // tp
+    axes = {a for call in piece.calls for a in call.axes}
+    assert axes and axes <= {"tp", "tp_row", "tp_col", "tp_dep", "tp_x", "tp_y", "tp_z"}

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from shardzoo.planner.block_costs import HUGE_BYTES, LARGE_BYTES, Piece, elementwise
+from shardzoo.layers.block_costs import HUGE_BYTES, LARGE_BYTES, Piece, elementwise
 from shardzoo.planner.evaluate import stage_kind_counts
 from shardzoo.planner.model import StageCost
 from shardzoo.planner.presets import HARDWARE
@@ -111,7 +111,7 @@ def test_the_wait_for_a_core_grows_with_the_compute_between_messages():
 def test_a_broadcast_waits_for_the_rounds_of_a_binomial_tree():
     """Messages (latency terms) per call: a ring for the byte-model collectives, ceil(log2 p)
     rounds for a broadcast; its bytes stay the ring's."""
-    from shardzoo.planner.block_costs import calls
+    from shardzoo.layers.block_costs import calls
     from shardzoo.planner.comm import Traffic
 
     for p, rounds in ((2, 1), (3, 2), (4, 2), (8, 3), (9, 4)):

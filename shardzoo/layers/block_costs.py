@@ -2,8 +2,9 @@
 it holds and the activation bytes autograd keeps for backward.
 
 This module is the only place that knows the per-layout formulas (docs/tp_modes.md, docs/tp1d.md,
-docs/planner.md); the rest of the planner adds pieces up. One object per tp_mode
-(:func:`layout_costs`) offers the same methods, one per kind of block: ``linear``,
+docs/planner.md); the planner adds pieces up. Each layout states its costs through it: one object
+per tp_mode (``TensorLayout.costs``, e.g. ``Layout2D.costs(tp=4)``) offers the same methods, one
+per kind of block: ``linear``,
 ``layer_norm``, ``vocab_embedding``, ``hidden_embedding``, ``lm_head``, ``loss``, ``dense`` (a
 projection that leaves the activation in its layout), ``classifier``, ``patch_embedding``,
 ``vocab_bias``; each returns a :class:`Piece`.
@@ -135,7 +136,7 @@ class Costs1D:
 
     mode = "1d"
 
-    def __init__(self, tp: int, depth: int = 1, ep: int = 4):
+    def __init__(self, tp: int, depth: int = 1, ep: int = 4, mode: str = "1d"):
         self.p, self.tp, self.ep, self.canonical = tp, tp, ep, None
 
     def batch_parts(self, layout) -> int:
@@ -396,7 +397,7 @@ class Costs3D(GridCosts):
 
     mode = "3d"
 
-    def __init__(self, tp: int, depth: int = 1, ep: int = 4):
+    def __init__(self, tp: int, depth: int = 1, ep: int = 4, mode: str = "3d"):
         q = round(tp ** (1 / 3))
         self.q, self.d = q, 1
         super().__init__({"tp_x": q, "tp_y": q, "tp_z": q}, ep)
@@ -454,12 +455,3 @@ class Costs3D(GridCosts):
         out += calls("bwd", (dst.hidden_axis,), "all_gather", full, q)
         return Piece(out, 0, 0, workspace=2 * rows * parts * h * e)
 
-
-def layout_costs(tp_mode: str, tp: int, tp_depth: int = 1, param_bytes: int = 4):
-    """The cost object of ``tp_mode`` with ``tp`` ranks (``tp_depth`` for 2.5D); parameters,
-    their gradients and tables travel in ``param_bytes`` per element."""
-    if tp_mode == "1d":
-        return Costs1D(tp, 1, param_bytes)
-    if tp_mode == "3d":
-        return Costs3D(tp, 1, param_bytes)
-    return Costs2D(tp, tp_depth, param_bytes, tp_mode)
