@@ -26,19 +26,30 @@ def table(candidates, start: int = 1) -> str:
     return "\n".join([line(_HEADERS)] + [line(r) for r in rows])
 
 
+def pipeline_factor(cand, report) -> float:
+    """How many micro-batch times of the slowest stage (``report``) the step's pipeline part
+    lasts: m + pp - 1 for alike stages on accelerators, less where a time-shared host lends idle
+    cores (time.pipeline_seconds)."""
+    per_step = max(r.step_seconds for r in cand.reports)
+    return (cand.step_seconds - per_step) / report.micro_seconds
+
+
 def comm_by_group(plan, cand) -> list[tuple[str, float, float, str]]:
     """(group, GB per step, seconds per step, link) of the candidate's worst-time stage."""
     from shardzoo.planner.evaluate import Layout
 
     layout = Layout(**cand.layout, micro_batches=cand.micro_batches)
     report = max(cand.reports, key=lambda r: r.micro_seconds)
-    cost = dict(plan.pricer.distinct_stages(layout))[report.stage]
+    costs = plan.pricer.distinct_stages(layout)
+    cost = dict(costs)[report.stage]
     one, step = plan.pricer.traffic(cost, layout, report.stage, cand.activation_checkpointing, cand.zero)
-    strides = timing.axis_strides(**cand.layout)
-    links = timing.Links(strides, plan.hardware, min(layout.world, plan.hardware.devices_per_node))
+    strides, hw = timing.axis_strides(**cand.layout), plan.hardware
+    ranks, chunk = min(layout.world, hw.devices_per_node), plan.pricer.longest_chunk(costs) if hw.cores_per_node else None
     groups: dict = {}
-    # bytes: m micro-batches and the step's own; seconds: the pipeline's critical path
-    for traffic, times, path in ((one, layout.micro_batches, layout.micro_batches + layout.pp - 1), (step, 1, 1)):
+    # bytes: m micro-batches and the step's own; seconds: as the step was priced (Pricer.price_variants)
+    for traffic, times, path, links in ((one, layout.micro_batches, pipeline_factor(cand, report),
+                                         timing.Links(strides, hw, ranks, chunk)),
+                                        (step, 1, 1, timing.Links(strides, hw, ranks, 0.0))):
         for axes, n, messages in traffic.links():
             bandwidth, latency = timing.link(axes, strides, plan.hardware)
             name = "x".join(axes)
@@ -54,7 +65,7 @@ def why(plan, cand) -> str:
     fitting = sum(1 for c in plan if c.fits) if len(plan) == plan.count else None
     report = max(cand.reports, key=lambda r: r.micro_seconds)
     pp, m = cand.layout["pp"], cand.micro_batches
-    compute = report.compute_seconds * (m + pp - 1)
+    compute = report.compute_seconds * pipeline_factor(cand, report)
     groups = comm_by_group(plan, cand)
     comm = sum(g[2] for g in groups)
     top = f"; most of it over {groups[0][0]} ({groups[0][3]}, {groups[0][2]:.3g} s)" if groups else ""

@@ -148,3 +148,21 @@ def test_each_layout_states_what_its_blocks_cost(mode, tp, depth):
     assert piece.params == 64 * 128 * depth // tp
     axes = {a for call in piece.calls for a in call.axes}
     assert axes and axes <= {"tp", "tp_row", "tp_col", "tp_dep", "tp_x", "tp_y", "tp_z"}
+
+
+@pytest.mark.parametrize("cores", [0, 2], ids=["accelerators", "time-shared-cpu"])
+def test_the_why_line_splits_the_step_it_explains(cores):
+    """The compute and communication seconds of the why line add up to the winner's step less
+    its optimizer: at least the pipeline part, at most the whole step (3 digits printed), on
+    accelerators and on a host whose ranks time-share the cores."""
+    import dataclasses
+    import re
+
+    from shardzoo.planner.report import why
+
+    hw = dataclasses.replace(HARDWARE["a100"], cores_per_node=cores)
+    plan = shardzoo.plan("gpt2", 8, 80, 16, 256, hardware=hw, top=None)
+    found = re.search(r"~([\d.e+-]+) s compute and ~([\d.e+-]+) s communication", why(plan, plan[0]))
+    total, step = float(found[1]) + float(found[2]), plan[0].step_seconds
+    pipeline = step - max(r.step_seconds for r in plan[0].reports)
+    assert 0.99 * pipeline <= total <= 1.01 * step
