@@ -136,7 +136,7 @@ class Costs1D:
 
     mode = "1d"
 
-    def __init__(self, tp: int, depth: int = 1, ep: int = 4, mode: str = "1d"):
+    def __init__(self, tp: int, depth: int = 1, ep: int = 4):
         self.p, self.tp, self.ep, self.canonical = tp, tp, ep, None
 
     def batch_parts(self, layout) -> int:
@@ -397,7 +397,7 @@ class Costs3D(GridCosts):
 
     mode = "3d"
 
-    def __init__(self, tp: int, depth: int = 1, ep: int = 4, mode: str = "3d"):
+    def __init__(self, tp: int, depth: int = 1, ep: int = 4):
         q = round(tp ** (1 / 3))
         self.q, self.d = q, 1
         super().__init__({"tp_x": q, "tp_y": q, "tp_z": q}, ep)

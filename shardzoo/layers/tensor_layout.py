@@ -79,7 +79,7 @@ class TensorLayout:
     mode = ""
     parallel_region = True
     kinds: dict[str, type] = {}
-    cost_model: type = Costs2D
+    cost_model: type  # the block_costs class of this mode
 
     @classmethod
     def costs(cls, tp: int, tp_depth: int = 1, param_bytes: int = 4):
@@ -88,7 +88,7 @@ class TensorLayout:
         ``layer_norm``, ``lm_head``, ...) give each block's collectives per mesh axis, parameter
         elements held, activation bytes saved and work. Parameters, their gradients and gathered
         tables travel in ``param_bytes`` per element. The planner prices layouts through it."""
-        return cls.cost_model(tp, tp_depth, param_bytes, cls.mode)
+        return cls.cost_model(tp, tp_depth, param_bytes)
 
     def __init__(self, mesh):
         layouts.check_mesh(mesh, self.mode, type(self).__name__)
@@ -355,6 +355,11 @@ class Layout2D(TensorLayout):
     kinds = {"linear": ParallelLinear2D, "norm": LayerNorm2D, "rms_norm": RMSNorm2D, "embedding": Embedding2D,
              "vocab_embedding": VocabParallelEmbedding2D, "patch_embedding": PatchEmbedding2D,
              "lm_head": LMHead2D, "classifier": Classifier2D}
+
+    @classmethod
+    def costs(cls, tp: int, tp_depth: int = 1, param_bytes: int = 4):
+        """As ``TensorLayout.costs``; the grid's cost object also takes the mode (2d or 2.5d)."""
+        return Costs2D(tp, tp_depth, param_bytes, cls.mode)
 
 
 class Layout2p5D(Layout2D):

@@ -108,6 +108,10 @@ class Traffic:
             out += f * payload
         return out
 
+    def messages(self) -> int:
+        """Messages (latency terms) of every call, as the time model counts them."""
+        return sum(n for _, _, n in self.links())
+
     def links(self):
         """(axes, bytes as a float, messages) per entry, for the time model."""
         for (_, axes, kind, p, _), (payload, n) in self.sums.items():

@@ -181,24 +181,23 @@ class Pricer:
             step.add(loss_reduction(self._target_axes(layout), COUNT_BYTES, layout.pp, phase="step"))
         return one, step
 
-    def price_stage(self, layout: Layout, cost: StageCost, stage: int, checkpointing: bool,
-                    zero: int) -> StageReport:
-        """Everything about one rank of ``stage`` for one (checkpointing, zero) choice."""
-        return self.price_variants(layout, cost, stage, (checkpointing,), (zero,))[(checkpointing, zero)]
+    def links(self, layout: Layout, costs=None) -> tuple[timing.Links, timing.Links]:
+        """(per micro-batch, per step) prices of ``layout``'s groups. On a time-shared host a
+        message waits for a core while a core-mate computes (``longest_chunk``); the per-step
+        calls (gradient reduction, parameter broadcasts) follow one another with no compute in
+        between, so they wait the least."""
+        hw = self.hw
+        strides, ranks = timing.axis_strides(**layout.mesh_kwargs()), min(layout.world, hw.devices_per_node)
+        chunk = self.longest_chunk(costs if costs is not None else self.distinct_stages(layout))
+        return timing.Links(strides, hw, ranks, chunk), timing.Links(strides, hw, ranks, 0.0)
 
-    def price_variants(self, layout: Layout, cost: StageCost, stage: int, checkpointing, zeros,
-                       chunk: float | None = None) -> dict:
+    def price_variants(self, layout: Layout, cost: StageCost, stage: int, checkpointing, zeros, links=None) -> dict:
         """{(checkpointing, zero): StageReport} of one rank of ``stage``; what the variants share
-        (the blocks' calls, their seconds) is summed once. ``chunk``: see ``longest_chunk``."""
+        (the blocks' calls, their seconds) is summed once. ``links``: ``self.links(layout)``."""
         hw, problem, ep = self.hw, self.problem, self.problem.param_bytes
         n, b, m = layout.dp * layout.sp, self.batch(layout), layout.micro_batches
-        ranks = min(layout.world, hw.devices_per_node)
         base = self._base(cost, layout, stage)
-        strides = timing.axis_strides(**layout.mesh_kwargs())
-        links = timing.Links(strides, hw, ranks, chunk)
-        # the per-step calls (gradient reduction, parameter broadcasts) follow one another with
-        # no compute between them: the shortest wait for a core
-        step_links = timing.Links(strides, hw, ranks, 0.0)
+        links, step_links = links or self.links(layout)
         share = links.share
         base_bytes, base_s = self._total(base), links.seconds(base)
         rc = self._summed("recompute", cost.block, recompute_calls(cost.block))
@@ -221,21 +220,17 @@ class Pricer:
                                                 step_s, compute, per_mb * m + step_bytes, self.denominator, share)
         return out
 
-    def longest_chunk(self, costs) -> float:
+    def longest_chunk(self, costs) -> float | None:
         """The longest compute (seconds on a whole core) any piece of any stage runs between two
         of its messages: its work over its messages plus one. A message between time-shared
         ranks waits for the core its receiver shares, and the rank on that core may be in such
-        a stretch (the LM head and loss, a block's MLP) whatever the receiver itself runs."""
-        longest = 0.0
-        for _, cost in costs:
-            for piece in (cost.first, cost.last, *cost.block):
-                key = ("chunk", id(piece))
-                entry = self._sums.get(key)
-                if entry is None or entry[0] is not piece:
-                    seconds = timing.piece_seconds(piece, self.hw, self.problem.e) / (1 + _piece_messages(piece))
-                    entry = self._sums[key] = (piece, seconds)
-                longest = max(longest, entry[1])
-        return longest
+        a stretch (the LM head and loss, a block's MLP) whatever the receiver itself runs.
+        None on accelerators, where no rank waits for a core."""
+        if not self.hw.cores_per_node:
+            return None
+        hw, e = self.hw, self.problem.e
+        return max(timing.piece_seconds(piece, hw, e) / (1 + self._summed("piece", piece, piece.calls).messages())
+                   for _, cost in costs for piece in (cost.first, cost.last, *cost.block))
 
     def price(self, layout: Layout, checkpointing=(False, True), zeros=(0,),
               costs: list[StageCost] | None = None) -> dict:
@@ -243,17 +238,13 @@ class Pricer:
         first of each kind (same ends and block count), which holds the most micro-batches."""
         costs = costs if costs is not None else self.distinct_stages(layout)
         alike = stage_kind_counts(self.problem.shape.layers, layout.pp)
-        chunk = self.longest_chunk(costs) if self.hw.cores_per_node else None
+        links = self.links(layout, costs)
         out = {}
         for k, cost in costs:
-            for key, report in self.price_variants(layout, cost, k, checkpointing, zeros, chunk).items():
+            for key, report in self.price_variants(layout, cost, k, checkpointing, zeros, links).items():
                 report.stages_alike = alike.get(k, 1)
                 out.setdefault(key, []).append(report)
         return out
-
-
-def _piece_messages(piece) -> int:
-    return sum(n for _, _, n in Traffic().add(piece.calls).links())
 
 
 def stage_kind_counts(layers: int, pp: int) -> dict[int, int]:

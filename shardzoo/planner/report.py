@@ -41,15 +41,14 @@ def comm_by_group(plan, cand) -> list[tuple[str, float, float, str]]:
     layout = Layout(**cand.layout, micro_batches=cand.micro_batches)
     report = max(cand.reports, key=lambda r: r.micro_seconds)
     costs = plan.pricer.distinct_stages(layout)
-    cost = dict(costs)[report.stage]
-    one, step = plan.pricer.traffic(cost, layout, report.stage, cand.activation_checkpointing, cand.zero)
+    one, step = plan.pricer.traffic(dict(costs)[report.stage], layout, report.stage, cand.activation_checkpointing,
+                                    cand.zero)
     strides, hw = timing.axis_strides(**cand.layout), plan.hardware
-    ranks, chunk = min(layout.world, hw.devices_per_node), plan.pricer.longest_chunk(costs) if hw.cores_per_node else None
+    per_micro_batch, per_step = plan.pricer.links(layout, costs)
     groups: dict = {}
-    # bytes: m micro-batches and the step's own; seconds: as the step was priced (Pricer.price_variants)
-    for traffic, times, path, links in ((one, layout.micro_batches, pipeline_factor(cand, report),
-                                         timing.Links(strides, hw, ranks, chunk)),
-                                        (step, 1, 1, timing.Links(strides, hw, ranks, 0.0))):
+    # bytes: m micro-batches and the step's own; seconds: as the step was priced (Pricer.links)
+    for traffic, times, path, links in ((one, layout.micro_batches, pipeline_factor(cand, report), per_micro_batch),
+                                        (step, 1, 1, per_step)):
         for axes, n, messages in traffic.links():
             bandwidth, latency = timing.link(axes, strides, plan.hardware)
             name = "x".join(axes)

@@ -98,9 +98,9 @@ def pipeline_seconds(m: int, pp: int, reports) -> float:
     ``t_k`` is a stage's micro-batch time (``StageReport.micro_seconds``, at the shared speed);
     each report stands for ``stages_alike`` stages."""
     share = min(r.share for r in reports)
-    speedup = max(share, 1 / pp) if share < 1 else 1.0
+    held = max(share, 1 / pp) if share < 1 else 1.0  # a stage's time on the cores its ranks can hold, per shared time
     work = m * sum(r.micro_seconds * r.stages_alike for r in reports) / pp
-    alone = [r.micro_seconds * speedup for r in reports]
+    alone = [r.micro_seconds * held for r in reports]
     slowest = max(alone)
     path = (m - 1) * slowest + sum(t * r.stages_alike for t, r in zip(alone, reports))
     return max(work, path)
