@@ -9,14 +9,14 @@ attention), ``full_state_dict`` (gather any parallel module to serial names and 
 
 from shardzoo.comm import ParallelMesh, launch
 from shardzoo.layers.shard_spec import ShardSpec, full_state_dict
-from shardzoo.parallel import data_parallel, zero_optimizer
+from shardzoo.parallel import data_parallel, gather_logits, lm_loss, parallelize, zero_optimizer
 
 __version__ = "0.1.0"
 
 # The model families register their checkpoint export adapters on import (checkpoint sits below
 # the models and imports none of them), so every entry point of the package finds them.
 from shardzoo import models as _models  # noqa: E402,F401
-__all__ = ["ParallelMesh", "launch", "ShardSpec", "full_state_dict", "data_parallel", "zero_optimizer", "plan",
+__all__ = ["ParallelMesh", "launch", "parallelize", "gather_logits", "lm_loss", "ShardSpec", "full_state_dict", "data_parallel", "zero_optimizer", "plan",
            "__version__"]
 
 

@@ -29,6 +29,13 @@ from shardzoo.comm import ops
 AVERAGED_AXES = ("dp", "sp")  # the axes data parallelism averages gradients over
 
 
+def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Causal-LM targets from transformers-style ``labels`` [B, S]: position t predicts token
+    t + 1 and the last position is ignored, [B, S] -> [B, S] (shift the full sequence before
+    splitting it, so the shift crosses sequence-parallel shards)."""
+    return torch.nn.functional.pad(labels[..., 1:], (0, 1), value=ignore_index)
+
+
 def sum_over_axes(x: torch.Tensor, mesh, axes: tuple[str, ...]) -> torch.Tensor:
     """``x`` summed over the ranks spanned by ``axes`` (no autograd).
 

@@ -115,15 +115,15 @@ class ParallelLinear1D(ParallelModule):
         if self.sequence_parallel:
             require_sequence_layout("ParallelLinear1D", x)
         if self.style == "column":
-            y = column_linear(x, self.weight, self.bias, group, self.sequence_parallel)
+            y = column_linear(x, self.param("weight"), self.param("bias"), group, self.sequence_parallel)
             return comm.gather_from(y, group, -1) if self.output_gathered else y
         if not self.input_is_parallel:
             x = comm.scatter_to(x, group, -1)
-        y = F.linear(x, self.weight)
+        y = F.linear(x, self.param("weight"))
         # y is this matmul's fresh output, read by nothing else: sum it in place
         y = comm.reduce_scatter(y, group, SEQ_DIM) if self.sequence_parallel else comm.reduce_from(y, group, inplace=True)
         if self.bias is not None:  # added once, after the sum; in y's dtype, as nn.Linear under autocast
-            y = y + tp_sum_grad(self.bias, self.mesh, self.sequence_parallel).to(y.dtype)
+            y = y + tp_sum_grad(self.param("bias"), self.mesh, self.sequence_parallel).to(y.dtype)
         return y
 
     def shard_input(self, x_full: torch.Tensor) -> torch.Tensor:

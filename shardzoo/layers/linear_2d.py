@@ -66,12 +66,12 @@ class SummaLinearBase(layouts.GridModule):
         """x: [B/(d*q), ..., in/q] -> [B/(d*q), ..., out/q]."""
         q = self.mesh.q
         layouts.check_local_input(type(self).__name__, x, self.in_features, q)
-        weight = self.weight
+        weight = self.param("weight")
         if self.layout.replica_axes:  # 2.5D: replicated over depth, so the gradient is summed there
             weight = comm.copy_to(weight, self.mesh.group(*self.layout.replica_axes))
         y = summa_linear(x, weight.t(), self.grid)
         if self.bias is not None:
-            y = y + layouts.use_block_param(self.bias, self.mesh, self.layout)
+            y = y + layouts.use_block_param(self.param("bias"), self.mesh, self.layout)
         return y
 
     def extra_repr(self) -> str:

@@ -97,9 +97,9 @@ class ParallelLinear3D(layouts.GridModule):
         """x: [B/q^2, ..., in/q] (input_layout) -> [B/q^2, ..., out/q] (output_layout)."""
         q = self.mesh.q
         layouts.check_local_input("ParallelLinear3D", x, self.in_features, q)
-        y = linear_3d(x, self.weight, self.mesh, self.input_layout)
+        y = linear_3d(x, self.param("weight"), self.mesh, self.input_layout)
         if self.bias is not None:
-            y = y + layouts.use_block_param(self.bias, self.mesh, self.output_layout)
+            y = y + layouts.use_block_param(self.param("bias"), self.mesh, self.output_layout)
         return y
 
     @property

@@ -13,6 +13,9 @@ import torch
 from torch import nn
 
 
+_HOOKS = "_param_hooks"  # module attribute: {parameter name: fn(param) -> tensor used in forward}
+
+
 class ParallelModule(nn.Module):
     """``from_serial`` for every parallel layer (module docstring), and the identity
     ``shard_input`` / ``gather_output`` of a module whose activations are replicated."""
@@ -25,6 +28,19 @@ class ParallelModule(nn.Module):
         nn.Module.__init__(self)
         self._setup(module, mesh, device, **options)
         return self
+
+    def param(self, name: str) -> torch.Tensor | None:
+        """Parameter ``name`` as ``forward`` uses it: through the hook registered for it with
+        :meth:`set_param_hook` (e.g. replicated kv heads summing their gradients), else as is."""
+        t = getattr(self, name)
+        hook = self.__dict__.get(_HOOKS, {}).get(name)
+        return t if hook is None or t is None else hook(t)
+
+    def set_param_hook(self, name: str, hook) -> None:
+        """Make ``forward`` use ``hook(param)`` instead of parameter ``name`` (identity in value;
+        the hook may change the backward). Kept on the module, so wrappers that swap Parameter
+        objects (FSDP2, DDP) keep it."""
+        self.__dict__.setdefault(_HOOKS, {})[name] = hook
 
     def shard_input(self, x_full: torch.Tensor) -> torch.Tensor:
         """Identity: a module whose input is replicated takes the full tensor (the grid modules

@@ -1,0 +1,203 @@
+"""Attention heads under a tp layout: whole heads per rank, grouped-query kv heads, and the head
+counts attention code reads made local.
+
+The projections of an attention module are split along the head axis of the layout (1d: tp;
+the grids: the axis splitting the projection's output features, q parts). With P parts,
+n heads and n_kv kv heads:
+
+* n % P != 0 is refused;
+* n_kv % P == 0: the kv projections split like the q projections;
+* P % n_kv == 0 (more parts than kv heads): each rank holds the one kv head its q heads read.
+  The kv weight is built as ``repeat_interleave(P / n_kv)`` of the serial one, so ranks along
+  the head axis hold copies; their ShardSpecs point at the same rows of the serial tensor
+  (checkpoints and ``full_state_dict`` give the serial shapes) and their gradients are summed
+  (layers/replicas.py);
+* anything else is refused, naming heads, kv heads and the tp values that work.
+
+Head counts: where the attention module (or its ``config``) holds a head count or a width
+(``num_heads``, ``num_key_value_heads``, ``num_key_value_groups``, ``embed_dim``, ...), it
+is set to the local value, so ``view(b, s, self.num_heads, d)`` sees this rank's heads. An
+integer attribute that names heads but is not one of those is refused: its meaning is unknown,
+and a wrong count could reshape silently.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from shardzoo.layers.replicas import ReplicaGradSum, replica_slot
+from shardzoo.layers.shard_spec import ShardSpec, get_shard_spec, set_shard_spec
+
+HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
+KV_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head")
+WIDTH_ATTRS = ("embed_dim", "hidden_size", "all_head_size", "split_size", "inner_dim")
+GROUP_ATTRS = ("num_key_value_groups", "num_kv_groups")
+_MARKERS = HEAD_ATTRS + GROUP_ATTRS + ("head_dim",)
+
+
+@dataclass
+class Attention:
+    """One attention module: its global head counts, the head parts of the layout, and which
+    planned projections carry q heads and which kv heads."""
+
+    name: str
+    module: nn.Module
+    heads: int
+    kv_heads: int
+    head_dim: int
+    parts: int
+    axis: str
+    kv_projections: set = field(default_factory=set)
+
+    @property
+    def local_heads(self) -> int:
+        return self.heads // self.parts
+
+    @property
+    def local_kv_heads(self) -> int:
+        return self.kv_heads // self.parts if self.kv_heads % self.parts == 0 else 1
+
+    @property
+    def replicated_kv(self) -> bool:
+        return self.kv_heads % self.parts != 0
+
+
+def _int_attr(module: nn.Module, names: tuple[str, ...]) -> int | None:
+    for n in names:
+        v = module.__dict__.get(n)
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v
+    return None
+
+
+def _looks_like_attention(module: nn.Module) -> bool:
+    return any(n in module.__dict__ for n in _MARKERS) or "attention" in type(module).__name__.lower()
+
+
+def attention_modules(model: nn.Module, planned: dict, tpl, config_heads) -> dict[str, Attention]:
+    """Every module with 'column' children that is an attention module, its counts checked
+    against the layout. ``config_heads``: (heads, kv heads, head_dim) from a transformers
+    config, used where the module itself holds no count."""
+    axis = tpl.linear_output(tpl.activation).hidden_axis
+    parts = tpl.mesh.size(axis)
+    found: dict[str, Attention] = {}
+    for name, module in model.named_modules():
+        children = {f"{name}.{c}" if name else c: m for c, m in module.named_children()}
+        columns = {n: m for n, m in children.items() if n in planned and planned[n][1] == "column"}
+        if not columns or not _looks_like_attention(module):
+            continue
+        heads = _int_attr(module, HEAD_ATTRS) or (config_heads[0] if config_heads else None)
+        if heads is None:
+            raise ValueError(f"{name} ({type(module).__name__}) looks like attention but holds no head count "
+                             f"(one of {', '.join(HEAD_ATTRS)}); set one on the module so its heads can be split whole")
+        kv = _int_attr(module, KV_ATTRS) or (config_heads[1] if config_heads else None) or heads
+        head_dim = _int_attr(module, ("head_dim",)) or (config_heads[2] if config_heads else None)
+        head_dim = head_dim or next(iter(columns.values())).out_features // heads
+        spec = Attention(name, module, heads, kv, head_dim, parts, axis)
+        _check_counts(spec, tpl)
+        for n, m in columns.items():
+            if m.out_features == heads * head_dim:
+                continue
+            if m.out_features == kv * head_dim:
+                spec.kv_projections.add(n)
+                continue
+            raise ValueError(f"{n} has {m.out_features} output features, neither heads x head_dim = "
+                             f"{heads} x {head_dim} nor kv heads x head_dim = {kv} x {head_dim}; shardzoo cannot tell "
+                             f"which heads it carries. Split fused projections into q, k and v")
+        found[name] = spec
+    return found
+
+
+def _check_counts(spec: Attention, tpl) -> None:
+    p, n, kv = spec.parts, spec.heads, spec.kv_heads
+    if n % p == 0 and (kv % p == 0 or p % kv == 0):
+        return
+    tp_rule = f"tp={tpl.mesh.tp_size} in tp_mode={tpl.mode!r} splits the heads in {p} parts"
+    works = [t for t in range(1, n + 1) if n % t == 0 and (kv % t == 0 or t % kv == 0)]
+    raise ValueError(f"{spec.name}: {tp_rule}, which fits neither its {n} heads and {kv} kv heads (the parts must "
+                     f"divide the heads, and divide or be a multiple of the kv heads); head parts that work: "
+                     f"{works}")
+
+
+def build_linear(name: str, module: nn.Linear, style: str, tpl, attention: dict[str, Attention]) -> nn.Module:
+    """The layout's column / row layer for ``module``; a kv projection with more head parts
+    than kv heads gets the kv heads its rank's q heads read (module docstring)."""
+    spec = next((a for a in attention.values() if name in a.kv_projections and a.replicated_kv), None)
+    if spec is None:
+        return tpl.linear(serial=module, style=style)
+    rep = spec.parts // spec.kv_heads
+    expanded = nn.Linear(module.in_features, spec.parts * spec.head_dim, bias=module.bias is not None,
+                         dtype=module.weight.dtype, device="meta")
+    expanded.weight = nn.Parameter(_repeat_heads(module.weight, spec.head_dim, rep))
+    if module.bias is not None:
+        expanded.bias = nn.Parameter(_repeat_heads(module.bias, spec.head_dim, rep))
+    layer = tpl.linear(serial=expanded, style=style)
+    group = tpl.mesh.group(spec.axis)
+    for pname in ("weight", "bias"):
+        piece = get_shard_spec(layer, pname)
+        if piece is None:
+            continue
+        serial = _serial_piece(f"{name}.{pname}", piece, spec.head_dim, rep, spec.kv_heads)
+        set_shard_spec(layer, pname, serial)
+        layer.set_param_hook(pname, ReplicaGradSum(group, *replica_slot(serial.offsets, group)))
+    return layer
+
+
+def _repeat_heads(t: torch.Tensor, head_dim: int, rep: int) -> torch.Tensor:
+    """[kv * d, ...] -> [kv * rep * d, ...], each head's rows repeated ``rep`` times in a row."""
+    heads = t.detach().reshape(-1, head_dim, *t.shape[1:])
+    return heads.repeat_interleave(rep, 0).reshape(-1, *t.shape[1:]).clone()
+
+
+def _serial_piece(who: str, piece: ShardSpec, head_dim: int, rep: int, kv_heads: int) -> ShardSpec:
+    """``piece`` (rows of the repeated tensor) as the same rows of the serial kv tensor."""
+    head, within = divmod(piece.offsets[0], head_dim)
+    if within + piece.local_shape[0] > head_dim:
+        raise ValueError(f"{who}: a rank's rows cross a kv head boundary (head_dim={head_dim}); use a tp whose head "
+                         f"parts divide the heads evenly")
+    offsets = ((head // rep) * head_dim + within, *piece.offsets[1:])
+    return ShardSpec((kv_heads * head_dim, *piece.global_shape[1:]), offsets, piece.local_shape,
+                     piece.partitioned_over, piece.replicated_over)
+
+
+def make_local(attention: dict[str, Attention]) -> None:
+    """Set every head count and width an attention module (and its ``config``) holds to this
+    rank's value; refuse a head-named integer whose meaning is unknown."""
+    for spec in attention.values():
+        local = _local_values(spec)
+        for attr, value in list(vars(spec.module).items()):
+            if not isinstance(value, int) or isinstance(value, bool) or attr == "head_dim":
+                continue
+            if attr in local:
+                setattr(spec.module, attr, local[attr](value))
+            elif "head" in attr and value in (spec.heads, spec.kv_heads) and spec.parts > 1:
+                raise ValueError(f"{spec.name}.{attr} = {value} looks like a head count, but shardzoo does not know "
+                                 f"what it counts, so cannot make it local; rename it to one of "
+                                 f"{', '.join(HEAD_ATTRS + KV_ATTRS)} or use tp=1")
+        config = getattr(spec.module, "config", None)
+        if config is not None and hasattr(config, "num_attention_heads"):
+            config = copy.copy(config)  # this module's own copy: other modules read the global counts
+            for attr in ("num_attention_heads", "num_key_value_heads", "hidden_size"):
+                value = getattr(config, attr, None)
+                if isinstance(value, int) and attr in local:
+                    setattr(config, attr, local[attr](value))
+            spec.module.config = config
+
+
+def _local_values(spec: Attention) -> dict:
+    """attr -> fn(global value) -> local value, for the counts this attention module splits."""
+    n, kv, d = spec.heads, spec.kv_heads, spec.head_dim
+    hq, hkv = spec.local_heads, spec.local_kv_heads
+
+    def when(global_value, local_value):
+        return lambda v: local_value if v == global_value else v
+
+    out = {a: when(n, hq) for a in HEAD_ATTRS}
+    out.update({a: when(kv, hkv) for a in KV_ATTRS})
+    out.update({a: when(n * d, hq * d) for a in WIDTH_ATTRS})
+    out.update({a: when(n // kv, hq // hkv) for a in GROUP_ATTRS})
+    return out

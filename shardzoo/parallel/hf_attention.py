@@ -1,0 +1,71 @@
+"""Sequence parallelism for transformers models through their ``AttentionInterface``.
+
+shardzoo's ring and Ulysses attention are registered as attention implementations
+(``shardzoo_ring``, ``shardzoo_ulysses``) and the model's config is switched to one of them;
+no forward function of transformers is replaced. transformers builds no mask for an
+implementation it has no mask function for, so the attention is causal by the module's
+``is_causal`` and takes the padding mask the input hook split for this rank
+(inputs.Parallelized.key_padding_mask). The q heads are this rank's; kv heads fewer than q heads
+(grouped-query attention) are expanded locally before the sequence-parallel exchange.
+"""
+
+from __future__ import annotations
+
+from shardzoo.layers.attention_core import sequence_attention
+from shardzoo.layers.tensor_layout import layout_of
+
+NAMES = {"ring": "shardzoo_ring", "ulysses": "shardzoo_ulysses"}
+_CTX = "_shardzoo_parallel"
+
+
+def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """transformers' attention signature: q [b, h, s, d], k / v [b, h_kv, s, d] (this rank's
+    heads and sequence shard) -> ([b, s, h, d], None)."""
+    state = module.__dict__.get(_CTX)
+    if state is None:
+        raise RuntimeError(f"{type(module).__name__} runs shardzoo's sequence-parallel attention but belongs to no "
+                           f"parallelized model; set the model's attention implementation back to 'sdpa'")
+    mesh = state.mesh
+    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+    seq = query.shape[2] * mesh.sp_size
+    if window is not None and seq > window:
+        raise ValueError(f"{type(module).__name__} uses a sliding window of {window} tokens, which shardzoo's "
+                         f"sequence-parallel attention does not apply; the sequence ({seq}) must be at most the "
+                         f"window, or use sp=1")
+    if key.shape[1] != query.shape[1]:
+        rep = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
+    batch_offset, head_offset = layout_of(mesh).block_offsets(state.mask_layout, query.shape[0], query.shape[1])
+    out = sequence_attention(query, key, value, mesh=mesh, causal=bool(getattr(module, "is_causal", True)),
+                             key_padding_mask=state.key_padding_mask, softmax_scale=scaling, sp_mode=state.sp_mode,
+                             dropout_p=dropout, training=module.training, head_offset=head_offset,
+                             batch_offset=batch_offset)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Register ``shardzoo_ring`` and ``shardzoo_ulysses`` with transformers (idempotent)."""
+    from transformers import AttentionInterface
+
+    for name in NAMES.values():
+        AttentionInterface.register(name, _attention)
+
+
+def use_sequence_parallel_attention(model, state) -> None:
+    """Switch ``model`` (and every config inside it) to shardzoo's attention for ``state.sp_mode``
+    and point its attention modules at ``state``."""
+    register()
+    name = NAMES[state.sp_mode]
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            _set_impl(config, name)
+        if "attention" in type(module).__name__.lower():
+            module.__dict__[_CTX] = state
+
+
+def _set_impl(config, name: str) -> None:
+    try:
+        config._attn_implementation = name
+    except (AttributeError, ValueError):  # versions keep it behind an internal field
+        config._attn_implementation_internal = name

@@ -1,0 +1,100 @@
+"""What ``parallelize`` needs from a transformers model, through transformers' own extension
+points only: its plan (``tp_plan`` / ``base_model_tp_plan``), its head counts (the config),
+its loss (``loss_function``) and its attention (``AttentionInterface``, hf_attention.py).
+transformers stays optional: a plain ``nn.Module`` never imports it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from torch import nn
+
+from shardzoo.parallel import hf_attention, inputs
+from shardzoo.parallel.plan import is_norm, style_of
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        return None
+    return transformers
+
+
+def is_transformers_model(model: nn.Module) -> bool:
+    tf = _transformers()
+    return tf is not None and isinstance(model, tf.PreTrainedModel)
+
+
+def is_causal_lm(model: nn.Module) -> bool:
+    """A causal LM (its labels are shifted): transformers' ``*ForCausalLM`` / ``*LMHeadModel``."""
+    name = type(model).__name__
+    return name.endswith(("ForCausalLM", "LMHeadModel")) or getattr(model, "loss_type", None) == "ForCausalLM"
+
+
+def config_heads(model: nn.Module) -> tuple[int, int, int] | None:
+    """(heads, kv heads, head_dim) from a transformers config, or None."""
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
+    if not isinstance(heads, int):
+        return None
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+    head_dim = getattr(config, "head_dim", None) or (hidden // heads if hidden else None)
+    return heads, kv, head_dim
+
+
+def default_plan(model: nn.Module) -> dict[str, str] | None:
+    """A transformers model's own plan (the instance's ``tp_plan``, else the config's
+    ``base_model_tp_plan`` and the class's ``_tp_plan``), completed with the token embedding,
+    the output head and every norm over the hidden size. None for a model without one."""
+    if not is_transformers_model(model):
+        return None
+    plan = dict(getattr(model, "tp_plan", None) or {})
+    if not plan:
+        plan = dict(getattr(model.config, "base_model_tp_plan", None) or {})
+        plan.update(getattr(type(model), "_tp_plan", None) or {})
+    if not plan:
+        return None
+    return complete_plan(model, plan)
+
+
+def complete_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """``plan`` plus what a transformers plan leaves replicated but a layout splits: the input
+    embedding ('vocab_embedding'), the output embedding ('lm_head') and every LayerNorm /
+    RMSNorm over the hidden size ('norm'); entries the plan has already win."""
+    names = {id(m): n for n, m in model.named_modules()}
+    extra: dict[str, str] = {}
+    inp = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if inp is not None and id(inp) in names:
+        extra[names[id(inp)]] = "vocab_embedding"
+    if out is not None and id(out) in names:
+        extra[names[id(out)]] = "lm_head"
+    hidden = getattr(model.config, "hidden_size", None)
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if is_norm(module) and weight is not None and weight.shape[0] == hidden:
+            extra[name] = "norm"
+    complete = dict(plan)
+    for name, style in extra.items():
+        found = style_of(plan, name)
+        if found is None or found[0] in ("replicate", "replicate_sum") and style == "norm":
+            complete[name] = style
+    return complete
+
+
+def install(model: nn.Module, state: inputs.Parallelized) -> None:
+    """The global-mean vocab-parallel loss as the model's ``loss_function``, and, with sp > 1,
+    shardzoo's ring / Ulysses attention as its attention implementation."""
+    if state.head is not None:
+        model.loss_function = functools.partial(_loss, state, model)
+    if state.mesh.sp_size > 1:
+        hf_attention.use_sequence_parallel_attention(model, state)
+
+
+def _loss(state, model, logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index: int = -100,
+          **kwargs):
+    # labels are this rank's targets already (inputs.shard_labels, in the forward pre-hook)
+    return inputs.local_loss(state, model, logits, labels, ignore_index=ignore_index)

@@ -1,0 +1,161 @@
+"""Entering and leaving a parallelized model: its inputs, its loss and its logits.
+
+``model(input_ids=[B, S], attention_mask=[B, S], position_ids=..., labels=[B, S])`` takes the
+full tensors of this dp replica on every tp and sp rank. A forward pre-hook (torch's own
+extension point; the model's forward is not touched) splits them:
+
+* ``input_ids``: along the batch axes of the layout's activations, then along sp (zigzag for
+  causal models, so every sp rank does equal attention work);
+* ``attention_mask`` and per-row ``position_ids``: along the batch axes of the attention's
+  activations (the 3D layout swaps them inside a block); under sp the padding mask goes to
+  shardzoo's attention (hf_attention.py) and the model gets none;
+* ``position_ids`` under sp: the global positions of this rank's tokens, so RoPE and learned
+  positions see where each token really is;
+* ``labels`` (transformers models): shifted over the whole sequence first when the model is
+  a causal LM, as transformers' loss does, then split like the logits.
+
+The loss is the global token mean over dp, sp and the batch axes (layers/batch_loss.py), the
+same value on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shardzoo.layers import batch_loss
+from shardzoo.layers.sequence import gather_sequence, shard_positions, shard_sequence
+from shardzoo.layers.shard_spec import unwrap_ddp
+from shardzoo.layers.tensor_layout import layout_of
+
+
+class Parallelized:
+    """What ``parallelize`` recorded on a model: mesh, sp mode, whether it is causal, the
+    qualified names of its head and token table, the batch layouts of its inputs, and the
+    current forward's padding mask for the sequence-parallel attention."""
+
+    def __init__(self, model: nn.Module, mesh, sp_mode: str, hf: bool, causal: bool, head: str | None,
+                 embedding: str | None):
+        self.mesh, self.sp_mode, self.hf, self.causal = mesh, sp_mode, hf, causal
+        self.head, self.embedding = head, embedding
+        self.key_padding_mask: torch.Tensor | None = None
+        tpl = layout_of(mesh)
+        self.input_layout = tpl.activation
+        self.mask_layout = tpl.linear_output(tpl.activation)  # the attention's batch rows
+        self.target_layout = tpl.activation
+
+    @property
+    def zigzag(self) -> bool:
+        return self.causal and self.mesh.sp_size > 1
+
+    def shard(self, t: torch.Tensor, layout) -> torch.Tensor:
+        """[B, S, ...] -> this rank's [b, s, ...]: batch rows of ``layout`` (None, or a batch
+        of 1 broadcast over rows: kept whole), then the sp shard."""
+        if layout is not None and t.shape[0] != 1:
+            t = layout_of(self.mesh).shard_batch(t, layout)
+        if self.mesh.sp_size > 1:
+            t = shard_sequence(t, self.mesh.sp_group, 1, zigzag=self.zigzag)
+        return t
+
+    def __repr__(self) -> str:
+        return f"Parallelized(mesh={self.mesh!r}, sp_mode={self.sp_mode!r}, causal={self.causal}, head={self.head!r})"
+
+
+def install(model: nn.Module, state: Parallelized) -> None:
+    """Register the input-splitting pre-hook and record the head's output layout."""
+    if state.head is not None:
+        state.target_layout = layout_of(state.mesh).after(model.get_submodule(state.head))
+    model.register_forward_pre_hook(lambda m, a, k: _split_inputs(state, a, k), with_kwargs=True)
+
+
+def _split_inputs(state: Parallelized, args: tuple, kwargs: dict):
+    args, kwargs = list(args), dict(kwargs)
+    seq = None
+    if kwargs.get("input_ids") is not None:
+        seq = kwargs["input_ids"].shape[-1]
+        kwargs["input_ids"] = _ids(state, kwargs["input_ids"])
+    elif args and torch.is_tensor(args[0]):
+        seq = args[0].shape[-1]
+        args[0] = _ids(state, args[0])
+    mask = kwargs.get("attention_mask")
+    state.key_padding_mask = None
+    if mask is not None:
+        if mask.dim() != 2:
+            raise ValueError(f"a parallelized model takes a [batch, seq] padding mask (1 = attend); got attention_mask "
+                             f"of shape {tuple(mask.shape)}. Pass the 2-d mask; the model builds the rest")
+        local = state.shard(mask, state.mask_layout)
+        state.key_padding_mask = local.bool()
+        kwargs["attention_mask"] = None if (state.hf and state.mesh.sp_size > 1) else local
+    positions = kwargs.get("position_ids")
+    if positions is not None:
+        kwargs["position_ids"] = state.shard(positions, state.mask_layout)
+    elif state.hf and state.mesh.sp_size > 1 and seq is not None:
+        local = shard_positions(seq // state.mesh.sp_size, state.mesh.sp_rank, state.mesh.sp_size, state.zigzag)
+        kwargs["position_ids"] = local[None].to(_device(args, kwargs))
+    if state.hf and kwargs.get("labels") is not None:
+        kwargs["labels"] = shard_labels(state, kwargs["labels"])
+    if state.hf and "use_cache" not in kwargs:
+        kwargs["use_cache"] = False  # a cache of sharded keys is no cache of the sequence
+    return tuple(args), kwargs
+
+
+def _ids(state: Parallelized, ids: torch.Tensor) -> torch.Tensor:
+    if ids.dim() != 2:
+        raise ValueError(f"a parallelized model takes input_ids [batch, seq] of this dp replica; got shape "
+                         f"{tuple(ids.shape)}")
+    return state.shard(ids, state.input_layout)
+
+
+def _device(args, kwargs):
+    for t in list(kwargs.values()) + list(args):
+        if torch.is_tensor(t):
+            return t.device
+    return None
+
+
+def shard_labels(state: Parallelized, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Full labels [B, S] -> this rank's targets, laid out like its logits: shifted first for a
+    causal LM (position t predicts token t + 1, the last position ignored)."""
+    if state.causal:
+        labels = batch_loss.shift_labels(labels, ignore_index)
+    return state.shard(labels, state.target_layout)
+
+
+def local_loss(state: Parallelized, model: nn.Module, logits: torch.Tensor, target: torch.Tensor, *,
+               ignore_index: int = -100, num_targets=None) -> torch.Tensor:
+    """Global token-mean cross entropy of vocab-parallel ``logits`` [b, s, V_l] against this
+    rank's ``target`` [b, s] (already split by :func:`shard_labels`)."""
+    head = model.get_submodule(state.head)
+    losses = head.loss(logits, target, ignore_index=ignore_index, reduction="none")
+    axes = ("dp", "sp") + tuple(state.target_layout.batch_axes)
+    return batch_loss.reduce_loss(losses, target != ignore_index, mesh=state.mesh, axes=axes,
+                                  num_targets=num_targets)
+
+
+def _state(model: nn.Module) -> tuple[Parallelized, nn.Module]:
+    model = unwrap_ddp(model)
+    state = model.__dict__.get("_shardzoo_parallel")
+    if state is None:
+        raise ValueError(f"{type(model).__name__} was not made by shardzoo.parallelize; pass the parallelized model")
+    if state.head is None:
+        raise ValueError(f"{type(model).__name__}'s plan has no 'lm_head', so it has no vocabulary-parallel logits")
+    return state, model
+
+
+def lm_loss(model: nn.Module, logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100,
+            num_targets=None) -> torch.Tensor:
+    """Cross entropy of a parallelized model's local ``logits`` [b, s, V_l] against the full
+    ``labels`` [B, S] of this dp replica (shifted for a causal model, as transformers'
+    ``labels=``): the global token mean, the same on every rank (for a model of one's own,
+    whose forward has no transformers loss)."""
+    state, model = _state(model)
+    target = shard_labels(state, labels, ignore_index)
+    return local_loss(state, model, logits, target, ignore_index=ignore_index, num_targets=num_targets)
+
+
+def gather_logits(model: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """A parallelized model's local logits [b, s, V_l] -> the full [B, S, V] of this dp replica,
+    on every rank (collective over tp and sp; differentiable)."""
+    state, model = _state(model)
+    full = model.get_submodule(state.head).gather_output(logits)
+    return gather_sequence(full, state.mesh.sp_group, 1, zigzag=state.zigzag)

@@ -1,0 +1,215 @@
+"""``parallelize(model, mesh, plan)``: split an existing model into any tp layout, in place.
+
+Every planned module is rebuilt by the mesh's layout object from the serial module
+(``layout_of(mesh).linear(serial=...)`` and so on), so parallel init equals serial init and no
+layer is written twice. The model's own forward code then runs unchanged on this rank's blocks:
+the heads a rank holds are whole, the head counts attention code reads are made local
+(heads.py), inputs are split on the way in and the loss is the global token mean (inputs.py),
+and sequence parallelism goes through transformers' ``AttentionInterface`` (hf_attention.py).
+Everything is checked before any weight moves: a plan entry whose module has the wrong type,
+an uncovered module holding weights, head counts the layout cannot split.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shardzoo.layers.attention_core import SP_MODES
+from shardzoo.layers.tensor_layout import layout_of
+from shardzoo.parallel import heads as head_counts
+from shardzoo.parallel import hf_model, inputs
+from shardzoo.parallel.plan import check_plan, is_norm, style_of
+from shardzoo.parallel.replicated import sum_grads_over
+
+_STATE = "_shardzoo_parallel"
+# the kinds of module a style rebuilds
+_LINEAR_STYLES = ("column", "row", "lm_head")
+
+
+def is_weighted_kind(module: nn.Module) -> bool:
+    """The kinds the layouts split, which must be planned: Linear, Conv1D, Embedding, norms."""
+    return isinstance(module, (nn.Linear, nn.Embedding)) or type(module).__name__ == "Conv1D" or is_norm(module)
+
+
+def state_of(model: nn.Module):
+    """The :class:`~shardzoo.parallel.inputs.Parallelized` record of a parallelized model, or None."""
+    return model.__dict__.get(_STATE)
+
+
+def parallelize(model: nn.Module, mesh, plan: dict[str, str] | None = None, *, sp_mode: str = "ring") -> nn.Module:
+    """Split ``model`` over ``mesh``'s tp layout (1d, 2d, 2.5d, 3d) and sp, in place; returns it.
+
+    Args:
+        model: a transformers model (its own code runs) or any ``nn.Module``.
+        mesh: ParallelMesh (dp, sp, tp in any mode; pp must be 1).
+        plan: {module-name pattern: style} (shardzoo/parallel/plan.py); None: the model's own
+            (transformers' ``base_model_tp_plan`` + ``_tp_plan`` completed with the norms, the
+            token embedding and the head, or a plan shardzoo ships for the class).
+        sp_mode: "ring" or "ulysses" attention over sp (transformers models only).
+
+    Afterwards ``model(input_ids=[B, S], attention_mask=[B, S], labels=[B, S], ...)`` takes the
+    full tensors of this dp replica on every tp and sp rank; ``out.loss`` is the global token
+    mean (the same on every rank) and ``out.logits`` this rank's block, which
+    :func:`~shardzoo.parallel.inputs.gather_logits` assembles. Collective over the mesh."""
+    if state_of(model) is not None:
+        raise ValueError(f"{type(model).__name__} is parallelized already (over {state_of(model).mesh!r}); "
+                         f"parallelize a fresh model")
+    if sp_mode not in SP_MODES:
+        raise ValueError(f"parallelize: sp_mode={sp_mode!r} is not one of {SP_MODES}")
+    if mesh.pp_size != 1:
+        raise ValueError(f"parallelize builds one pipeline stage holding the whole model; got pp={mesh.pp_size}. "
+                         f"Use pp=1 (pipelines of a parallelized transformers model are not built yet: "
+                         f"docs/parallelize.md, 'Limits')")
+    hf = hf_model.is_transformers_model(model)
+    if mesh.sp_size > 1 and not hf:
+        raise ValueError(f"parallelize: sequence parallelism (sp={mesh.sp_size}) reaches attention through "
+                         f"transformers' AttentionInterface, which {type(model).__name__} does not use; use sp=1 for "
+                         f"a module of your own")
+    if plan is None:
+        plan = hf_model.default_plan(model)
+        if plan is None:
+            raise ValueError(f"{type(model).__name__} has no tensor-parallel plan of its own; pass "
+                             f"plan={{'<module pattern>': 'column' | 'row' | 'norm' | ...}} (docs/parallelize.md)")
+    plan = check_plan(plan)
+    tpl = layout_of(mesh)
+    planned = _planned_modules(model, plan)
+    _refuse_uncovered(model, planned, tpl)
+    attention = head_counts.attention_modules(model, planned, tpl, hf_model.config_heads(model))
+    built = _build(model, planned, tpl, attention)  # nothing in the model has changed so far
+    for name, new in built.items():
+        model.set_submodule(name, new)
+    for name, (module, style, _) in planned.items():
+        if style == "replicate_sum":
+            sum_grads_over(module, mesh.tp_group)
+    state = inputs.Parallelized(model, mesh, sp_mode, hf, causal=hf_model.is_causal_lm(model) if hf else True,
+                                head=_find(planned, "lm_head"), embedding=_find(planned, "vocab_embedding"))
+    model.__dict__[_STATE] = state
+    if hf:
+        hf_model.install(model, state)  # loss function, sp attention (before the attention configs are copied)
+    head_counts.make_local(attention)
+    inputs.install(model, state)
+    return model
+
+
+def _find(planned: dict, style: str) -> str | None:
+    names = [n for n, (_, s, _) in planned.items() if s == style]
+    return names[0] if len(names) == 1 else None
+
+
+def _planned_modules(model: nn.Module, plan: dict[str, str]) -> dict[str, tuple[nn.Module, str, str]]:
+    """{qualified name: (module, style, pattern)} of every module a plan entry covers, the
+    type of each checked against its style."""
+    planned = {}
+    for name, module in model.named_modules():
+        if not name:
+            continue
+        found = style_of(plan, name)
+        if found is None:
+            continue
+        style, pattern = found
+        _check_kind(name, module, style, pattern)
+        planned[name] = (module, style, pattern)
+    unused = [p for p in plan if not any(pat == p for _, _, pat in planned.values())]
+    if unused:
+        raise ValueError(f"plan entries {unused} match no module of {type(model).__name__}; fix the pattern (module "
+                         f"names look like {_example_names(model)})")
+    return planned
+
+
+def _example_names(model: nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules() if n and is_weighted_kind(m)][:4]
+
+
+def _check_kind(name: str, module: nn.Module, style: str, pattern: str) -> None:
+    want = {"column": nn.Linear, "row": nn.Linear, "lm_head": nn.Linear, "vocab_embedding": nn.Embedding,
+            "embedding": nn.Embedding}.get(style)
+    if want is not None and not isinstance(module, want):
+        raise ValueError(f"plan entry {pattern!r} makes {name} ({type(module).__name__}) a {style!r} block, which "
+                         f"needs an nn.{want.__name__}; change the style or the pattern")
+    if style == "norm" and not is_norm(module):
+        raise ValueError(f"plan entry {pattern!r} makes {name} ({type(module).__name__}) a 'norm', which needs a "
+                         f"LayerNorm or RMSNorm; change the style or the pattern")
+
+
+def _refuse_uncovered(model: nn.Module, planned: dict, tpl) -> None:
+    """Every Linear, Conv1D, Embedding or norm (and, in the grid layouts, any module holding
+    weights) must be covered by the plan: its input is split by the layout."""
+    covered = tuple(f"{n}." for n in planned)
+    for name, module in model.named_modules():
+        if not name or name in planned or name.startswith(covered):
+            continue
+        own = [p for p in module.parameters(recurse=False)]
+        if is_weighted_kind(module) or (own and tpl.mode != "1d"):
+            kind = type(module).__name__
+            raise ValueError(f"{name} ({kind}) is not in the plan, and the {tpl.mode} layout splits the activations "
+                             f"it reads; add it to the plan: plan[{name!r}] = 'column' / 'row' / 'norm' / "
+                             f"'embedding' ..., or 'replicate' to keep it whole on every rank")
+
+
+def _build(model: nn.Module, planned: dict, tpl, attention) -> dict[str, nn.Module]:
+    """The parallel module for every planned module (embeddings first: a tied head needs them)."""
+    built: dict[str, nn.Module] = {}
+    order = sorted(planned, key=lambda n: planned[n][1] != "vocab_embedding")
+    for name in order:
+        module, style, _ = planned[name]
+        if style in ("replicate", "replicate_sum"):
+            continue
+        if style == "lm_head":
+            built[name] = _lm_head(name, module, planned, built, tpl)
+        elif style in ("column", "row"):
+            built[name] = head_counts.build_linear(name, module, style, tpl, attention)
+        elif style == "norm":
+            built[name] = _norm(name, module, tpl)
+        elif style == "vocab_embedding":
+            built[name] = tpl.vocab_embedding(serial=module)
+        else:
+            built[name] = tpl.embedding(serial=module)
+    return built
+
+
+def _lm_head(name: str, module: nn.Linear, planned: dict, built: dict, tpl) -> nn.Module:
+    tied = [n for n, (m, s, _) in planned.items() if s == "vocab_embedding" and m.weight is module.weight]
+    if tied:
+        return tpl.lm_head(module.in_features, module.out_features, tie_to=built[tied[0]])
+    if any(module.weight is m.weight for m, _, _ in planned.values() if m is not module and hasattr(m, "weight")):
+        raise ValueError(f"{name} shares its weight with a module that is not a 'vocab_embedding' in the plan; plan "
+                         f"the token table as 'vocab_embedding' so the head can tie to it")
+    return tpl.lm_head(serial=module)
+
+
+def _norm(name: str, module: nn.Module, tpl) -> nn.Module:
+    """The layout's LayerNorm / RMSNorm from ``module``, after checking on a random input that
+    the plain norm computes what ``module`` computes (a norm of another formula, such as
+    ``x * (1 + w)``, is refused rather than replaced by a wrong one)."""
+    plain = _plain_norm(name, module)
+    probe = torch.randn(3, plain.normalized_shape[0], dtype=plain.weight.dtype if plain.weight is not None
+                        else torch.float32, device=next(module.parameters()).device)
+    with torch.no_grad():
+        ok = torch.allclose(module(probe).float(), plain(probe).float(), rtol=1e-4, atol=1e-5)
+    if not ok:
+        raise ValueError(f"{name} ({type(module).__name__}) does not compute a plain {type(plain).__name__} "
+                         f"(y = norm(x) * weight [+ bias]); shardzoo cannot split it as 'norm'. Plan it as "
+                         f"'replicate' in 1d, or write it as nn.{type(plain).__name__}")
+    return tpl.norm(serial=plain) if isinstance(plain, nn.LayerNorm) else tpl.rms_norm(serial=plain)
+
+
+def _plain_norm(name: str, module: nn.Module) -> nn.Module:
+    if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+        return module
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+        raise ValueError(f"{name} ({type(module).__name__}) has no 1-d weight; plan it as 'replicate' or write it "
+                         f"as nn.LayerNorm / nn.RMSNorm")
+    eps = next((getattr(module, a) for a in ("variance_epsilon", "eps", "epsilon") if hasattr(module, a)), 1e-6)
+    bias = getattr(module, "bias", None)
+    if "rms" in type(module).__name__.lower():
+        plain = nn.RMSNorm(weight.shape[0], eps=eps, dtype=weight.dtype, device=weight.device)
+    else:
+        plain = nn.LayerNorm(weight.shape[0], eps=eps, bias=bias is not None, dtype=weight.dtype,
+                             device=weight.device)
+    with torch.no_grad():
+        plain.weight.copy_(weight)
+        if isinstance(plain, nn.LayerNorm) and bias is not None:
+            plain.bias.copy_(bias)
+    return plain
