@@ -1,0 +1,98 @@
+"""Tiny transformers causal LMs run by their own code, split by ``shardzoo.parallelize``, and the
+harness that checks them against the serial transformers model: loss, logits and every
+parameter after one optimizer step, with padding.
+
+transformers is imported only inside the builders. The reference is the serial fp32 model;
+its fp64 twin bounds the serial run's own rounding (``assert_close_conditioned``).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from shardzoo.testing.asserts import assert_close_conditioned
+from shardzoo.testing.pools import cached_mesh
+
+VOCAB, SEQ, BATCH = 96, 16, 4
+
+
+def _config(kind: str):
+    import transformers
+
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, attn_implementation="sdpa")
+    if kind == "llama":
+        return transformers.LlamaForCausalLM, transformers.LlamaConfig(**common)
+    if kind == "qwen2":  # tied embeddings, q / k / v biases
+        return transformers.Qwen2ForCausalLM, transformers.Qwen2Config(**common, tie_word_embeddings=True)
+    if kind == "mistral":
+        return transformers.MistralForCausalLM, transformers.MistralConfig(**common, sliding_window=32)
+    raise ValueError(f"unknown tiny model {kind!r}; one of llama, qwen2, mistral")
+
+
+def tiny_causal_lm(kind: str, seed: int = 0):
+    """A transformers ``*ForCausalLM`` with random weights drawn from ``seed`` (fp32)."""
+    cls, config = _config(kind)
+    torch.manual_seed(seed)
+    return cls(config).float().train()
+
+
+def padded_batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask, labels) [BATCH, SEQ], two rows right-padded, labels -100 there."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    mask[1, SEQ - 4:] = 0
+    mask[3, SEQ - 6:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    return ids, mask, labels
+
+
+def _step(model, batch, lr: float = 1.0):
+    ids, mask, labels = batch
+    out = model(input_ids=ids, attention_mask=mask, labels=labels)
+    out.loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= lr * p.grad
+    return out
+
+
+def check_against_serial(kind: str, mesh_kwargs: dict, sp_mode: str = "ring", zero: int = 0) -> dict:
+    """On every rank: parallelize a tiny ``kind`` model on the cached mesh of ``mesh_kwargs``,
+    wrap it with ``data_parallel(zero=...)``, run one SGD step on this dp replica's rows, and
+    assert loss, gathered logits and every full parameter equal the serial step's. Returns
+    the largest differences (for reports)."""
+    import shardzoo
+
+    batch = padded_batch()
+    serial = tiny_causal_lm(kind)
+    exact = copy.deepcopy(serial).double()
+    parallel = copy.deepcopy(serial)
+    out_s, out_x = _step(serial, batch), _step(exact, batch)
+
+    mesh = cached_mesh(**mesh_kwargs)
+    shardzoo.parallelize(parallel, mesh, sp_mode=sp_mode)
+    wrapped = shardzoo.data_parallel(parallel, mesh, zero=zero)
+    rows = slice(mesh.dp_rank * BATCH // mesh.dp_size, (mesh.dp_rank + 1) * BATCH // mesh.dp_size)
+    ids, mask, labels = (t[rows] for t in batch)
+    out_p = wrapped(input_ids=ids, attention_mask=mask, labels=labels)
+    out_p.loss.backward()
+    optimizer = shardzoo.zero_optimizer(wrapped, torch.optim.SGD, lr=1.0)
+    optimizer.step()
+
+    real = mask.bool()
+    logits = shardzoo.gather_logits(parallel, out_p.logits.detach())
+    assert_close_conditioned(out_p.loss.detach(), out_s.loss.detach(), out_x.loss.detach(), f"{kind} loss")
+    assert_close_conditioned(logits[real], out_s.logits[rows][real], out_x.logits[rows][real], f"{kind} logits")
+    full = shardzoo.full_state_dict(wrapped)
+    reference, exact_state = serial.state_dict(), exact.state_dict()
+    assert set(full) == set(reference), f"names differ: {sorted(set(full) ^ set(reference))}"
+    worst = 0.0
+    for name, value in reference.items():
+        assert full[name].shape == value.shape, f"{name}: {tuple(full[name].shape)} != {tuple(value.shape)}"
+        assert_close_conditioned(full[name], value, exact_state[name], f"{kind} {name} after a step", scale=4.0)
+        worst = max(worst, (full[name] - value).abs().max().item())
+    return {"loss": abs(out_p.loss.item() - out_s.loss.item()), "param": worst}

@@ -1,0 +1,29 @@
+"""transformers causal LMs (Llama with grouped-query attention, Qwen2 with tied embeddings and
+q / k / v biases, Mistral) run by their own code after ``shardzoo.parallelize``: loss, logits
+and every parameter after one optimizer step equal the serial transformers model in fp32, with
+padding, in every layout, with sequence parallelism and with ZeRO-3 on dp."""
+
+import pytest
+
+pytest.importorskip("transformers", reason="transformers is in the test extra; these tests build its models")
+
+from shardzoo.testing import run_on_ranks  # noqa: E402
+from shardzoo.testing.hf_parallel import check_against_serial  # noqa: E402
+
+# (model, ParallelMesh kwargs, world, sp_mode, zero)
+CASES = {
+    "llama-1d-tp4-kv-replicated": ("llama", dict(tp=4), 4, "ring", 0),
+    "llama-1d-tp8-kv-replicated": ("llama", dict(tp=8), 8, "ring", 0),
+    "llama-2d": ("llama", dict(tp=4, tp_mode="2d"), 4, "ring", 0),
+    "qwen2-2.5d-depth2": ("qwen2", dict(tp=8, tp_mode="2.5d", tp_depth=2), 8, "ring", 0),
+    "mistral-3d": ("mistral", dict(tp=8, tp_mode="3d"), 8, "ring", 0),
+    "qwen2-1d-sp2-ring": ("qwen2", dict(tp=2, sp=2), 4, "ring", 0),
+    "mistral-1d-sp2-ulysses": ("mistral", dict(tp=2, sp=2), 4, "ulysses", 0),
+    "llama-dp2-zero3": ("llama", dict(dp=2, tp=2), 4, "ring", 3),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_transformers_model_equals_serial(case):
+    kind, mesh_kwargs, world, sp_mode, zero = CASES[case]
+    run_on_ranks(check_against_serial, world, kind, mesh_kwargs, sp_mode, zero)
