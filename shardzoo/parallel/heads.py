@@ -99,6 +99,7 @@ def attention_modules(model: nn.Module, planned: dict, tpl, config_heads) -> dic
         head_dim = head_dim or next(iter(columns.values())).out_features // heads
         spec = Attention(name, module, heads, kv, head_dim, parts, axis)
         _check_counts(spec, tpl)
+        _check_attributes(spec)
         for n, m in columns.items():
             if m.out_features == heads * head_dim:
                 continue
@@ -121,6 +122,17 @@ def _check_counts(spec: Attention, tpl) -> None:
     raise ValueError(f"{spec.name}: {tp_rule}, which fits neither its {n} heads and {kv} kv heads (the parts must "
                      f"divide the heads, and divide or be a multiple of the kv heads); head parts that work: "
                      f"{works}")
+
+
+def _check_attributes(spec: Attention) -> None:
+    """Refuse a head-named integer of the attention module that :func:`make_local` cannot set."""
+    known = set(_local_values(spec)) | {"head_dim"}
+    for attr, value in vars(spec.module).items():
+        if (isinstance(value, int) and not isinstance(value, bool) and attr not in known and "head" in attr
+                and value in (spec.heads, spec.kv_heads) and spec.parts > 1):
+            raise ValueError(f"{spec.name}.{attr} = {value} looks like a head count, but shardzoo does not know what "
+                             f"it counts, so cannot make it local; rename it to one of "
+                             f"{', '.join(HEAD_ATTRS + KV_ATTRS)} or use tp=1")
 
 
 def build_linear(name: str, module: nn.Linear, style: str, tpl, attention: dict[str, Attention]) -> nn.Module:
@@ -166,7 +178,7 @@ def _serial_piece(who: str, piece: ShardSpec, head_dim: int, rep: int, kv_heads:
 
 def make_local(attention: dict[str, Attention]) -> None:
     """Set every head count and width an attention module (and its ``config``) holds to this
-    rank's value; refuse a head-named integer whose meaning is unknown."""
+    rank's value (:func:`_check_attributes` refused the ones it cannot set)."""
     for spec in attention.values():
         local = _local_values(spec)
         for attr, value in list(vars(spec.module).items()):
@@ -174,10 +186,6 @@ def make_local(attention: dict[str, Attention]) -> None:
                 continue
             if attr in local:
                 setattr(spec.module, attr, local[attr](value))
-            elif "head" in attr and value in (spec.heads, spec.kv_heads) and spec.parts > 1:
-                raise ValueError(f"{spec.name}.{attr} = {value} looks like a head count, but shardzoo does not know "
-                                 f"what it counts, so cannot make it local; rename it to one of "
-                                 f"{', '.join(HEAD_ATTRS + KV_ATTRS)} or use tp=1")
         config = getattr(spec.module, "config", None)
         if config is not None and hasattr(config, "num_attention_heads"):
             config = copy.copy(config)  # this module's own copy: other modules read the global counts

@@ -3,7 +3,7 @@
 A plan maps fnmatch patterns over qualified module names to a style. A pattern matches a name
 when it matches the whole name or a tail of it that starts after a dot, so transformers' base
 model plans (``layers.*.self_attn.q_proj``) match ``model.layers.0.self_attn.q_proj`` of the
-causal-LM wrapper; the longest matching pattern wins. Styles (docs/parallelize.md):
+causal-LM wrapper; the longest matching pattern wins (the fewest wildcards among equals). Styles (docs/parallelize.md):
 
 ================= ==================================================================
 column            first of a pair (nn.Linear): output features split over the head axis
@@ -57,11 +57,12 @@ def matches(pattern: str, name: str) -> bool:
 
 
 def style_of(plan: dict[str, str], name: str) -> tuple[str, str] | None:
-    """(style, pattern) of the longest pattern of ``plan`` matching ``name``, or None."""
+    """(style, pattern) of the longest pattern of ``plan`` matching ``name`` (of equal lengths,
+    the one with fewer wildcards), or None."""
     found = [p for p in plan if matches(p, name)]
     if not found:
         return None
-    pattern = max(found, key=len)
+    pattern = max(found, key=lambda p: (len(p), -p.count("*") - p.count("?")))
     return canonical_style(plan[pattern], pattern), pattern
 
 

@@ -1,0 +1,96 @@
+"""What ``parallelize`` refuses, before any weight moves, with a message naming the module,
+the rule and the fix."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from shardzoo.testing import cached_mesh, run_on_ranks
+from shardzoo.testing.user_model import PLAN, TinyLM
+
+
+class OnePlusRMSNorm(nn.Module):
+    """An RMSNorm of another formula, y = norm(x) * (1 + w) (Gemma's)."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.full((hidden,), 0.5)), 1e-6
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1 + self.weight)
+
+
+def _refusal(mesh_kwargs, edit: str):
+    import shardzoo
+
+    torch.manual_seed(0)
+    model, plan = TinyLM(), dict(PLAN)
+    if edit == "uncovered":
+        del plan["blocks.*.fc2"]
+    elif edit == "wrong-kind":
+        plan["blocks.*.ln_1"] = "column"
+    elif edit == "no-match":
+        plan["blocks.*.mlp.up_proj"] = "column"
+    elif edit == "odd-norm":
+        model.ln_f = OnePlusRMSNorm(32)
+        plan["ln_f"] = "norm"
+    elif edit == "unknown-head-count":
+        model.blocks[0].attn.num_heads_total = 4
+    elif edit == "heads":  # 4 heads on 8 parts
+        pass
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError) as err:
+        shardzoo.parallelize(model, cached_mesh(**mesh_kwargs), plan)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), "a refused model was changed"
+    assert all(isinstance(m, (nn.Linear, nn.LayerNorm, nn.Embedding, OnePlusRMSNorm, TinyLM)) or
+               type(m).__module__.startswith(("torch", "shardzoo.testing")) for m in model.modules())
+    return str(err.value)
+
+
+@pytest.mark.parametrize("edit, mesh_kwargs, world, words", [
+    ("uncovered", dict(tp=4, tp_mode="2d"), 4, ["blocks.0.fc2", "not in the plan", "add it to the plan"]),
+    ("uncovered", dict(tp=2), 2, ["blocks.0.fc2", "'replicate'"]),
+    ("wrong-kind", dict(tp=2), 2, ["blocks.0.ln_1", "LayerNorm", "nn.Linear"]),
+    ("no-match", dict(tp=2), 2, ["blocks.*.mlp.up_proj", "match no module"]),
+    ("odd-norm", dict(tp=2), 2, ["ln_f", "OnePlusRMSNorm", "plain RMSNorm"]),
+    ("unknown-head-count", dict(tp=2), 2, ["blocks.0.attn.num_heads_total", "head count"]),
+    ("heads", dict(tp=8), 8, ["4 heads", "4 kv heads", "head parts that work: [1, 2, 4]"]),
+])
+def test_refused_before_any_weight_moves(edit, mesh_kwargs, world, words):
+    message = run_on_ranks(_refusal, world, mesh_kwargs, edit)[0]
+    for word in words:
+        assert word in message, f"{word!r} missing from: {message}"
+
+
+def _kv_refusal():
+    import transformers
+
+    import shardzoo
+
+    config = transformers.LlamaConfig(hidden_size=48, intermediate_size=96, num_hidden_layers=1,
+                                      num_attention_heads=6, num_key_value_heads=3, vocab_size=32)
+    model = transformers.LlamaForCausalLM(config)
+    with pytest.raises(ValueError) as err:
+        shardzoo.parallelize(model, cached_mesh(tp=2))
+    return str(err.value)
+
+
+def test_tp_that_fits_neither_heads_nor_kv_heads_is_refused():
+    pytest.importorskip("transformers", reason="builds a transformers Llama")
+    message = run_on_ranks(_kv_refusal, 2)[0]
+    for word in ("6 heads", "3 kv heads", "head parts that work: [1, 3, 6]"):
+        assert word in message, f"{word!r} missing from: {message}"
+
+
+def _sp_refusal():
+    import shardzoo
+
+    with pytest.raises(ValueError, match="sequence parallelism .* AttentionInterface"):
+        shardzoo.parallelize(TinyLM(), cached_mesh(sp=2), PLAN)
+
+
+def test_sequence_parallel_module_of_ones_own_is_refused():
+    run_on_ranks(_sp_refusal, 2)
