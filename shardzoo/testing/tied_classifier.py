@@ -115,3 +115,27 @@ def check_saved_once(par: TiedPair, serial: TiedPair) -> None:
     assert state.keys() == ref.keys(), f"state keys {sorted(state)} != {sorted(ref)}"
     for k, v in ref.items():
         assert torch.equal(state[k], v), f"initial {k} differs from the serial tied pair's"
+
+
+def check_checkpoint_round_trip(mesh, table: str, case: dict, ckpt_dir: str) -> bool:
+    """Save the parallel tied pair: the index holds the table once, the classifier's weight as
+    its alias. Loading it into a serial tied pair and into a parallel one, both drawn from
+    another seed, gives back the saved values with the tie intact."""
+    from shardzoo import checkpoint
+
+    dtype, seed = DTYPES[case["dtype"]], case["seed"]
+    serial = serial_pair(case["hidden"], case["classes"], case["bias"], dtype, seed)
+    checkpoint.save(parallel_pair(mesh, table, serial, case), ckpt_dir)
+    index = checkpoint.read_index(ckpt_dir)
+    assert "head.weight" not in index["tensors"] and index["aliases"] == {"head.weight": "emb.weight"}, index
+    other = dict(case, seed=seed + 1)
+    fresh_serial = serial_pair(case["hidden"], case["classes"], case["bias"], dtype, seed + 1)
+    fresh_par = parallel_pair(mesh, table, serial_pair(case["hidden"], case["classes"], case["bias"], dtype, seed + 1),
+                              other)
+    checkpoint.load(fresh_serial, ckpt_dir)
+    checkpoint.load(fresh_par, ckpt_dir)
+    assert fresh_serial.head.weight is fresh_serial.emb.weight and fresh_par.head.weight is fresh_par.emb.weight
+    for what, state in [("serial", fresh_serial.state_dict()), ("parallel", full_state_dict(fresh_par))]:
+        for k, v in serial.state_dict().items():
+            assert torch.equal(state[k], v), f"{k} loaded into the {what} pair differs from the saved value"
+    return True

@@ -13,7 +13,7 @@ from shardzoo.layers.embedding_1d import VocabParallelEmbedding1D
 from shardzoo.layers.head_1d import Classifier1D, LMHead1D
 from shardzoo.layers.shard_spec import full_state_dict, gather_full, get_shard_spec
 from shardzoo.testing import assert_close, cached_mesh, run_on_ranks
-from shardzoo.testing.tied_classifier import check_tied_classifier
+from shardzoo.testing.tied_classifier import check_checkpoint_round_trip, check_tied_classifier
 
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
@@ -150,3 +150,13 @@ def classifier_tie_errors():
 
 def test_classifier_tie_errors():
     run_on_ranks(classifier_tie_errors, 2)
+
+
+def tied_checkpoint_1d(table, case, ckpt_dir):
+    return check_checkpoint_round_trip(cached_mesh(tp=4), table, case, ckpt_dir)
+
+
+@pytest.mark.parametrize("table", ["Embedding1D", "vocab_embedding"])
+def test_tied_classifier_checkpoint_holds_the_table_once(table, tmp_path):
+    case = dict(hidden=4, classes=7, bias=True, dtype="fp32", seed=3, factory=False)
+    run_on_ranks(tied_checkpoint_1d, 4, table, case, str(tmp_path / "ckpt"))

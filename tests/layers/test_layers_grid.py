@@ -17,7 +17,7 @@ from shardzoo.testing import assert_close, run_on_ranks
 from shardzoo.testing.grid import BATCH_PARTS, DTYPES, classes, hidden_parts_of, mesh_of, world_of
 from shardzoo.testing.serial_twin import (SCALE, check_grads_match, check_state_matches, compare_module, data_seed,
                                           perturbed, randn)
-from shardzoo.testing.tied_classifier import check_tied_classifier
+from shardzoo.testing.tied_classifier import check_checkpoint_round_trip, check_tied_classifier
 
 SUFFIX = {"2d": "2D", "2.5d": "2p5D", "3d": "3D"}
 KINDS = ["norm", "embedding", "vocab_embedding", "classifier"]
@@ -349,3 +349,13 @@ def grid_tie_errors(name):
 @pytest.mark.parametrize("name", ["2d", "3d"])
 def test_classifier_tie_errors(name):
     run_on_ranks(grid_tie_errors, world_of(name), name)
+
+
+def tied_checkpoint(name, table, case, ckpt_dir):
+    return check_checkpoint_round_trip(mesh_of(name), table, case, ckpt_dir)
+
+
+@pytest.mark.parametrize("name,table", [("2.5d", "vocab_embedding"), ("3d", "embedding")])
+def test_tied_classifier_checkpoint_holds_the_table_once(name, table, tmp_path):
+    case = dict(hidden=hidden_parts_of(name), classes=5, bias=True, dtype="fp32", seed=3, factory=True)
+    run_on_ranks(tied_checkpoint, world_of(name), name, table, case, str(tmp_path / "ckpt"))
