@@ -50,6 +50,25 @@ def vocab_parallel_param(module: nn.Module, weight: torch.Tensor, mesh, layout: 
     return shard_param(module, "weight", weight, spec, device if device is not None else default_device(mesh))
 
 
+def vocab_block(weight: torch.Tensor, mesh, layout: ActivationLayout) -> torch.Tensor:
+    """This rank's vocabulary block [V_pad/size(vocab_axis), H/q] of a :func:`vocab_parallel_param`
+    (differentiable): gathered over the vocabulary sub-axes (gradient reduce-scattered back),
+    gradient summed over the replica axes."""
+    _, sub_axes = vocab_axes(layout)
+    if layout.replica_axes:
+        weight = comm.copy_to(weight, mesh.group(*layout.replica_axes))
+    if sub_axes:
+        weight = comm.all_gather(weight, mesh.group(*sub_axes), 0)
+    return weight
+
+
+def vocab_table(weight: torch.Tensor, mesh, layout: ActivationLayout) -> torch.Tensor:
+    """The whole padded table's hidden block [V_pad, H/q] of a :func:`vocab_parallel_param`:
+    :func:`vocab_block` gathered over ``vocab_axis`` too, whose ranks hold other batch rows,
+    so the gradient is reduce-scattered (summed) there. A classifier tied to the table uses it."""
+    return comm.all_gather(vocab_block(weight, mesh, layout), mesh.group(vocab_axes(layout)[0]), 0)
+
+
 class _GridEmbeddingBase(layouts.GridModule):
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, *, mesh,
                  dtype=None, device=None, layout: ActivationLayout | None = None):
@@ -103,12 +122,7 @@ class GridVocabParallelEmbedding(_GridEmbeddingBase):
 
     def gathered_weight(self) -> torch.Tensor:
         """This rank's vocabulary block [V_pad/vocab_parts*sub, H/q] (differentiable)."""
-        weight = self.weight
-        if self.layout.replica_axes:
-            weight = comm.copy_to(weight, self.mesh.group(*self.layout.replica_axes))
-        if self.vocab_sub_axes:
-            weight = comm.all_gather(weight, self.mesh.group(*self.vocab_sub_axes), 0)
-        return weight
+        return vocab_block(self.weight, self.mesh, self.layout)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [B/parts, ...] (this rank's batch block, ``shard_input``) -> [B/parts, ..., H/q]

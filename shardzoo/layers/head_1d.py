@@ -12,7 +12,11 @@ Communication: like a column layer -- ``copy_to`` on entry (all-reduce of dX in 
 with ``sequence_parallel`` an all-gather of ``[b, s/p, H]`` (reduce-scatter in backward).
 
 ``Classifier1D``: a few-class head (ViT) on the replicated activation: every tp rank holds the
-whole ``nn.Linear(H, C)`` and computes the same full logits, with no communication.
+whole ``nn.Linear(H, C)`` and computes the same full logits, with no communication. With
+``tie_to=`` its weight is an embedding's table [C, H]: a replicated ``nn.Embedding``'s as it is,
+an ``Embedding1D``'s or ``VocabParallelEmbedding1D``'s gathered over tp in forward
+(``gather_from``: every rank computes the same logits, so each keeps its own slice of the
+weight's gradient), vocabulary padding dropped. The bias stays the classifier's own.
 """
 
 from __future__ import annotations
@@ -24,9 +28,9 @@ from torch import nn
 from shardzoo.comm import collectives as comm
 from shardzoo.layers.common_1d import SEQ_DIM, enter_sequence_parallel, local_param, require_sequence_layout, split_spec
 from shardzoo.layers.cross_entropy import vocab_parallel_cross_entropy
-from shardzoo.layers.embedding_1d import VocabParallelEmbedding1D
+from shardzoo.layers.embedding_1d import Embedding1D, VocabParallelEmbedding1D
 from shardzoo.layers.module import ParallelModule
-from shardzoo.layers.shard_spec import tie_param
+from shardzoo.layers.shard_spec import ShardSpec, get_shard_spec, shard_param, tie_param
 
 
 class LMHead1D(ParallelModule):
@@ -138,26 +142,65 @@ class LMHead1D(ParallelModule):
 class Classifier1D(ParallelModule):
     """``nn.Linear(H, C)`` replicated on every tp rank: x [b, ..., H] -> logits [b, ..., C].
 
-    Args: as ``nn.Linear`` (``num_classes`` = out_features) plus ``mesh``. The parameters carry
-    no ShardSpec (a parameter without one is replicated), so its state dict is the serial one."""
+    Args: as ``nn.Linear`` (``num_classes`` = out_features) plus ``mesh``, and ``tie_to``: an
+    ``nn.Embedding``, ``Embedding1D`` or ``VocabParallelEmbedding1D`` of ``num_embeddings=C,
+    embedding_dim=H`` whose table is the weight (module docstring; the bias is drawn as the
+    serial tied model draws it). Untied, or tied to a replicated ``nn.Embedding``, the
+    parameters carry no ShardSpec (replicated), so its state dict is the serial one; tied to a
+    split table the weight has the table's spec and the bias a replicated one."""
 
-    def __init__(self, in_features: int, num_classes: int, bias: bool = True, *, mesh, dtype=None, device=None):
+    def __init__(self, in_features: int, num_classes: int, bias: bool = True, *, mesh, tie_to: nn.Module | None = None,
+                 dtype=None, device=None):
         super().__init__()
-        self._setup(nn.Linear(in_features, num_classes, bias, dtype=dtype), mesh, device)
+        if tie_to is not None and dtype is None:
+            dtype = tie_to.weight.dtype
+        # tied, the weight drawn here is dropped: the bias is drawn as the serial tied model draws it
+        self._setup(nn.Linear(in_features, num_classes, bias, dtype=dtype), mesh, device, tie_to=tie_to)
 
-    def _setup(self, serial: nn.Linear, mesh, device) -> None:
+    def _setup(self, serial: nn.Linear, mesh, device, tie_to: nn.Module | None = None) -> None:
         self.mesh, self.in_features, self.num_classes = mesh, serial.in_features, serial.out_features
-        device = device if device is not None else serial.weight.device
-        self.weight = nn.Parameter(serial.weight.detach().to(device, copy=True))
+        self.tied, self.gather_dim = tie_to is not None, None
+        if tie_to is None:
+            device = device if device is not None else serial.weight.device
+            self.weight = nn.Parameter(serial.weight.detach().to(device, copy=True))
+        else:
+            self.gather_dim = self._tie(tie_to)
+            device = device if device is not None else self.weight.device
         bias = serial.bias
-        self.bias = None if bias is None else nn.Parameter(bias.detach().to(device, copy=True))
+        if bias is None:
+            self.register_parameter("bias", None)
+        elif get_shard_spec(self, "weight") is None:
+            self.bias = nn.Parameter(bias.detach().to(device, copy=True))
+        else:  # a module recording a spec states every parameter's: the bias is replicated
+            shard_param(self, "bias", bias, ShardSpec((self.num_classes,), (0,), (self.num_classes,), (), ("tp",)),
+                        device)
+
+    def _tie(self, tie_to: nn.Module) -> int | None:
+        """Share ``tie_to``'s table as the weight; the dim it is split along over tp (None: whole)."""
+        dims = {VocabParallelEmbedding1D: 0, Embedding1D: 1, nn.Embedding: None}
+        kind = next((k for k in dims if isinstance(tie_to, k)), None)
+        h, c = self.in_features, self.num_classes
+        if kind is None or (tie_to.num_embeddings, tie_to.embedding_dim) != (c, h):
+            raise ValueError(f"Classifier1D(in_features={h}, num_classes={c}) cannot tie to {tie_to}; tie to an "
+                             f"nn.Embedding, Embedding1D or VocabParallelEmbedding1D with embedding_dim=in_features, "
+                             f"num_embeddings=num_classes")
+        if dims[kind] is not None and tie_to.mesh is not self.mesh:
+            raise ValueError("Classifier1D(tie_to=...) must use the embedding's mesh; pass mesh=embedding.mesh")
+        tie_param(self, "weight", tie_to)
+        return dims[kind]
+
+    def class_weight(self) -> torch.Tensor:
+        """The whole weight [C, H] (differentiable): the tied table gathered over tp if split."""
+        if self.gather_dim is None:
+            return self.weight
+        return comm.gather_from(self.weight, self.mesh.tp_group, self.gather_dim)[: self.num_classes]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
+        return F.linear(x, self.class_weight(), self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, num_classes={self.num_classes}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, num_classes={self.num_classes}, bias={self.bias is not None}"
+                + (", tied" if self.tied else ""))
 
 
 # the name before every mode's head was called LMHead<mode>; kept so existing code still imports

@@ -4,6 +4,9 @@
   hidden dim like an embedding table (gathered over ``param_axes``), partial products summed
   over the hidden group (``reduce_from``: every rank of that group goes on with the same
   logits). Output [B/parts, ..., C], batch split as the input, replicated over hidden_axis.
+  ``tie_to=`` an embedding of the same layout shares its table as W: a ``GridEmbedding``'s
+  is placed exactly as W; a ``GridVocabParallelEmbedding``'s is gathered over the vocabulary
+  axes in forward (``vocab_table``, padding rows dropped). The bias stays the classifier's.
 * ``LMHead2D`` (vocabulary-parallel logits for the parallel loss): the weight E [V, H] sits as
   in ``VocabParallelEmbedding2D`` (vocab block i, hidden block j on rank (i, j)), so
   ``tie_to=embedding`` shares its Parameter; logits = SUMMA x E^T (summa_2d.SummaLinearT):
@@ -20,7 +23,8 @@ from shardzoo import comm
 from shardzoo.comm import ops
 from shardzoo.layers import layouts
 from shardzoo.layers.cross_entropy import vocab_parallel_cross_entropy
-from shardzoo.layers.embedding_2d import GridVocabParallelEmbedding, vocab_parallel_param
+from shardzoo.layers.embedding_2d import (GridEmbedding, GridVocabParallelEmbedding, vocab_parallel_param,
+                                          vocab_table)
 from shardzoo.layers.layouts import ActivationLayout
 from shardzoo.layers.shard_spec import ShardSpec, get_shard_spec, shard_param, tie_param
 from shardzoo.layers.summa_2d import Grid2D, summa_linear_t
@@ -53,29 +57,54 @@ def grid_cross_entropy(logits, target, *, mesh, layout: ActivationLayout, vocab_
 
 class GridClassifier(layouts.GridModule):
     """``nn.Linear(H, C)`` producing full logits: x [B/parts, ..., H/q] -> [B/parts, ..., C].
-    H must be divisible by q * size(param_axes) (q*q in 2D / 2.5D, q^3 in 3D)."""
+    H must be divisible by q * size(param_axes) (q*q in 2D / 2.5D, q^3 in 3D), or by q when
+    tied to a vocabulary-parallel embedding. ``tie_to``: an embedding of the same mesh and layout
+    with table [C, H] used as the weight (module docstring); the layout defaults to its layout."""
 
-    def __init__(self, in_features: int, num_classes: int, bias: bool = True, *, mesh, dtype=None, device=None,
-                 layout: ActivationLayout | None = None):
+    def __init__(self, in_features: int, num_classes: int, bias: bool = True, *, mesh, tie_to=None, dtype=None,
+                 device=None, layout: ActivationLayout | None = None):
         super().__init__()
+        if tie_to is not None and dtype is None:
+            dtype = tie_to.weight.dtype
+        # tied, the weight drawn here is dropped: the bias is drawn as the serial tied model draws it
         serial = nn.Linear(in_features, num_classes, bias, dtype=dtype, device="cpu")
-        self._setup(serial, mesh, device, layout)
+        self._setup(serial, mesh, device, layout, tie_to=tie_to)
 
-    def _setup(self, serial: nn.Linear, mesh, device, layout: ActivationLayout | None = None) -> None:
-        self._bind(mesh, layout)
+    def _setup(self, serial: nn.Linear, mesh, device, layout: ActivationLayout | None = None, tie_to=None) -> None:
+        self._bind(mesh, layout or getattr(tie_to, "layout", None))
         self.in_features, self.num_classes = serial.in_features, serial.out_features
-        layouts.check_hidden_parts(type(self).__name__, "in_features", self.in_features, mesh, self.layout)
-        layouts.hidden_param(self, "weight", serial.weight, 1, mesh, self.layout, device)
+        self.tied, self.tied_vocab_parallel = tie_to is not None, isinstance(tie_to, GridVocabParallelEmbedding)
+        if tie_to is None:
+            layouts.check_hidden_parts(type(self).__name__, "in_features", self.in_features, mesh, self.layout)
+            layouts.hidden_param(self, "weight", serial.weight, 1, mesh, self.layout, device)
+        else:
+            self._tie(tie_to)
         if serial.bias is None:
             self.register_parameter("bias", None)
         else:
             spec = ShardSpec((self.num_classes,), (0,), (self.num_classes,), (), ("tp",))
-            shard_param(self, "bias", serial.bias, spec, self.weight.device)
+            shard_param(self, "bias", serial.bias, spec, device if device is not None else self.weight.device)
+
+    def _tie(self, tie_to) -> None:
+        name, h, c = type(self).__name__, self.in_features, self.num_classes
+        same_place = isinstance(tie_to, (GridEmbedding, GridVocabParallelEmbedding)) and tie_to.mesh is self.mesh \
+            and tie_to.layout == self.layout
+        if not same_place or (tie_to.num_embeddings, tie_to.embedding_dim) != (c, h):
+            raise ValueError(f"{name}(in_features={h}, num_classes={c}) cannot tie to {tie_to}; tie to an Embedding "
+                             f"or VocabParallelEmbedding of the same mode, mesh and layout ({self.layout}) with "
+                             f"embedding_dim=in_features, num_embeddings=num_classes")
+        tie_param(self, "weight", tie_to)
+
+    def class_weight(self) -> torch.Tensor:
+        """W's hidden block for this rank, [C, H/q] (differentiable)."""
+        if self.tied_vocab_parallel:
+            return vocab_table(self.weight, self.mesh, self.layout)[: self.num_classes]
+        return layouts.gather_hidden_param(self.weight, -1, self.mesh, self.layout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B/parts, ..., H/q] -> logits [B/parts, ..., C] (same on the hidden group)."""
         self._check_input(x, self.in_features)
-        weight = layouts.gather_hidden_param(self.weight, -1, self.mesh, self.layout)  # [C, H/q]
+        weight = self.class_weight()  # [C, H/q]
         logits = comm.reduce_from(torch.matmul(x, weight.t()), self.mesh.group(self.layout.hidden_axis))
         if self.bias is not None:
             logits = logits + comm.copy_to(self.bias, self.mesh.group(*self.layout.batch_axes))
@@ -86,7 +115,8 @@ class GridClassifier(layouts.GridModule):
         return layouts.gather_batch(y_local, self.mesh, self.layout)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, num_classes={self.num_classes}, layout=({self.layout})"
+        tied = ", tied" if self.tied else ""
+        return f"in_features={self.in_features}, num_classes={self.num_classes}, layout=({self.layout}){tied}"
 
 
 class GridLMHead(layouts.GridModule):

@@ -17,8 +17,19 @@ Two streams per process:
 ``with streams.fork("tp"):`` swaps the stream's state into torch's generator for the block and
 back out afterwards (as Megatron's ``get_cuda_rng_tracker().fork()``), so any code in the block
 -- F.dropout, SDPA dropout -- draws from the stream without taking a generator argument.
-Activation checkpointing that recomputes a forked block must save and restore
-``streams.get_states()`` around the recomputation, as it does for torch's own state.
+
+Forks nest. While a fork is open, torch's generator *is* its stream: a fork that opens inside
+it first saves that stream's progress, and when the inner fork closes the outer stream goes on
+from there. So nesting, and re-entering a stream that is already open further out, draw
+exactly what the same forks draw one after the other (each stream moves on, nothing is drawn
+twice). ``get_states`` / ``set_states`` read and write the open stream in the generator itself.
+The open forks are tracked per generator (one per device and process), not per object or
+thread: forks of two meshes' streams nest through the same generator, and a recomputation that
+autograd runs on its own thread while the forward thread waits inside a fork nests as well.
+Forks must close in the reverse order they opened; one closing early (two threads forking at
+once, interleaved generators) raises. Activation checkpointing that recomputes a forked block
+saves ``streams.get_states()`` before the block and replays from them (models/pipeline.py,
+``stream_contexts``), as it does for torch's own state. docs/tp1d.md has the rules.
 """
 
 from __future__ import annotations
@@ -58,6 +69,32 @@ def _seeded_state(device: torch.device, seed: int) -> torch.Tensor:
     return gen.get_state()
 
 
+def _generator_key(device: torch.device) -> str:
+    """Which of torch's generators ``device`` uses: the CPU one, or one per CUDA device."""
+    if device.type == "cuda":
+        return f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
+    return "cpu"
+
+
+class _Fork:
+    """One open ``RNGStreams.fork``: whose stream, which name."""
+
+    __slots__ = ("streams", "name")
+
+    def __init__(self, streams: "RNGStreams", name: str):
+        self.streams, self.name = streams, name
+
+
+# open forks per generator key, innermost last; the generator holds the innermost one's stream.
+# Per generator, not per RNGStreams or thread: the generator itself is shared that widely.
+_OPEN: dict[str, list[_Fork]] = {}
+
+
+def open_forks() -> list[tuple[str, str]]:
+    """(generator, stream name) of every fork open now, outermost first."""
+    return [(key, f.name) for key, stack in _OPEN.items() for f in stack]
+
+
 class RNGStreams:
     """Named RNG streams of one process for one mesh; ``"tp"`` differs per tp rank.
 
@@ -74,35 +111,89 @@ class RNGStreams:
         self.device = torch.device(device) if device is not None else default_device(mesh)
         self.seed = int(torch.initial_seed() if seed is None else seed)
         self._states: dict[str, torch.Tensor] = {}
+        self._seeds: dict[str, int] = {}
         self.add("tp", self.seed + TP_SEED_OFFSET + mesh.tp_rank)
 
-    def add(self, name: str, seed: int) -> None:
-        """Create (or reset) stream ``name`` seeded with ``seed``."""
-        self._states[name] = _seeded_state(self.device, int(seed))
+    def add(self, name: str, seed: int, *, reset: bool = False) -> None:
+        """Create stream ``name`` seeded with ``seed``; ``reset=True`` re-seeds an existing one.
+
+        Raises ValueError when ``name`` exists and ``reset`` is False (re-seeding must be
+        explicit), or when another stream of this object has ``seed`` (the two would draw the
+        same masks). Streams of other processes are not checked: ``"tp"`` on tp rank r has
+        seed ``self.seed + TP_SEED_OFFSET + r``."""
+        seed = int(seed)
+        if name in self._states and not reset:
+            raise ValueError(f"RNG stream {name!r} exists already (seed {self._seeds.get(name, 'restored')}); pass "
+                             f"reset=True to re-seed it with {seed}, or add the new stream under another name")
+        for other, used in self._seeds.items():
+            if used == seed and other != name:
+                raise ValueError(f"RNG stream {name!r} cannot take seed {seed}: stream {other!r} has it, so the two "
+                                 f"would draw identical dropout masks; give {name!r} another seed")
+        self._seeds[name] = seed
+        self._put(name, _seeded_state(self.device, seed))
 
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(self._states)
 
     def get_states(self) -> dict[str, torch.Tensor]:
-        """Copies of every stream's state (to restore them for a recomputation)."""
-        return {k: v.clone() for k, v in self._states.items()}
+        """Copies of every stream's state (to restore them for a recomputation); a stream
+        whose fork is open now is read from torch's generator, which holds it."""
+        states = {k: v.clone() for k, v in self._states.items()}
+        live = self._live()
+        if live is not None:
+            states[live] = _get_state(self.device)
+        return states
 
     def set_states(self, states: dict[str, torch.Tensor]) -> None:
-        """Restore states returned by :meth:`get_states`."""
-        self._states.update({k: v.clone() for k, v in states.items()})
+        """Restore states returned by :meth:`get_states` (an open stream in the generator too)."""
+        for name, state in states.items():
+            self._put(name, state.clone())
+
+    def _live(self) -> str | None:
+        """The name of this object's stream that torch's generator holds now, if any."""
+        stack = _OPEN.get(_generator_key(self.device))
+        return stack[-1].name if stack and stack[-1].streams is self else None
+
+    def _put(self, name: str, state: torch.Tensor) -> None:
+        self._states[name] = state
+        if self._live() == name:
+            _set_state(self.device, state)
 
     @contextlib.contextmanager
     def fork(self, name: str = "tp") -> Iterator[None]:
-        """Draw from stream ``name`` inside the block; torch's own state is untouched by it."""
+        """Draw from stream ``name`` inside the block; torch's own state is untouched by it.
+        Nested forks (also of the same name) draw what the same forks draw one after the other
+        (module docstring); forks must close innermost first."""
         if name not in self._states:
             raise KeyError(f"no RNG stream named {name!r}; streams are {', '.join(self._states)} (add one with .add)")
+        stack = _OPEN.setdefault(_generator_key(self.device), [])
         outside = _get_state(self.device)
+        if stack:  # the stream open around this fork keeps what it has drawn so far
+            around = stack[-1]
+            around.streams._states[around.name] = outside
+        me = _Fork(self, name)
+        stack.append(me)
         _set_state(self.device, self._states[name])
         try:
             yield
         finally:
-            self._states[name] = _get_state(self.device)
+            self._close(me, stack, outside)
+
+    def _close(self, me: _Fork, stack: list[_Fork], outside: torch.Tensor) -> None:
+        if not stack or stack[-1] is not me:
+            inner = stack[-1].name if stack else None
+            if any(f is me for f in stack):
+                stack[:] = [f for f in stack if f is not me]
+            raise RuntimeError(
+                f"fork({me.name!r}) closed while fork({inner!r}), opened after it, is still open; forks share "
+                f"torch's generator (one per device and process), so they must close innermost first. Do not "
+                f"interleave forks from two threads or two generators; nest them")
+        self._states[me.name] = _get_state(self.device)
+        stack.pop()
+        if stack:  # back to the stream open around this fork, where it left off
+            _set_state(self.device, stack[-1].streams._states[stack[-1].name])
+        else:
             _set_state(self.device, outside)
 
 
@@ -121,7 +212,13 @@ def rng_streams(mesh) -> RNGStreams:
 
 def manual_seed(mesh, seed: int) -> RNGStreams:
     """Seed torch's default stream with ``seed`` (same on every rank) and reset the mesh's
-    streams from it (tp stream: ``seed + TP_SEED_OFFSET + tp_rank``). Returns the streams."""
+    streams from it (tp stream: ``seed + TP_SEED_OFFSET + tp_rank``). Returns the streams.
+    Raises RuntimeError inside an open fork, whose close would undo the seed."""
+    if open_forks():
+        key, name = open_forks()[-1]
+        raise RuntimeError(f"manual_seed(mesh, {seed}) called inside an open fork of RNG stream {name!r} ({key}): "
+                           f"torch's generator holds that stream until the fork closes, and closing it would put "
+                           f"back the unseeded state; call manual_seed outside every fork")
     torch.manual_seed(seed)
     streams = mesh.__dict__[_ATTR] = RNGStreams(mesh, seed)
     return streams

@@ -57,6 +57,16 @@ def _linear(in_features, out_features, bias, dtype, serial) -> nn.Linear:
     return serial if serial is not None else nn.Linear(in_features, out_features, bias, dtype=dtype)
 
 
+def _classifier_linear(in_features, num_classes, bias, dtype, serial, tie_to) -> nn.Linear:
+    """The serial classifier; tied, its sizes and dtype default to the table's (its weight is
+    then unused: the table replaces it, as in a serial tied model)."""
+    if tie_to is not None and serial is None:
+        in_features = tie_to.embedding_dim if in_features is None else in_features
+        num_classes = tie_to.num_embeddings if num_classes is None else num_classes
+        dtype = tie_to.weight.dtype if dtype is None else dtype
+    return _linear(in_features, num_classes, bias, dtype, serial)
+
+
 def _embedding(num_embeddings, embedding_dim, padding_idx, dtype, serial) -> nn.Embedding:
     return serial if serial is not None else nn.Embedding(num_embeddings, embedding_dim, padding_idx, dtype=dtype)
 
@@ -194,11 +204,16 @@ class TensorLayout:
                                layout=layout)
 
     def classifier(self, in_features: int | None = None, num_classes: int | None = None, bias: bool = True, *,
-                   layout: ActivationLayout | None = None, serial: nn.Linear | None = None, device=None,
-                   dtype=None) -> nn.Module:
-        """Few-class head with full logits: [b, ..., H_l] -> [b, ..., C]."""
-        serial = _linear(in_features, num_classes, bias, dtype, serial)
-        return self.kinds["classifier"].from_serial(serial, self.mesh, device=device, layout=layout or self.activation)
+                   tie_to: nn.Module | None = None, layout: ActivationLayout | None = None,
+                   serial: nn.Linear | None = None, device=None, dtype=None) -> nn.Module:
+        """Few-class head with full logits: [b, ..., H_l] -> [b, ..., C]; with ``tie_to`` (an
+        embedding or vocabulary embedding of this layout, table [C, H]) the weight is its table
+        and the bias is ``serial``'s or drawn as nn.Linear's (sizes default to the table's)."""
+        serial = _classifier_linear(in_features, num_classes, bias, dtype, serial, tie_to)
+        if tie_to is not None:
+            layout = layout or getattr(tie_to, "layout", None)
+        return self.kinds["classifier"].from_serial(serial, self.mesh, device=device, layout=layout or self.activation,
+                                                    tie_to=tie_to)
 
     # -- entering and leaving the layout (differentiable) -------------------------------------
     def shard_input(self, x_full: torch.Tensor) -> torch.Tensor:
@@ -333,10 +348,10 @@ class Layout1D(TensorLayout):
         return LMHead1D.from_serial(_linear(in_features, vocab_size, bias, dtype, serial), self.mesh,
                                             device=device)
 
-    def classifier(self, in_features=None, num_classes=None, bias=True, *, layout=None, serial=None, device=None,
-                   dtype=None):
-        return Classifier1D.from_serial(_linear(in_features, num_classes, bias, dtype, serial), self.mesh,
-                                        device=device)
+    def classifier(self, in_features=None, num_classes=None, bias=True, *, tie_to=None, layout=None, serial=None,
+                   device=None, dtype=None):
+        serial = _classifier_linear(in_features, num_classes, bias, dtype, serial, tie_to)
+        return Classifier1D.from_serial(serial, self.mesh, device=device, tie_to=tie_to)
 
     def shard_hidden(self, x_full, layout=None):
         return x_full  # 1D blocks take the replicated activation

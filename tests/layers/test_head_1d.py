@@ -1,6 +1,6 @@
 """LMHead1D (+ its vocab-parallel loss) against nn.Linear + F.cross_entropy, untied and
 tied to a VocabParallelEmbedding1D, vocab sizes not divisible by tp, gather_output, sequence
-parallelism."""
+parallelism; Classifier1D tied to each kind of 1D table."""
 
 import pytest
 import torch
@@ -10,9 +10,10 @@ from hypothesis import strategies as st
 from torch import nn
 
 from shardzoo.layers.embedding_1d import VocabParallelEmbedding1D
-from shardzoo.layers.head_1d import LMHead1D
+from shardzoo.layers.head_1d import Classifier1D, LMHead1D
 from shardzoo.layers.shard_spec import full_state_dict, gather_full, get_shard_spec
 from shardzoo.testing import assert_close, cached_mesh, run_on_ranks
+from shardzoo.testing.tied_classifier import check_checkpoint_round_trip, check_tied_classifier
 
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
@@ -108,3 +109,54 @@ def tie_mismatch():
         LMHead1D(4, 12, mesh=mesh, tie_to=emb)
     with pytest.raises(ValueError, match="has no bias; pass bias=False"):
         LMHead1D(4, 11, True, mesh=mesh, tie_to=emb)
+
+
+# -- Classifier1D tied to an embedding's table ----------------------------------------------
+def check_tied_classifier_1d(tp, table, case):
+    return check_tied_classifier(cached_mesh(tp=tp), table, case)
+
+
+def tied_case(draw, tp):
+    """Any classes (a vocabulary-parallel table pads them to a multiple of tp), hidden a
+    multiple of tp (Embedding1D splits it)."""
+    return {"hidden": tp * draw(st.integers(1, 3)), "classes": draw(st.integers(1, 9)), "batch": draw(st.integers(1, 2)),
+            "seq": draw(st.integers(1, 3)), "bias": draw(st.booleans()), "dtype": draw(st.sampled_from(list(DTYPES))),
+            "seed": draw(st.integers(0, 2**31)), "factory": draw(st.booleans())}
+
+
+@pytest.mark.parametrize("table", ["embedding", "Embedding1D", "vocab_embedding"])
+@pytest.mark.parametrize("tp", [2, 4])
+@settings(max_examples=3, deadline=None)
+@given(data=st.data())
+def test_classifier_tied_to_a_table_matches_serial(tp, table, data):
+    """Forward, dx and the shared table's gradient against nn.Embedding + nn.Linear sharing
+    the table; the table saved once. "embedding" is the 1D layout's replicated nn.Embedding."""
+    case = tied_case(data.draw, tp)
+    shapes = run_on_ranks(check_tied_classifier_1d, tp, tp, table, case)
+    assert shapes[0] == (case["batch"], case["seq"], case["classes"])
+
+
+def classifier_tie_errors():
+    mesh = cached_mesh(tp=2)
+    emb = VocabParallelEmbedding1D(11, 4, mesh=mesh)
+    with pytest.raises(ValueError, match=r"Classifier1D\(in_features=4, num_classes=12\) cannot tie to .*"
+                                         r"with embedding_dim=in_features, num_embeddings=num_classes"):
+        Classifier1D(4, 12, mesh=mesh, tie_to=emb)
+    with pytest.raises(ValueError, match="cannot tie to Linear"):
+        Classifier1D(4, 11, mesh=mesh, tie_to=nn.Linear(4, 11))
+    with pytest.raises(ValueError, match="must use the embedding's mesh; pass mesh=embedding.mesh"):
+        Classifier1D(4, 11, mesh=cached_mesh(dp=2, tp=1), tie_to=emb)
+
+
+def test_classifier_tie_errors():
+    run_on_ranks(classifier_tie_errors, 2)
+
+
+def tied_checkpoint_1d(table, case, ckpt_dir):
+    return check_checkpoint_round_trip(cached_mesh(tp=4), table, case, ckpt_dir)
+
+
+@pytest.mark.parametrize("table", ["Embedding1D", "vocab_embedding"])
+def test_tied_classifier_checkpoint_holds_the_table_once(table, tmp_path):
+    case = dict(hidden=4, classes=7, bias=True, dtype="fp32", seed=3, factory=False)
+    run_on_ranks(tied_checkpoint_1d, 4, table, case, str(tmp_path / "ckpt"))

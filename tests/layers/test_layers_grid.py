@@ -2,7 +2,8 @@
 
 Meshes (shardzoo.testing.grid): 2D at tp=4 (q=2), also with dp=2 around the grid (each replica
 feeds its own data); 2.5D at tp=8 (q=2, d=2) and tp=4 (d=1, where it must behave as 2D); 3D at
-tp=8 (q=2). Chaining and training: test_grid_chaining.py."""
+tp=8 (q=2). Classifiers tied to an embedding's table: shardzoo.testing.tied_classifier.
+Chaining and training: test_grid_chaining.py."""
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from shardzoo.testing import assert_close, run_on_ranks
 from shardzoo.testing.grid import BATCH_PARTS, DTYPES, classes, hidden_parts_of, mesh_of, world_of
 from shardzoo.testing.serial_twin import (SCALE, check_grads_match, check_state_matches, compare_module, data_seed,
                                           perturbed, randn)
+from shardzoo.testing.tied_classifier import check_checkpoint_round_trip, check_tied_classifier
 
 SUFFIX = {"2d": "2D", "2.5d": "2p5D", "3d": "3D"}
 KINDS = ["norm", "embedding", "vocab_embedding", "classifier"]
@@ -298,3 +300,62 @@ def patch_case(draw, name):
 @pytest.mark.parametrize("name,examples", [("2d", 6), ("2.5d", 5), ("3d", 5)])
 def test_patch_embedding_matches_vit(name, examples):
     for_examples(examples, lambda draw: run_on_ranks(check_patch, world_of(name), patch_case(draw, name)))
+
+
+# -- classifier tied to an embedding's table ------------------------------------------------
+def check_tied_classifier_grid(name, table, case):
+    return check_tied_classifier(mesh_of(name), table, case)
+
+
+def tied_case(draw, name, table, q=2):
+    """A hidden-split table needs H divisible by its q*q (3D: q^3) pieces, a vocabulary-parallel
+    one only by q; any number of classes (vocabulary padding)."""
+    parts = q if table == "vocab_embedding" else hidden_parts_of(name)
+    return dict(hidden=parts * draw(st.integers(1, 3)), classes=draw(st.integers(1, 9)),
+                batch=BATCH_PARTS[name] * draw(st.integers(1, 2)), seq=draw(st.integers(1, 3)), bias=draw(st.booleans()),
+                dtype=draw(st.sampled_from(list(DTYPES))), seed=draw(st.integers(0, 10**6)), factory=draw(st.booleans()))
+
+
+@pytest.mark.parametrize("table", ["embedding", "vocab_embedding"])
+@pytest.mark.parametrize("name,examples", [("2d", 3), ("2.5d", 3), ("3d", 3)])
+def test_classifier_tied_to_a_table_matches_serial(name, examples, table):
+    """Classifier{2D,2p5D,3D}(tie_to=Embedding / VocabParallelEmbedding of the mode): forward, dx
+    and the shared table's gradient against nn.Embedding + nn.Linear sharing the table (2.5D at
+    depth 2); the table saved once."""
+    def check(draw):
+        case = tied_case(draw, name, table)
+        shapes = run_on_ranks(check_tied_classifier_grid, world_of(name), name, table, case)
+        assert shapes[0] == (case["batch"], case["seq"], case["classes"])
+
+    for_examples(examples, check)
+
+
+def grid_tie_errors(name):
+    mesh = mesh_of(name)
+    kinds, h = classes(mesh.tp_mode), hidden_parts_of(name)
+    emb = kinds["embedding"](10, h, mesh=mesh)
+    who = f"Classifier{SUFFIX[name]}"
+    with pytest.raises(ValueError, match=rf"{who}\(in_features={h}, num_classes=11\) cannot tie to .* with "
+                                         r"embedding_dim=in_features, num_embeddings=num_classes"):
+        kinds["classifier"](h, 11, mesh=mesh, tie_to=emb)
+    with pytest.raises(ValueError, match="of the same mode, mesh and layout"):
+        kinds["classifier"](h, 10, mesh=mesh, tie_to=nn.Embedding(10, h))
+    if name == "3d":  # a table in another layout holds other hidden blocks
+        with pytest.raises(ValueError, match="of the same mode, mesh and layout"):
+            kinds["classifier"](h, 10, mesh=mesh, tie_to=emb, layout=layouts.swapped_3d(emb.layout))
+    return True
+
+
+@pytest.mark.parametrize("name", ["2d", "3d"])
+def test_classifier_tie_errors(name):
+    run_on_ranks(grid_tie_errors, world_of(name), name)
+
+
+def tied_checkpoint(name, table, case, ckpt_dir):
+    return check_checkpoint_round_trip(mesh_of(name), table, case, ckpt_dir)
+
+
+@pytest.mark.parametrize("name,table", [("2.5d", "vocab_embedding"), ("3d", "embedding")])
+def test_tied_classifier_checkpoint_holds_the_table_once(name, table, tmp_path):
+    case = dict(hidden=hidden_parts_of(name), classes=5, bias=True, dtype="fp32", seed=3, factory=True)
+    run_on_ranks(tied_checkpoint, world_of(name), name, table, case, str(tmp_path / "ckpt"))
