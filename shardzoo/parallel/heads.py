@@ -11,7 +11,7 @@ n heads and n_kv kv heads:
   The kv weight is built as ``repeat_interleave(P / n_kv)`` of the serial one, so ranks along
   the head axis hold copies; their ShardSpecs point at the same rows of the serial tensor
   (checkpoints and ``full_state_dict`` give the serial shapes) and their gradients are summed
-  (layers/replicas.py);
+  (layers/replica_grads.py);
 * anything else is refused, naming heads, kv heads and the tp values that work.
 
 Head counts: where the attention module (or its ``config``) holds a head count or a width
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from shardzoo.layers.replicas import ReplicaGradSum, replica_slot
+from shardzoo.layers.replica_grads import ReplicaGradSum, replica_slot
 from shardzoo.layers.shard_spec import ShardSpec, get_shard_spec, set_shard_spec
 
 HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
