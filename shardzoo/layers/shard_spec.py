@@ -40,6 +40,9 @@ class ShardSpec:
         local_shape: shape of the local tensor (may include padding past the global end).
         partitioned_over: mesh axes across which the pieces differ (e.g. ("tp",)).
         replicated_over: mesh axes across which this exact piece is repeated (e.g. ("tp_dep",)).
+        serial_shape: the serial tensor's shape when it is ``global_shape`` reshaped (a packed
+            q|k|v projection held as [3, n, in] so each rank's piece is one rectangle); None
+            when they are the same. ``full_state_dict`` gives this shape.
     """
 
     global_shape: tuple[int, ...]
@@ -47,6 +50,7 @@ class ShardSpec:
     local_shape: tuple[int, ...]
     partitioned_over: tuple[str, ...] = ("tp",)
     replicated_over: tuple[str, ...] = ()
+    serial_shape: tuple[int, ...] | None = None
 
     @staticmethod
     def split(
@@ -232,7 +236,8 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
             if spec is not None and spec.partitioned_over and mesh is None:
                 raise ShardSpecError(f"{key} has a ShardSpec but its module {type(mod).__name__} has no .mesh; set "
                                      f"module.mesh to the ParallelMesh the spec's axes refer to")
-            out[key] = gather_full(local_piece(key, t, spec), spec, mesh)
+            full = gather_full(local_piece(key, t, spec), spec, mesh)
+            out[key] = full.reshape(spec.serial_shape) if spec is not None and spec.serial_shape else full
     return out
 
 

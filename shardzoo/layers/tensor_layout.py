@@ -272,6 +272,11 @@ class TensorLayout:
         axis = (layout or self.activation).hidden_axis
         return axis, self.mesh.size(axis)
 
+    def column_blocks(self) -> int:
+        """How many contiguous blocks a column layer cuts its output features into (the grids:
+        q along the output's hidden axis; 3D: q * q, the weight split further for memory)."""
+        return self.mesh.q
+
     def head_rule(self) -> str:
         """How the heads are split, for error messages."""
         axis, parts = self.head_axis()
@@ -362,6 +367,9 @@ class Layout1D(TensorLayout):
     def head_rule(self) -> str:
         return f"tp={self.mesh.tp_size}"
 
+    def column_blocks(self) -> int:
+        return self.mesh.tp_size
+
 
 class Layout2D(TensorLayout):
     """Optimus (SUMMA) on a q x q grid: batch over tp_row, hidden over tp_col."""
@@ -399,6 +407,9 @@ class Layout3D(TensorLayout):
 
     def linear_output(self, layout=None):
         return layouts.swapped_3d(layout or self.activation)
+
+    def column_blocks(self) -> int:
+        return self.mesh.q * self.mesh.q
 
 
 LAYOUTS = {cls.mode: cls for cls in (Layout1D, Layout2D, Layout2p5D, Layout3D)}

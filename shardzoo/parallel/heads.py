@@ -26,11 +26,8 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 
-from shardzoo.layers.replica_grads import ReplicaGradSum, replica_slot
-from shardzoo.layers.shard_spec import ShardSpec, get_shard_spec, set_shard_spec
 
 HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
 KV_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head")
@@ -52,6 +49,7 @@ class Attention:
     parts: int
     axis: str
     kv_projections: set = field(default_factory=set)
+    packed: dict = field(default_factory=dict)  # projection name -> parts (q|k|v: 3)
 
     @property
     def local_heads(self) -> int:
@@ -87,7 +85,7 @@ def attention_modules(model: nn.Module, planned: dict, tpl, config_heads) -> dic
     found: dict[str, Attention] = {}
     for name, module in model.named_modules():
         children = {f"{name}.{c}" if name else c: m for c, m in module.named_children()}
-        columns = {n: m for n, m in children.items() if n in planned and planned[n][1] == "column"}
+        columns = {n: m for n, m in children.items() if n in planned and planned[n][1] in ("column", "packed_column")}
         if not columns or not _looks_like_attention(module):
             continue
         heads = _int_attr(module, HEAD_ATTRS) or (config_heads[0] if config_heads else None)
@@ -96,21 +94,30 @@ def attention_modules(model: nn.Module, planned: dict, tpl, config_heads) -> dic
                              f"(one of {', '.join(HEAD_ATTRS)}); set one on the module so its heads can be split whole")
         kv = _int_attr(module, KV_ATTRS) or (config_heads[1] if config_heads else None) or heads
         head_dim = _int_attr(module, ("head_dim",)) or (config_heads[2] if config_heads else None)
-        head_dim = head_dim or next(iter(columns.values())).out_features // heads
+        head_dim = head_dim or _out_features(next(iter(columns.values()))) // heads
         spec = Attention(name, module, heads, kv, head_dim, parts, axis)
         _check_counts(spec, tpl)
         _check_attributes(spec)
         for n, m in columns.items():
-            if m.out_features == heads * head_dim:
+            out = _out_features(m)
+            if planned[n][1] == "packed_column" and out % (heads * head_dim) == 0 and out > heads * head_dim:
+                spec.packed[n] = out // (heads * head_dim)
                 continue
-            if m.out_features == kv * head_dim:
+            if out == heads * head_dim:
+                continue
+            if out == kv * head_dim:
                 spec.kv_projections.add(n)
                 continue
-            raise ValueError(f"{n} has {m.out_features} output features, neither heads x head_dim = "
-                             f"{heads} x {head_dim} nor kv heads x head_dim = {kv} x {head_dim}; shardzoo cannot tell "
-                             f"which heads it carries. Split fused projections into q, k and v")
+            raise ValueError(f"{n} has {out} output features, neither heads x head_dim = {heads} x {head_dim} "
+                             f"nor kv heads x head_dim = {kv} x {head_dim}; shardzoo cannot tell which heads it "
+                             f"carries. Plan a projection packing q|k|v as 'packed_column'")
         found[name] = spec
     return found
+
+
+def _out_features(module: nn.Module) -> int:
+    """Output features of an nn.Linear or a Conv1D (weight [in, out])."""
+    return module.out_features if isinstance(module, nn.Linear) else module.weight.shape[-1]
 
 
 def _check_counts(spec: Attention, tpl) -> None:
@@ -133,47 +140,6 @@ def _check_attributes(spec: Attention) -> None:
             raise ValueError(f"{spec.name}.{attr} = {value} looks like a head count, but shardzoo does not know what "
                              f"it counts, so cannot make it local; rename it to one of "
                              f"{', '.join(HEAD_ATTRS + KV_ATTRS)} or use tp=1")
-
-
-def build_linear(name: str, module: nn.Linear, style: str, tpl, attention: dict[str, Attention]) -> nn.Module:
-    """The layout's column / row layer for ``module``; a kv projection with more head parts
-    than kv heads gets the kv heads its rank's q heads read (module docstring)."""
-    spec = next((a for a in attention.values() if name in a.kv_projections and a.replicated_kv), None)
-    if spec is None:
-        return tpl.linear(serial=module, style=style)
-    rep = spec.parts // spec.kv_heads
-    expanded = nn.Linear(module.in_features, spec.parts * spec.head_dim, bias=module.bias is not None,
-                         dtype=module.weight.dtype, device="meta")
-    expanded.weight = nn.Parameter(_repeat_heads(module.weight, spec.head_dim, rep))
-    if module.bias is not None:
-        expanded.bias = nn.Parameter(_repeat_heads(module.bias, spec.head_dim, rep))
-    layer = tpl.linear(serial=expanded, style=style)
-    group = tpl.mesh.group(spec.axis)
-    for pname in ("weight", "bias"):
-        piece = get_shard_spec(layer, pname)
-        if piece is None:
-            continue
-        serial = _serial_piece(f"{name}.{pname}", piece, spec.head_dim, rep, spec.kv_heads)
-        set_shard_spec(layer, pname, serial)
-        layer.set_param_hook(pname, ReplicaGradSum(group, *replica_slot(serial.offsets, group)))
-    return layer
-
-
-def _repeat_heads(t: torch.Tensor, head_dim: int, rep: int) -> torch.Tensor:
-    """[kv * d, ...] -> [kv * rep * d, ...], each head's rows repeated ``rep`` times in a row."""
-    heads = t.detach().reshape(-1, head_dim, *t.shape[1:])
-    return heads.repeat_interleave(rep, 0).reshape(-1, *t.shape[1:]).clone()
-
-
-def _serial_piece(who: str, piece: ShardSpec, head_dim: int, rep: int, kv_heads: int) -> ShardSpec:
-    """``piece`` (rows of the repeated tensor) as the same rows of the serial kv tensor."""
-    head, within = divmod(piece.offsets[0], head_dim)
-    if within + piece.local_shape[0] > head_dim:
-        raise ValueError(f"{who}: a rank's rows cross a kv head boundary (head_dim={head_dim}); use a tp whose head "
-                         f"parts divide the heads evenly")
-    offsets = ((head // rep) * head_dim + within, *piece.offsets[1:])
-    return ShardSpec((kv_heads * head_dim, *piece.global_shape[1:]), offsets, piece.local_shape,
-                     piece.partitioned_over, piece.replicated_over)
 
 
 def make_local(attention: dict[str, Attention]) -> None:

@@ -45,6 +45,27 @@ def config_heads(model: nn.Module) -> tuple[int, int, int] | None:
     return heads, kv, head_dim
 
 
+# plans shardzoo ships for transformers classes that have none (matched by class name, also on
+# subclasses); completed like the others
+SHIPPED_PLANS = {
+    "GPT2Model": {
+        "wte": "vocab_embedding", "wpe": "embedding", "h.*.ln_1": "norm", "h.*.ln_2": "norm", "ln_f": "norm",
+        "h.*.attn.c_attn": "packed_column", "h.*.attn.c_proj": "row", "h.*.mlp.c_fc": "column",
+        "h.*.mlp.c_proj": "row",
+    },
+}
+
+
+def _shipped(model: nn.Module) -> dict[str, str]:
+    for cls in type(model).__mro__:
+        if cls.__name__ in SHIPPED_PLANS:
+            return dict(SHIPPED_PLANS[cls.__name__])
+    base = getattr(model, "base_model", None)
+    if base is not None and base is not model:
+        return _shipped(base)
+    return {}
+
+
 def default_plan(model: nn.Module) -> dict[str, str] | None:
     """A transformers model's own plan (the instance's ``tp_plan``, else the config's
     ``base_model_tp_plan`` and the class's ``_tp_plan``), completed with the token embedding,
@@ -55,6 +76,8 @@ def default_plan(model: nn.Module) -> dict[str, str] | None:
     if not plan:
         plan = dict(getattr(model.config, "base_model_tp_plan", None) or {})
         plan.update(getattr(type(model), "_tp_plan", None) or {})
+    if not plan:
+        plan = _shipped(model)
     if not plan:
         return None
     return complete_plan(model, plan)

@@ -18,13 +18,11 @@ from torch import nn
 from shardzoo.layers.attention_core import SP_MODES
 from shardzoo.layers.tensor_layout import layout_of
 from shardzoo.parallel import heads as head_counts
-from shardzoo.parallel import hf_model, inputs
+from shardzoo.parallel import hf_model, inputs, linears
 from shardzoo.parallel.plan import check_plan, is_norm, style_of
 from shardzoo.parallel.replicated import sum_grads_over
 
 _STATE = "_shardzoo_parallel"
-# the kinds of module a style rebuilds
-_LINEAR_STYLES = ("column", "row", "lm_head")
 
 
 def is_weighted_kind(module: nn.Module) -> bool:
@@ -122,8 +120,12 @@ def _example_names(model: nn.Module) -> list[str]:
 
 
 def _check_kind(name: str, module: nn.Module, style: str, pattern: str) -> None:
-    want = {"column": nn.Linear, "row": nn.Linear, "lm_head": nn.Linear, "vocab_embedding": nn.Embedding,
-            "embedding": nn.Embedding}.get(style)
+    if style in ("column", "row", "packed_column"):
+        if not (isinstance(module, nn.Linear) or linears.is_conv1d(module)):
+            raise ValueError(f"plan entry {pattern!r} makes {name} ({type(module).__name__}) a {style!r} block, which "
+                             f"needs an nn.Linear or a Conv1D; change the style or the pattern")
+        return
+    want = {"lm_head": nn.Linear, "vocab_embedding": nn.Embedding, "embedding": nn.Embedding}.get(style)
     if want is not None and not isinstance(module, want):
         raise ValueError(f"plan entry {pattern!r} makes {name} ({type(module).__name__}) a {style!r} block, which "
                          f"needs an nn.{want.__name__}; change the style or the pattern")
@@ -157,8 +159,8 @@ def _build(model: nn.Module, planned: dict, tpl, attention) -> dict[str, nn.Modu
             continue
         if style == "lm_head":
             built[name] = _lm_head(name, module, planned, built, tpl)
-        elif style in ("column", "row"):
-            built[name] = head_counts.build_linear(name, module, style, tpl, attention)
+        elif style in ("column", "row", "packed_column"):
+            built[name] = _linear(name, module, style, tpl, attention)
         elif style == "norm":
             built[name] = _norm(name, module, tpl)
         elif style == "vocab_embedding":
@@ -166,6 +168,15 @@ def _build(model: nn.Module, planned: dict, tpl, attention) -> dict[str, nn.Modu
         else:
             built[name] = tpl.embedding(serial=module)
     return built
+
+
+def _linear(name: str, module: nn.Module, style: str, tpl, attention) -> nn.Module:
+    owner = next((a for a in attention.values() if name in a.kv_projections or name in a.packed), None)
+    if style == "packed_column":
+        return linears.build_packed(module, owner.packed[name] if owner is not None else 2, tpl)
+    if owner is not None and name in owner.kv_projections and owner.replicated_kv:
+        return linears.build_repeated_kv(name, module, style, tpl, owner)
+    return linears.build_linear(module, style, tpl)
 
 
 def _lm_head(name: str, module: nn.Linear, planned: dict, built: dict, tpl) -> nn.Module:

@@ -14,7 +14,11 @@ embedding         small table (positions) whose output follows the activation la
 lm_head           vocabulary-parallel output projection (tied to the token table if the
                   model ties them)
 replicate         the module stays whole on every rank
+packed_column     a column layer whose output packs equal parts (GPT-2's q|k|v c_attn,
+                  a fused gate|up): each part split like a column layer's
 ================= ==================================================================
+
+Linear styles take an ``nn.Linear`` or transformers' ``Conv1D`` (weight stored [in, out]).
 
 transformers' names are accepted too (``colwise``, ``rowwise``, ``colwise_gather_output``,
 ``replicated_with_grad_allreduce``, ...). ``replicated_with_grad_allreduce`` is a replicated
@@ -28,10 +32,11 @@ import fnmatch
 
 from torch import nn
 
-STYLES = ("column", "row", "norm", "vocab_embedding", "embedding", "lm_head", "replicate", "replicate_sum")
+STYLES = ("column", "row", "norm", "vocab_embedding", "embedding", "lm_head", "replicate", "replicate_sum",
+          "packed_column")
 
 ALIASES = {
-    "colwise": "column", "local_colwise": "column", "colwise_rep": "column",
+    "colwise": "column", "local_colwise": "column", "colwise_rep": "column", "packed_colwise": "packed_column",
     "rowwise": "row", "local_rowwise": "row", "rowwise_rep": "row", "rowwise_split_input": "row",
     "colwise_gather_output": "lm_head", "vocab_parallel": "vocab_embedding", "embedding_rowwise": "vocab_embedding",
     "sequence_parallel": "norm", "layernorm": "norm", "rmsnorm": "norm",
@@ -45,7 +50,7 @@ def canonical_style(style: str, where: str) -> str:
         raise TypeError(f"plan entry {where!r}: the style must be a string, got {style!r}")
     name = ALIASES.get(style, style)
     if name not in STYLES:
-        ours = ", ".join(STYLES[:-1])
+        ours = ", ".join(s for s in STYLES if s != "replicate_sum")
         raise ValueError(f"plan entry {where!r}: style {style!r} is not one shardzoo builds; use one of {ours} (or "
                          f"transformers' colwise, rowwise, colwise_gather_output, replicated_with_grad_allreduce)")
     return name

@@ -27,9 +27,13 @@ def _config(kind: str):
         return transformers.LlamaForCausalLM, transformers.LlamaConfig(**common)
     if kind == "qwen2":  # tied embeddings, q / k / v biases
         return transformers.Qwen2ForCausalLM, transformers.Qwen2Config(**common, tie_word_embeddings=True)
+    if kind == "gpt2":  # Conv1D weights, q|k|v packed in c_attn, tied embeddings, learned positions
+        return transformers.GPT2LMHeadModel, transformers.GPT2Config(
+            n_embd=64, n_layer=2, n_head=8, vocab_size=VOCAB, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0, bos_token_id=None, eos_token_id=None, attn_implementation="sdpa")
     if kind == "mistral":
         return transformers.MistralForCausalLM, transformers.MistralConfig(**common, sliding_window=32)
-    raise ValueError(f"unknown tiny model {kind!r}; one of llama, qwen2, mistral")
+    raise ValueError(f"unknown tiny model {kind!r}; one of llama, qwen2, mistral, gpt2")
 
 
 def tiny_causal_lm(kind: str, seed: int = 0):
