@@ -16,7 +16,8 @@ __version__ = "0.1.0"
 # The model families register their checkpoint export adapters on import (checkpoint sits below
 # the models and imports none of them), so every entry point of the package finds them.
 from shardzoo import models as _models  # noqa: E402,F401
-__all__ = ["ParallelMesh", "launch", "parallelize", "gather_logits", "lm_loss", "ShardSpec", "full_state_dict", "data_parallel", "zero_optimizer", "plan",
+from shardzoo.models.transformers_io import from_pretrained, save_pretrained  # noqa: E402
+__all__ = ["ParallelMesh", "launch", "parallelize", "gather_logits", "lm_loss", "from_pretrained", "save_pretrained", "ShardSpec", "full_state_dict", "data_parallel", "zero_optimizer", "plan",
            "__version__"]
 
 

@@ -111,7 +111,7 @@ def build_packed(module: nn.Module, parts: int, tpl) -> nn.Module:
                          f"per part; use a tp that divides each part")
     weight = regroup_rows(lin.weight, parts, blocks)
     bias = None if lin.bias is None else regroup_rows(lin.bias, parts, blocks)
-    layer = tpl.linear(serial=serial_linear(None, weight, bias), style="column")
+    layer = tpl.linear(serial=serial_linear(None, weight, bias), style="column", device=weight.device)
     width = out // parts // blocks  # rows of one part in one block
     for name in ("weight", "bias"):
         spec = get_shard_spec(layer, name)
@@ -160,7 +160,8 @@ def build_repeated_kv(name: str, module: nn.Module, style: str, tpl, spec) -> nn
     rep = spec.parts // spec.kv_heads
     lin = serial_linear(module)
     bias = None if lin.bias is None else _repeat_heads(lin.bias, spec.head_dim, rep)
-    layer = tpl.linear(serial=serial_linear(None, _repeat_heads(lin.weight, spec.head_dim, rep), bias), style=style)
+    layer = tpl.linear(serial=serial_linear(None, _repeat_heads(lin.weight, spec.head_dim, rep), bias), style=style,
+                       device=lin.weight.device)
     group = tpl.mesh.group(spec.axis)
     for pname in ("weight", "bias"):
         piece = get_shard_spec(layer, pname)
@@ -193,7 +194,7 @@ def _serial_piece(who: str, piece: ShardSpec, head_dim: int, rep: int, kv_heads:
 
 def build_linear(module: nn.Module, style: str, tpl) -> nn.Module:
     """The layout's column / row layer for an nn.Linear or Conv1D."""
-    layer = tpl.linear(serial=serial_linear(module), style=style)
+    layer = tpl.linear(serial=serial_linear(module), style=style, device=module.weight.device)
     if is_conv1d(module):
         as_conv1d_storage(layer)
     return layer

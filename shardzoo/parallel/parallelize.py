@@ -12,6 +12,8 @@ an uncovered module holding weights, head counts the layout cannot split.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -150,7 +152,8 @@ def _refuse_uncovered(model: nn.Module, planned: dict, tpl) -> None:
 
 
 def _build(model: nn.Module, planned: dict, tpl, attention) -> dict[str, nn.Module]:
-    """The parallel module for every planned module (embeddings first: a tied head needs them)."""
+    """The parallel module for every planned module (embeddings first: a tied head needs them),
+    on the device of the serial module (the meta device while ``from_pretrained`` builds)."""
     built: dict[str, nn.Module] = {}
     order = sorted(planned, key=lambda n: planned[n][1] != "vocab_embedding")
     for name in order:
@@ -164,9 +167,9 @@ def _build(model: nn.Module, planned: dict, tpl, attention) -> dict[str, nn.Modu
         elif style == "norm":
             built[name] = _norm(name, module, tpl)
         elif style == "vocab_embedding":
-            built[name] = tpl.vocab_embedding(serial=module)
+            built[name] = tpl.vocab_embedding(serial=module, device=module.weight.device)
         else:
-            built[name] = tpl.embedding(serial=module)
+            built[name] = tpl.embedding(serial=module, device=module.weight.device)
     return built
 
 
@@ -186,7 +189,7 @@ def _lm_head(name: str, module: nn.Linear, planned: dict, built: dict, tpl) -> n
     if any(module.weight is m.weight for m, _, _ in planned.values() if m is not module and hasattr(m, "weight")):
         raise ValueError(f"{name} shares its weight with a module that is not a 'vocab_embedding' in the plan; plan "
                          f"the token table as 'vocab_embedding' so the head can tie to it")
-    return tpl.lm_head(serial=module)
+    return tpl.lm_head(serial=module, device=module.weight.device)
 
 
 def _norm(name: str, module: nn.Module, tpl) -> nn.Module:
@@ -194,15 +197,28 @@ def _norm(name: str, module: nn.Module, tpl) -> nn.Module:
     the plain norm computes what ``module`` computes (a norm of another formula, such as
     ``x * (1 + w)``, is refused rather than replaced by a wrong one)."""
     plain = _plain_norm(name, module)
-    probe = torch.randn(3, plain.normalized_shape[0], dtype=plain.weight.dtype if plain.weight is not None
-                        else torch.float32, device=next(module.parameters()).device)
+    _check_plain(name, module)
+    build = tpl.norm if isinstance(plain, nn.LayerNorm) else tpl.rms_norm
+    return build(serial=plain, device=plain.weight.device if plain.weight is not None else None)
+
+
+def _check_plain(name: str, module: nn.Module) -> None:
+    """Raise unless ``module`` equals its plain norm on a random input (with random weights
+    when ``module`` is on the meta device: the formula is what is checked)."""
+    if any(p.is_meta for p in module.parameters()):
+        module = copy.deepcopy(module).to_empty(device="cpu")
+        with torch.no_grad():
+            for p in module.parameters():
+                p.normal_()
+    plain = _plain_norm(name, module)
+    weight = plain.weight
+    probe = torch.randn(3, plain.normalized_shape[0], dtype=weight.dtype, device=weight.device)
     with torch.no_grad():
         ok = torch.allclose(module(probe).float(), plain(probe).float(), rtol=1e-4, atol=1e-5)
     if not ok:
         raise ValueError(f"{name} ({type(module).__name__}) does not compute a plain {type(plain).__name__} "
                          f"(y = norm(x) * weight [+ bias]); shardzoo cannot split it as 'norm'. Plan it as "
                          f"'replicate' in 1d, or write it as nn.{type(plain).__name__}")
-    return tpl.norm(serial=plain) if isinstance(plain, nn.LayerNorm) else tpl.rms_norm(serial=plain)
 
 
 def _plain_norm(name: str, module: nn.Module) -> nn.Module:

@@ -1,0 +1,62 @@
+"""``shardzoo.from_pretrained`` reads a transformers directory into a parallelized model (each
+rank its own slices) and ``shardzoo.save_pretrained`` writes one back that transformers loads:
+logits equal the serial model's, and the round trip gives back the same weights."""
+
+import os
+
+import pytest
+import torch
+
+from shardzoo.testing import cached_mesh, run_on_ranks
+
+pytest.importorskip("transformers", reason="reads and writes transformers model directories")
+
+
+def _round_trip(kind, mesh_kwargs, src, dst):
+    import transformers
+
+    import shardzoo
+    from shardzoo.testing.hf_parallel import padded_batch, tiny_causal_lm
+
+    serial = tiny_causal_lm(kind).eval()
+    ids, mask, _ = padded_batch()
+    model = shardzoo.from_pretrained(src, cached_mesh(**mesh_kwargs)).eval()
+    assert all(not p.is_meta for p in model.parameters())
+    with torch.no_grad():
+        logits = shardzoo.gather_logits(model, model(input_ids=ids, attention_mask=mask).logits)
+        expected = serial(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(logits[real], expected[real], rtol=1e-5, atol=1e-6)
+    shardzoo.save_pretrained(model, dst)
+    if torch.distributed.get_rank() == 0:
+        back = transformers.AutoModelForCausalLM.from_pretrained(dst).eval()
+        for name, value in serial.state_dict().items():
+            assert torch.equal(back.state_dict()[name], value), name
+        with torch.no_grad():
+            again = back(input_ids=ids, attention_mask=mask).logits
+        torch.testing.assert_close(again, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind, mesh_kwargs, world", [
+    ("llama", dict(tp=4), 4),                      # kv heads replicated over tp
+    ("gpt2", dict(tp=8, tp_mode="3d"), 8),         # Conv1D, packed c_attn read part by part
+])
+def test_from_pretrained_and_back(tmp_path, kind, mesh_kwargs, world):
+    from shardzoo.testing.hf_parallel import tiny_causal_lm
+
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    tiny_causal_lm(kind).save_pretrained(src)
+    run_on_ranks(_round_trip, world, kind, mesh_kwargs, src, dst)
+    assert sorted(os.listdir(tmp_path)) == ["dst", "src"], "a temporary directory was left behind"
+
+
+def _missing_dir(path):
+    import shardzoo
+    from shardzoo.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match="does not exist"):
+        shardzoo.from_pretrained(path, cached_mesh(tp=2))
+
+
+def test_missing_directory_is_named(tmp_path):
+    run_on_ranks(_missing_dir, 2, str(tmp_path / "nowhere"))
