@@ -29,6 +29,20 @@ from shardzoo.comm import ops
 AVERAGED_AXES = ("dp", "sp")  # the axes data parallelism averages gradients over
 
 
+def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Causal-LM targets from transformers-style ``labels`` [B, S] -> [B, S]: position t's
+    target is ``labels[:, t + 1]`` (the model predicts the next token) and the last position
+    gets ``ignore_index``, as transformers' ``labels=`` loss shifts them; ``ignore_index`` in
+    ``labels`` stays ignored. Shift the full sequence, then shard it: under sp the target of a
+    chunk's last position is the next chunk's first label."""
+    if labels.dim() != 2:
+        raise ValueError(f"shift_labels: labels of shape {tuple(labels.shape)} must be [batch, seq] token ids (a "
+                         f"causal LM's labels); pass the full sequence before it is sharded")
+    out = torch.full_like(labels, ignore_index)
+    out[:, :-1] = labels[:, 1:]
+    return out
+
+
 def sum_over_axes(x: torch.Tensor, mesh, axes: tuple[str, ...]) -> torch.Tensor:
     """``x`` summed over the ranks spanned by ``axes`` (no autograd).
 
