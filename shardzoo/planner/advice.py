@@ -62,13 +62,15 @@ def run_lines(plan, cand) -> list[str]:
         extra += f", sp_mode=\"{plan.problem.sp_mode}\""
     lines = [mesh, f"model = {fam.model_class}(config, mesh=mesh{extra}, "
                    f"checkpointing={cand.activation_checkpointing})"]
-    if lay["dp"] * lay["sp"] > 1:
-        lines.append(f"model = shardzoo.data_parallel(model, mesh, zero={zero})")
-        lines.append("optimizer = shardzoo.zero_optimizer(model, torch.optim.AdamW, lr=...)")
+    trained = "model"
+    if lay["dp"] * lay["sp"] > 1:  # the wrapper runs forward / backward, the model keeps its loss
+        trained = "wrapped"
+        lines.append(f"wrapped = shardzoo.data_parallel(model, mesh, zero={zero})")
+        lines.append("optimizer = shardzoo.zero_optimizer(wrapped, torch.optim.AdamW, lr=1e-4)")
     else:
-        lines.append("optimizer = torch.optim.AdamW(model.parameters(), lr=...)")
+        lines.append("optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)")
     if lay["pp"] > 1:
-        lines.append(f"schedule = build_schedule([(mesh.pp_rank, model)], mesh, n_microbatches={m}, "
+        lines.append(f"schedule = build_schedule([(mesh.pp_rank, {trained})], mesh, n_microbatches={m}, "
                      f"schedule=\"{plan.pricer.schedule}\", loss_fn=model.loss)")
     if plan.problem.e == 2:
         lines.append("with autocast(): ...  # bf16 autocast, fp32 weights (shardzoo.models.training.autocast)")

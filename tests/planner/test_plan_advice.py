@@ -7,11 +7,13 @@ import json
 import re
 
 import pytest
+import torch
 
 import shardzoo
 from shardzoo.cli import main
 from shardzoo.planner.advice import memory_terms, rounded_gib, run_lines
 from shardzoo.planner.hardware import GIB
+from shardzoo.testing import run_on_ranks
 
 # (argv after "plan", shardzoo.plan arguments): one data-parallel pick, one pipelined over nodes
 CASES = {
@@ -101,3 +103,42 @@ def test_explain_names_the_rule_the_request_breaks(capsys):
     assert "dp = 3 does not divide the world size 8" in out
     code, out, _ = run(capsys, ["plan", *argv, "--explain", "dp=2,pp=1,sp=1,tp=2"])
     assert "dp*pp*sp*tp = 4 is not the world size 8" in out
+
+
+def exec_run_lines(lines: list[str], hf_dir: str):
+    """On a pool rank: the run lines (but the torchrun command and the autocast hint) executed
+    with ``config`` read from ``hf_dir``, then one pipeline step and the optimizer step."""
+    from shardzoo.models import GPT2, GPT2Config
+    from shardzoo.models.pipeline import build_schedule
+    from shardzoo.testing import cached_mesh
+
+    proxy = type("Shardzoo", (), {"__getattr__": lambda self, n: getattr(shardzoo, n),
+                                  "ParallelMesh": staticmethod(lambda **kw: cached_mesh(**kw))})()
+    ns = dict(torch=torch, shardzoo=proxy, GPT2=GPT2, build_schedule=build_schedule, config=GPT2Config.from_json(hf_dir))
+    for line in lines[:-1]:
+        if not line.startswith("with autocast"):
+            exec(line, ns)
+    model, mesh = ns["model"], ns["mesh"]
+    ids = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0)).chunk(mesh.dp_size)[mesh.dp_rank]
+    losses = []
+    if model.is_first:
+        ns["schedule"].step(model.shard_input(ids))
+    else:
+        ns["schedule"].step(target=model.target_from_labels(ids), losses=losses)
+    ns["optimizer"].step()
+    return {a: mesh.size(a) for a in ("dp", "pp", "sp", "tp")}, float(sum(losses)) if losses else None
+
+
+def test_run_lines_build_and_step_the_pick(tmp_path):
+    """The lines of a pipelined, data-parallel candidate (ZeRO-1: data_parallel returns a DDP
+    wrapper, whose model keeps the loss) build the layout and run a training step."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=64)).save_pretrained(tmp_path)
+    planned = shardzoo.plan(str(tmp_path), 4, 80, 8, 16, hardware="a100")
+    cand = next(c for c in planned if c.layout["pp"] == 2 and c.layout["dp"] == 2 and c.zero == 1)
+    results = run_on_ranks(exec_run_lines, 4, run_lines(planned, cand), str(tmp_path))
+    assert all(sizes == {k: cand.layout[k] for k in sizes} for sizes, _ in results)
+    losses = [loss for _, loss in results if loss is not None]
+    assert len(losses) == 2 and losses[0] == losses[1] and 0 < losses[0] < 10  # the step's global mean, ln 64 ~ 4.2
