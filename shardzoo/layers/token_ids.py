@@ -20,6 +20,7 @@ def check_token_ids(ids: torch.Tensor, num_embeddings: int, who: str) -> None:
     if low >= 0 and high < num_embeddings:
         return
     bad = high if high >= num_embeddings else low
+    fix = (f"check that the tokenizer matches the model, or build the model with a vocabulary of at least {high + 1}"
+           if bad >= 0 else "negative ids are no tokens (-100 marks ignored labels): pass the input ids, not labels")
     raise IndexError(f"{who}: token id {bad} is out of range for a vocabulary of {num_embeddings} (ids must be in "
-                     f"[0, {num_embeddings}), as nn.Embedding requires); check that the tokenizer matches the model "
-                     f"or build the model with a vocabulary of at least {max(high + 1, num_embeddings)} ids")
+                     f"[0, {num_embeddings}), as nn.Embedding requires); {fix}")
