@@ -16,6 +16,9 @@ the same number, ``sum over ranks of local_sum / N``: this call's share of the s
 which is the mean itself when one call covers the whole step. A plain mean of each rank's own
 targets would weigh ranks equally however many real targets each holds (zigzag sharding puts
 every causal-LM batch's last, ignored position on sp rank 0).
+
+``shift_labels`` turns transformers-style labels into causal-LM targets (position t predicts
+token t+1), on the full sequence before it is sharded, so the shift crosses sp chunks.
 """
 
 from __future__ import annotations
