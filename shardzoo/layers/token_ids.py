@@ -21,6 +21,6 @@ def check_token_ids(ids: torch.Tensor, num_embeddings: int, who: str) -> None:
         return
     bad = high if high >= num_embeddings else low
     fix = (f"check that the tokenizer matches the model, or build the model with a vocabulary of at least {high + 1}"
-           if bad >= 0 else "negative ids are no tokens (-100 marks ignored labels): pass the input ids, not labels")
+           if bad >= 0 else "negative ids are not tokens (-100 marks ignored labels): pass the input ids, not labels")
     raise IndexError(f"{who}: token id {bad} is out of range for a vocabulary of {num_embeddings} (ids must be in "
                      f"[0, {num_embeddings}), as nn.Embedding requires); {fix}")

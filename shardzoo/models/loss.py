@@ -30,7 +30,8 @@ class GlobalLoss:
             blocks = [labels] if torch.is_tensor(labels) else list(labels)
             target = [self.target_from_labels(b, ignore_index) for b in blocks]
         elif target is None:
-            raise ValueError("count_targets needs this rank's targets (shard_target) or labels=, the replica's full labels")
+            raise ValueError("count_targets needs this rank's targets (shard_target) or labels=, the replica's full "
+                             "labels")
         return batch_loss.count_targets(target, self.mesh, self.target_axes, ignore_index)
 
     def target_from_labels(self, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
