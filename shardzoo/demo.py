@@ -150,9 +150,13 @@ def run_demo(weights: str | None = None, family: str = "bert", tp_mode: str = "2
                         f"weights are a BERT model")
     weights = default_weights_dir() if default else os.fspath(weights)
     config = read_config(weights)
-    if config.get("model_type") not in (None, family):
-        raise DemoError(f"{weights}/config.json describes a {config.get('model_type')!r} model; pass "
-                        f"--family {config.get('model_type')} (supported: {', '.join(FAMILIES)})")
+    model_type = config.get("model_type")
+    if model_type not in (None, family):
+        if model_type in FAMILIES:
+            raise DemoError(f"{weights}/config.json describes a {model_type!r} model; pass --family {model_type}")
+        raise DemoError(f"{weights}/config.json describes a {model_type!r} model, which shardzoo does not implement "
+                        f"(its families: {', '.join(FAMILIES)}); point --weights to a {', '.join(FAMILIES)} "
+                        f"checkpoint, or leave --weights out for the default MiniLM")
     heads = config.get("num_attention_heads", config.get("n_head"))
     if heads and heads % layout.head_parts:
         raise DemoError(f"{weights} has {heads} attention heads, but {layout.describe()} splits them into "

@@ -23,7 +23,15 @@ def _convert(args: argparse.Namespace) -> int:
     from shardzoo.checkpoint.exporting import has_hf_names
 
     try:
-        if args.names == "hf" and not has_hf_names(read_index(args.ckpt)):
+        index = read_index(args.ckpt) if args.names == "hf" else None
+        if index is not None and not has_hf_names(index) and _transformers_class(index):
+            print(f"shardzoo convert: {args.ckpt} was saved from a transformers model ({_transformers_class(index)}), "
+                  f"not from a shardzoo model family: its tensors already carry that model's Hugging Face names and "
+                  f"its config is transformers' own, so there is nothing to rename; nothing was written. Export them "
+                  f"unchanged with `shardzoo convert {args.ckpt} {args.out} --names shardzoo` (writes the saved names "
+                  f"and config.json, which {_transformers_class(index)}'s model class loads with from_pretrained)")
+            return 1
+        if index is not None and not has_hf_names(index):
             print(f"shardzoo convert: {args.ckpt} was saved without the config of a shardzoo model family (GPT-2, BERT, "
                   f"ViT, OPT), so its tensors have no Hugging Face names and there is no config.json that transformers "
                   f"could load; nothing was written. Save the model with checkpoint.save(model, dir) from a shardzoo "
@@ -38,6 +46,12 @@ def _convert(args: argparse.Namespace) -> int:
         return 1
     print(f"wrote {len(written)} file(s) to {args.out}")
     return 0
+
+
+def _transformers_class(index: dict) -> str | None:
+    """The config class name of a checkpoint saved from a transformers model ("GPT2Config"), else None."""
+    path = index.get("config_class") or ""
+    return path.rsplit(".", 1)[-1] if path.startswith("transformers.") else None
 
 
 def add_convert_parser(subparsers) -> argparse.ArgumentParser:

@@ -45,6 +45,18 @@ def init_from_env(backend: str = "auto", timeout: float = 600.0) -> None:
     atexit.register(_destroy_at_exit)
 
 
+def init_single_process(timeout: float | None = 600.0) -> None:
+    """Start a one-process default group (world 1, rank 0) on an in-memory store, for a serial
+    mesh in a notebook or a plain script: no launcher, no port, no environment variables.
+    gloo, or NCCL on the current GPU when there is one (``auto_backend``)."""
+    if dist.is_initialized():
+        return
+    backend = auto_backend(1)
+    kwargs = {"timeout": datetime.timedelta(seconds=timeout)} if timeout is not None else {}
+    dist.init_process_group(backend, store=dist.HashStore(), world_size=1, rank=0, **kwargs)
+    atexit.register(_destroy_at_exit)
+
+
 def _exiting_on_error() -> bool:
     """Whether the interpreter is exiting because of an uncaught exception (Python records it
     in ``sys.last_value`` / ``sys.last_exc`` before the atexit handlers run)."""

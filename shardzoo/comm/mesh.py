@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import os
 from functools import reduce as _reduce
 
 import torch
@@ -92,13 +93,17 @@ def tp_sub_shape(tp: int, tp_mode: str, tp_depth: int = 1) -> tuple[int, ...]:
     return (q, q, q)
 
 
+def _check_size_values(sizes: dict[str, int | None]) -> None:
+    for k, v in sizes.items():
+        if v is not None and (not isinstance(v, int) or v < 1):
+            raise ValueError(f"{k}={v!r} must be a positive integer (or None to infer it)")
+
+
 def _infer_sizes(sizes: dict[str, int | None], world: int) -> dict[str, int]:
     missing = [k for k, v in sizes.items() if v is None]
     if len(missing) > 1:
         raise ValueError(f"only one of dp, pp, sp, tp may be None (inferred); got None for {', '.join(missing)}")
-    for k, v in sizes.items():
-        if v is not None and (not isinstance(v, int) or v < 1):
-            raise ValueError(f"{k}={v!r} must be a positive integer (or None to infer it)")
+    _check_size_values(sizes)
     known = _reduce(lambda a, b: a * b, [v for v in sizes.values() if v is not None], 1)
     if missing:
         if world % known != 0:
@@ -115,6 +120,33 @@ def _infer_sizes(sizes: dict[str, int | None], world: int) -> dict[str, int]:
             f"axis sizes so their product is {world} (one of them may be None to infer it)"
         )
     return sizes  # type: ignore[return-value]
+
+
+def _start_serial_group(sizes: dict[str, int | None], timeout: float | None) -> None:
+    """With no process group, a mesh of one rank (every size 1 or None) starts a one-process
+    group itself (launch.init_single_process), so the serial twin runs in a notebook or a plain
+    script; anything larger needs the processes a launcher starts."""
+    _check_size_values(sizes)
+    larger = {k: v for k, v in sizes.items() if v not in (1, None)}
+    launched = int(os.environ.get("WORLD_SIZE", "1") or "1")
+    if dist.is_available() and not larger and launched == 1:
+        from shardzoo.comm.launch import init_single_process
+
+        init_single_process(timeout)
+        return
+    if not dist.is_available():
+        why = "this torch build has no torch.distributed"
+    elif larger:
+        layout = ", ".join(f"{k}={v}" for k, v in larger.items())
+        why = f"ParallelMesh({layout}) needs {math.prod(larger.values())} processes and none were started"
+    else:
+        why = f"WORLD_SIZE={launched} says this is one of {launched} processes, but none initialised the group"
+    raise RuntimeError(
+        f"ParallelMesh needs an initialised torch.distributed default process group ({why}); run "
+        f"your script with `torchrun --nproc-per-node N script.py` or call it through "
+        f"shardzoo.launch(fn, nprocs=N), which both initialise it. Without a launcher only the serial mesh "
+        f"(every size 1) starts its own one-process group"
+    )
 
 
 def _backend_override(timeout: datetime.timedelta | None):
@@ -164,11 +196,7 @@ class ParallelMesh:
             raise ValueError(f"ParallelMesh(timeout={timeout!r}): the collective timeout must be positive (seconds or a "
                              f"timedelta), or None for torch's default")
         if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                "ParallelMesh needs an initialised torch.distributed default process group; run "
-                "your script with `torchrun --nproc-per-node N script.py` or call it through "
-                "shardzoo.launch(fn, nprocs=N), which both initialise it"
-            )
+            _start_serial_group({"dp": dp, "pp": pp, "sp": sp, "tp": tp}, seconds)
         if tp_mode not in TP_MODES:
             raise ValueError(f"unknown tp_mode={tp_mode!r}; use one of {', '.join(TP_MODES)}")
         world = dist.get_world_size()

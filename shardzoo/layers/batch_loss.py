@@ -16,6 +16,9 @@ the same number, ``sum over ranks of local_sum / N``: this call's share of the s
 which is the mean itself when one call covers the whole step. A plain mean of each rank's own
 targets would weigh ranks equally however many real targets each holds (zigzag sharding puts
 every causal-LM batch's last, ignored position on sp rank 0).
+
+``shift_labels`` turns transformers-style labels into causal-LM targets (position t predicts
+token t+1), on the full sequence before it is sharded, so the shift crosses sp chunks.
 """
 
 from __future__ import annotations
@@ -30,10 +33,17 @@ AVERAGED_AXES = ("dp", "sp")  # the axes data parallelism averages gradients ove
 
 
 def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """Causal-LM targets from transformers-style ``labels`` [B, S]: position t predicts token
-    t + 1 and the last position is ignored, [B, S] -> [B, S] (shift the full sequence before
-    splitting it, so the shift crosses sequence-parallel shards)."""
-    return torch.nn.functional.pad(labels[..., 1:], (0, 1), value=ignore_index)
+    """Causal-LM targets from transformers-style ``labels`` [B, S] -> [B, S]: position t's
+    target is ``labels[:, t + 1]`` (the model predicts the next token) and the last position
+    gets ``ignore_index``, as transformers' ``labels=`` loss shifts them; ``ignore_index`` in
+    ``labels`` stays ignored. Shift the full sequence, then shard it: under sp the target of a
+    chunk's last position is the next chunk's first label."""
+    if labels.dim() != 2:
+        raise ValueError(f"shift_labels: labels of shape {tuple(labels.shape)} must be [batch, seq] token ids (a "
+                         f"causal LM's labels); pass the full sequence before it is sharded")
+    out = torch.full_like(labels, ignore_index)
+    out[:, :-1] = labels[:, 1:]
+    return out
 
 
 def sum_over_axes(x: torch.Tensor, mesh, axes: tuple[str, ...]) -> torch.Tensor:

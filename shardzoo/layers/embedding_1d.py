@@ -26,6 +26,7 @@ from shardzoo.layers.common_1d import (
     split_spec,
 )
 from shardzoo.layers.module import ParallelModule
+from shardzoo.layers.token_ids import check_token_ids
 
 
 def vocab_block_lookup(ids: torch.Tensor, weight: torch.Tensor, vocab_start: int,
@@ -55,7 +56,7 @@ class VocabParallelEmbedding1D(ParallelModule):
             drawn on CPU from the current torch RNG, this rank's rows kept).
 
     Shapes: ids ``[...]`` (global ids in ``[0, V)``, replicated) -> ``[..., H]`` (``[b, s/p, H]``
-    with SP). Ids are not range-checked (that would sync the device); ids >= V embed to zeros.
+    with SP). Ids outside ``[0, V)`` raise ``IndexError`` (layers/token_ids.py), as in ``nn.Embedding``.
     Attributes: ``vocab_start`` (first global id held here), ``num_embeddings_per_rank``.
     """
 
@@ -85,6 +86,7 @@ class VocabParallelEmbedding1D(ParallelModule):
         self.num_embeddings_per_rank = spec.local_shape[0]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        check_token_ids(ids, self.num_embeddings, type(self).__name__)
         out = vocab_block_lookup(ids, self.weight, self.vocab_start, self.padding_idx)
         if self.sequence_parallel:
             require_sequence_layout("VocabParallelEmbedding1D", out)
@@ -131,9 +133,9 @@ class Embedding1D(ParallelModule):
         local_param(self, "weight", serial.weight, split_spec((num_embeddings, embedding_dim), 1, mesh), device)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        check_token_ids(ids, self.num_embeddings, type(self).__name__)
         out = F.embedding(ids, self.weight, padding_idx=self.padding_idx)
         return comm.gather_from(out, self.mesh.tp_group, -1)
-
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, padding_idx={self.padding_idx}, tp={self.mesh.tp_size}"

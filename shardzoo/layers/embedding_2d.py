@@ -29,6 +29,7 @@ from shardzoo.layers import layouts
 from shardzoo.layers.embedding_1d import vocab_block_lookup
 from shardzoo.layers.layouts import ActivationLayout
 from shardzoo.layers.shard_spec import ShardSpec, get_shard_spec, shard_param
+from shardzoo.layers.token_ids import check_token_ids
 
 
 def vocab_axes(layout: ActivationLayout) -> tuple[str, tuple[str, ...]]:
@@ -101,6 +102,7 @@ class GridEmbedding(_GridEmbeddingBase):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [B/parts, ...] (this rank's batch block, ``shard_input``) -> [B/parts, ..., H/q]
         in ``self.layout``: rows of the gathered hidden block [V, H/q] of the table."""
+        check_token_ids(ids, self.num_embeddings, type(self).__name__)
         weight = layouts.gather_hidden_param(self.weight, -1, self.mesh, self.layout)  # [V, H/q]
         return F.embedding(ids, weight, self.padding_idx)
 
@@ -131,6 +133,8 @@ class GridVocabParallelEmbedding(_GridEmbeddingBase):
         reduce-scatter over ``vocab_axis`` back to [B/parts, ..., H/q]."""
         group = self.mesh.group(self.vocab_axis)
         all_ids = ops.all_gather(ids.contiguous(), group, 0)  # ids of every vocab block's rank
+        # checked after the gather the lookup needs anyway: the whole vocabulary group raises together
+        check_token_ids(all_ids, self.num_embeddings, type(self).__name__)
         weight = self.gathered_weight()  # [vocab_block, D_local]
         out = vocab_block_lookup(all_ids, weight, self.vocab_start, self.padding_idx)
         return comm.reduce_scatter(out, group, 0)

@@ -31,6 +31,7 @@ from shardzoo.layers import random as tp_random
 from shardzoo.layers.dp_shard import local_tensor
 from shardzoo.layers.shard_spec import get_shard_spec
 from shardzoo.layers.tensor_layout import layout_of
+from shardzoo.layers.token_ids import check_token_ids
 from shardzoo.models import common
 from shardzoo.models.loss import GlobalLoss
 
@@ -96,7 +97,10 @@ class StagedModel(GlobalLoss, nn.Module):
         return self.tpl.linear_output(self.layout)
 
     def shard_input(self, ids_full: torch.Tensor) -> torch.Tensor:
-        """Token ids [B, S] -> this rank's [b, s] (batch as the tp layout, sequence over sp)."""
+        """Token ids [B, S] -> this rank's [b, s] (batch as the tp layout, sequence over sp).
+        Ids outside the vocabulary raise ``IndexError`` here, on every rank alike (each holds the
+        full batch), before any collective could leave a rank waiting."""
+        check_token_ids(ids_full, self.config.vocab_size, type(self).__name__)
         return common.shard_tokens(ids_full, self.mesh, self.layout, zigzag=self.causal)
 
     def shard_mask(self, mask_full: torch.Tensor) -> torch.Tensor:

@@ -149,6 +149,9 @@ def load_pretrained(model, hf_dir: str, *, strict: bool = True) -> PretrainedLoa
 def config_from_dir(fam: Family, hf_dir: str):
     """The family's config dataclass from ``hf_dir/config.json``, checking ``model_type`` and
     every field's type and range (errors name the file and the field)."""
+    if not os.path.isdir(hf_dir):
+        raise CheckpointError(f"{hf_dir}: no such directory; pass the Hugging Face model directory (config.json "
+                              f"next to its safetensors weights), e.g. the one save_pretrained wrote")
     path = resolve_in(hf_dir, "config.json", source=f"Hugging Face model directory {hf_dir}")
     if not os.path.isfile(path):
         raise CheckpointError(f"{hf_dir} has no config.json; a Hugging Face model directory holds config.json next to "

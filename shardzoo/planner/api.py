@@ -73,7 +73,13 @@ class Plan(list):
         return bool(self) and self[0].fits
 
     def to_json(self) -> dict:
-        return {"hardware": self.hardware.to_json(), "candidates": [c.to_json() for c in self]}
+        """``{"hardware", "candidates", "pick"}``; ``pick`` (advice.pick_json): the first
+        candidate's memory terms in bytes (summing to its peak) and the lines that run it, or
+        None when nothing fits."""
+        from shardzoo.planner.advice import pick_json
+
+        return {"hardware": self.hardware.to_json(), "candidates": [c.to_json() for c in self],
+                "pick": pick_json(self)}
 
 
 def resolve_hardware(hardware: str | Hardware, nodes: int | None, devices_per_node: int | None, world: int,

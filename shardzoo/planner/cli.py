@@ -24,7 +24,8 @@ def add_plan_parser(sub) -> None:
     nodes.add_argument("--nodes", type=int, metavar="K", help="the world is K nodes of world/K devices")
     nodes.add_argument("--devices-per-node", type=int, metavar="D", help="devices per node (default: the preset's)")
     p.add_argument("--top", type=int, default=None, metavar="K", help="candidates shown (default 10; --json: all)")
-    p.add_argument("--json", action="store_true", help='print {"hardware": {...}, "candidates": [...]}')
+    p.add_argument("--json", action="store_true", help='print {"hardware": {...}, "candidates": [...], "pick": {...}} (pick: the first candidate\'s '
+                   'memory terms and the lines that run it; null when none fits)')
     p.add_argument("--explain", metavar="LAYOUT", help="why a layout is legal or not and what it costs, e.g. "
                    "dp=2,pp=1,sp=1,tp=4,tp_mode=2d")
     p.add_argument("--sp-mode", default="ring", choices=["ring", "ulysses"], help="attention over sp (default ring)")
@@ -37,7 +38,7 @@ def add_plan_parser(sub) -> None:
 
 def run_plan(args: argparse.Namespace) -> int:
     from shardzoo.planner.api import plan
-    from shardzoo.planner.report import explain_text, nothing_fits, table, why
+    from shardzoo.planner.report import explain_text, nothing_fits, run_text, table, why
 
     if args.top is not None and args.top < 1:
         print(f"shardzoo plan: error: --top {args.top} must be at least 1", file=sys.stderr)
@@ -67,6 +68,7 @@ def run_plan(args: argparse.Namespace) -> int:
         print(table(result[:top]))
         if result.fits:
             print(why(result, result[0]))
+            print(run_text(result, result[0]))
     if not result.fits:
         print(f"shardzoo plan: {nothing_fits(result)}" if result else "shardzoo plan: no legal layout (see --explain)",
               file=sys.stderr)

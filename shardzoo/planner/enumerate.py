@@ -9,11 +9,12 @@ below it: a tp that does not divide the heads is never combined with any sp, pp 
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Iterator
 
-from shardzoo.comm.mesh import TP_MODES, tp_grid_text
+from shardzoo.comm.mesh import TP_MODES, default_tp_depth, tp_grid_text, tp_sub_shape
 from shardzoo.layers.block_costs import Illegal
 from shardzoo.layers.tensor_layout import LAYOUTS
 from shardzoo.planner.evaluate import Layout
@@ -147,20 +148,47 @@ def parse_layout(text: str) -> dict:
     return out
 
 
+_SIZE_KEYS = ("dp", "pp", "sp", "tp")
+
+
+def _request_rules(problem: Problem, want: dict, text: str) -> list[Pruned]:
+    """Rules the requested layout breaks by itself, before any model rule: a tp its mode cannot
+    lay out as a grid, sizes whose product is not (or cannot be made) the world size."""
+    out = []
+    mode = want.get("tp_mode", "1d")
+    if "tp" in want:
+        try:
+            tp_sub_shape(want["tp"], mode, want.get("tp_depth", default_tp_depth(want["tp"], mode)))
+        except ValueError as err:
+            out.append(Pruned(text, str(err)))
+    given = {k: want[k] for k in _SIZE_KEYS if k in want}
+    product = math.prod(given.values())
+    formula = "*".join(given) + f" = {product}"
+    if len(given) == len(_SIZE_KEYS) and product != problem.world:
+        out.append(Pruned(text, f"{formula} is not the world size {problem.world}"))
+    elif given and problem.world % product:
+        out.append(Pruned(text, f"{formula} does not divide the world size {problem.world}, so no other sizes make "
+                                f"the product {problem.world}"))
+    return out
+
+
 def explain(problem: Problem, text: str) -> tuple[list[Layout], list[Pruned]]:
-    """The legal layouts matching ``text`` and the reasons of the matching dropped choices."""
+    """The legal layouts matching ``text`` and the reasons they are not legal: rules the request
+    breaks by itself, then the dropped choices that could have produced it."""
     want = parse_layout(text)
     pruned: list[Pruned] = []
     mode = want.get("tp_mode", "1d")
     found = [lay for lay in layouts(problem, (mode,), pruned)
              if all(getattr(lay, k) == v for k, v in want.items())]
-    sizes = {k: want.get(k, 1) for k in ("dp", "pp", "sp", "tp")}
-    world = sizes["dp"] * sizes["pp"] * sizes["sp"] * sizes["tp"]
-    if world != problem.world and {"dp", "pp", "sp", "tp"} <= set(want):
-        pruned.insert(0, Pruned(text, f"dp*pp*sp*tp = {world} is not the world size {problem.world}"))
 
     def matches(p: Pruned) -> bool:
+        """The dropped choice agrees with every size given, and the sizes it fixes leave room for
+        the requested ones (a choice of tp=8 on 8 devices cannot give dp=8)."""
         items = dict(kv.split("=") for kv in p.what.split(","))
-        return all(str(want[k]) == items[k] for k in want if k in items)
+        if any(str(want[k]) != items[k] for k in want if k in items):
+            return False
+        fixed = math.prod(int(items[k]) for k in _SIZE_KEYS if k in items)
+        fixed *= math.prod(want[k] for k in _SIZE_KEYS if k in want and k not in items)
+        return problem.world % fixed == 0
 
-    return found, [p for p in pruned if matches(p)]
+    return found, _request_rules(problem, want, text) + [p for p in pruned if matches(p)]

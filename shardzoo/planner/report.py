@@ -4,6 +4,7 @@ layout costs term by term (``--explain``) and the message when nothing fits."""
 from __future__ import annotations
 
 from shardzoo.planner import time as timing
+from shardzoo.planner.advice import memory_text, run_lines
 from shardzoo.planner.enumerate import explain
 from shardzoo.planner.hardware import GIB
 
@@ -69,11 +70,15 @@ def why(plan, cand) -> str:
     comm = sum(g[2] for g in groups)
     top = f"; most of it over {groups[0][0]} ({groups[0][3]}, {groups[0][2]:.3g} s)" if groups else ""
     of = f" of {fitting} that fit" if fitting is not None else " that fits"
-    mem = cand.reports[0].memory
     return (f"why #1: fastest candidate{of} in {plan.memory_gib:g} GiB: per step ~{compute:.3g} s compute and "
-            f"~{comm:.3g} s communication{top}; pipeline bubble {(pp - 1) / (m + pp - 1):.0%}; peak "
-            f"{cand.peak_bytes_per_rank / GIB:.2f} GiB (params {mem.params / GIB:.2f}, optimizer "
-            f"{mem.optimizer / GIB:.2f}, activations and gradients {mem.dynamic / GIB:.2f})")
+            f"~{comm:.3g} s communication{top}; pipeline bubble {(pp - 1) / (m + pp - 1):.0%}; "
+            f"{memory_text(cand)}")
+
+
+def run_text(plan, cand) -> str:
+    """The lines that run ``cand`` (advice.run_lines), indented under a heading."""
+    return "\n".join(["run #1 (on every rank; config: the model's config):"] +
+                      [f"  {line}" for line in run_lines(plan, cand)])
 
 
 def nothing_fits(plan) -> str:
@@ -92,7 +97,8 @@ def explain_text(plan, text: str) -> str:
         lines.append(f"  not legal: {p.what}: {p.reason}")
     if not found:
         if not pruned:
-            lines.append("  no legal layout matches (check that dp*pp*sp*tp is the world size)")
+            lines.append(f"  no legal layout matches; sizes left out are inferred, tp_mode is 1d unless given (e.g. "
+                         f"--explain dp=2,pp=1,sp=1,tp=4,tp_mode=2d)")
         return "\n".join(lines)
     layout_keys = ("dp", "pp", "sp", "tp", "tp_mode", "tp_depth")
     mine = [c for c in plan if any(c.layout == {k: getattr(f, k) for k in layout_keys}
@@ -101,10 +107,7 @@ def explain_text(plan, text: str) -> str:
     lines.append(table(mine))
     if mine:
         c = mine[0]
-        mem = max(c.reports, key=lambda r: r.memory.peak).memory
-        lines.append(f"  {c.describe()}: peak {mem.peak / GIB:.3f} GiB = runtime {mem.runtime / GIB:.3f} + params "
-                     f"{mem.params / GIB:.3f} + optimizer {mem.optimizer / GIB:.3f} + buffers {mem.buffers / GIB:.3f} "
-                     f"+ activations and gradients {mem.dynamic / GIB:.3f} + workspace {mem.workspace / GIB:.3f}")
+        lines.append(f"  {c.describe()}: {memory_text(c, 3)}")
         for name, gb, secs, kind in comm_by_group(plan, c):
             lines.append(f"    {name:>18}: {gb:10.4f} GB per step, {secs:.4g} s ({kind})")
     return "\n".join(lines)

@@ -27,7 +27,7 @@ def test_json_has_the_contract_keys_and_order(capsys):
     code, out, _ = run(capsys, ARGS + ["--json"])
     assert code == 0
     data = json.loads(out)
-    assert set(data) == {"hardware", "candidates"} and data["hardware"]["name"] == "a100"
+    assert set(data) == {"hardware", "candidates", "pick"} and data["hardware"]["name"] == "a100"
     cands = data["candidates"]
     assert cands and all(tuple(c) == CANDIDATE_KEYS for c in cands)
     assert all(set(c["layout"]) == {"dp", "pp", "sp", "tp", "tp_mode", "tp_depth"} for c in cands)
@@ -50,7 +50,9 @@ def test_api_returns_the_same_candidates_as_objects(capsys):
 
 def test_table_names_why_the_first_wins(capsys):
     code, out, _ = run(capsys, ARGS + ["--top", "3"])
-    assert code == 0 and "why #1: fastest candidate" in out and len(out.splitlines()) == 1 + 1 + 3 + 1
+    run_lines = out.split("run #1")[1].splitlines()[1:]
+    assert code == 0 and "why #1: fastest candidate" in out
+    assert len(out.splitlines()) == 1 + 1 + 3 + 1 + 1 + len(run_lines) and run_lines[0].strip().startswith("mesh = ")
 
 
 def test_nothing_fits_exits_1_naming_the_smallest_peak(capsys):

@@ -1,0 +1,98 @@
+"""What the planner tells a user about its pick: the peak memory term by term (the terms add
+up to the peak shown) and the lines that run it (mesh, model, data parallelism, pipeline
+schedule, the torchrun command). Shared by the why line, ``--explain`` and ``--json``."""
+
+from __future__ import annotations
+
+from shardzoo.planner.hardware import GIB
+
+# (JSON key, MemoryBreakdown field) in the order of the peak formula (planner/memory.py)
+MEMORY_TERMS = (("runtime", "runtime"), ("params", "params"), ("optimizer", "optimizer"), ("buffers", "buffers"),
+                ("activations_and_gradients", "dynamic"), ("workspace", "workspace"))
+
+
+def peak_memory(cand):
+    """The MemoryBreakdown of the candidate's stage with the largest peak (the peak shown)."""
+    return max(cand.reports, key=lambda r: r.memory.peak).memory
+
+
+def memory_terms(cand) -> dict[str, int]:
+    """Bytes of each term of the candidate's peak, by name; they sum to
+    ``cand.peak_bytes_per_rank``."""
+    mem = peak_memory(cand)
+    return {label: getattr(mem, field) for label, field in MEMORY_TERMS}
+
+
+def rounded_gib(parts: list[int], digits: int) -> tuple[list[float], float]:
+    """``parts`` (bytes) and their sum in GiB rounded to ``digits`` so that the rounded parts add
+    up to the rounded sum exactly (largest remainders get the spare units), as printed."""
+    scale = 10**digits
+    exact = [b / GIB * scale for b in parts]
+    floors = [int(x) for x in exact]
+    total = round(sum(parts) / GIB * scale)
+    spare = total - sum(floors)
+    for i in sorted(range(len(parts)), key=lambda i: floors[i] - exact[i])[:max(spare, 0)]:
+        floors[i] += 1
+    return [f / scale for f in floors], total / scale
+
+
+def memory_text(cand, digits: int = 2) -> str:
+    """``"peak 2.80 GiB = runtime 1.00 + params 0.46 + ..."``: every term of the peak, rounded so
+    that the printed terms add up to the printed peak."""
+    terms = memory_terms(cand)
+    shown, peak = rounded_gib(list(terms.values()), digits)
+    text = " + ".join(f"{name.replace('_', ' ')} {v:.{digits}f}" for name, v in zip(terms, shown))
+    return f"peak {peak:.{digits}f} GiB = {text}"
+
+
+def run_lines(plan, cand) -> list[str]:
+    """Python lines (per rank) and the launch command that run ``cand``; ``config`` stands for
+    the model's config (e.g. ``GPT2Config.from_json(DIR)``)."""
+    from shardzoo.models.families import family_named
+
+    lay, m, zero = cand.layout, cand.micro_batches, cand.zero
+    fam = family_named(plan.problem.shape.family)
+    depth = f", tp_depth={lay['tp_depth']}" if lay["tp_mode"] == "2.5d" else ""
+    mesh = (f"mesh = shardzoo.ParallelMesh(dp={lay['dp']}, pp={lay['pp']}, sp={lay['sp']}, tp={lay['tp']}, "
+            f"tp_mode=\"{lay['tp_mode']}\"{depth})")
+    extra = ""
+    if lay["pp"] > 1:
+        extra += ", stage=(mesh.pp_rank, mesh.pp_size)"
+    if lay["sp"] > 1 and plan.problem.sp_mode != "ring":
+        extra += f", sp_mode=\"{plan.problem.sp_mode}\""
+    lines = [mesh, f"model = {fam.model_class}(config, mesh=mesh{extra}, "
+                   f"checkpointing={cand.activation_checkpointing})"]
+    trained = "model"
+    if lay["dp"] * lay["sp"] > 1:  # the wrapper runs forward / backward, the model keeps its loss
+        trained = "wrapped"
+        lines.append(f"wrapped = shardzoo.data_parallel(model, mesh, zero={zero})")
+        lines.append("optimizer = shardzoo.zero_optimizer(wrapped, torch.optim.AdamW, lr=1e-4)")
+    else:
+        lines.append("optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)")
+    if lay["pp"] > 1:
+        lines.append(f"schedule = build_schedule([(mesh.pp_rank, {trained})], mesh, n_microbatches={m}, "
+                     f"schedule=\"{plan.pricer.schedule}\", loss_fn=model.loss)")
+    if plan.problem.e == 2:
+        lines.append("with autocast(): ...  # bf16 autocast, fp32 weights (shardzoo.models.training.autocast)")
+    lines.append(torchrun_command(plan, lay["dp"] * lay["pp"] * lay["sp"] * lay["tp"]))
+    return lines
+
+
+def torchrun_command(plan, world: int) -> str:
+    """The launch command of ``world`` ranks on the plan's hardware (nodes of its size)."""
+    per_node = plan.hardware.devices_per_node
+    if plan.hardware.cores_per_node or world <= per_node:
+        return f"torchrun --nproc-per-node {world} train.py"
+    nodes = -(-world // per_node)
+    return (f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d "
+            f"--rdzv-endpoint HOST:29500 train.py  # on each of the {nodes} nodes")
+
+
+def pick_json(plan) -> dict | None:
+    """``--json``'s ``pick``: the first candidate's memory terms (bytes, summing to its peak)
+    and the lines that run it; None when nothing fits."""
+    if not plan.fits:
+        return None
+    cand = plan[0]
+    return {"peak_bytes_per_rank": cand.peak_bytes_per_rank, "memory_terms": memory_terms(cand),
+            "run": run_lines(plan, cand)}
