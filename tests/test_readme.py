@@ -6,7 +6,8 @@ pool of N ranks instead of N fresh processes (launch gathers the per-rank result
 way), with ``shardzoo.ParallelMesh`` served from the pool's mesh cache. Relative paths among the
 arguments are put under a temporary directory. Checked: snippet 1's coordinates and byte
 count, snippet 2's checkpoint through ``shardzoo convert`` into transformers, snippet 3's
-shape and its claim that the block equals the serial one.
+shape and its claim that the block equals the serial one, snippet 4's transformers Llama on a
+2D mesh against the same model unsplit.
 """
 
 import ast
@@ -86,8 +87,8 @@ def block_and_serial(code: str):
     return result, outs[0], outs[1]
 
 
-def test_readme_has_the_three_snippets():
-    assert len(python_blocks()) == 3
+def test_readme_has_the_four_snippets():
+    assert len(python_blocks()) == 4
 
 
 def test_first_look_snippet():
@@ -131,3 +132,21 @@ def test_block_snippet_equals_serial():
     for shape, parallel, serial in run_on_ranks(block_and_serial, nprocs, code):
         assert shape == (8, 16, 64) == tuple(parallel.shape)
         assert_close(parallel, serial, "README block vs serial")
+
+
+def model_and_serial(code: str):
+    """On a pool rank: snippet 4's ``main()`` as written, and again with a tp=1 mesh (every rank
+    the unsplit transformers model, the same batch on each dp replica)."""
+    ns = snippet_namespace(code)
+    result = ns["main"]()
+    ns["shardzoo"] = _Shardzoo(dp=dist.get_world_size())
+    return result, ns["main"]()
+
+
+def test_bring_your_own_model_snippet_equals_serial():
+    code = python_blocks()[3]
+    fn, nprocs, _ = launch_call(code)
+    assert fn == "main" and "parallelize" in code
+    for (loss, shape), (serial_loss, serial_shape) in run_on_ranks(model_and_serial, nprocs, code):
+        assert shape == serial_shape == (4, 32, 128)
+        assert abs(loss - serial_loss) <= 1e-4, (loss, serial_loss)  # both rounded to 4 places
