@@ -47,10 +47,13 @@ class ReplicaGradSum:
         return f"ReplicaGradSum(slot={self.slot}, slots={self.slots})"
 
 
-def replica_slot(offsets: tuple[int, ...], group) -> tuple[int, int]:
-    """(this rank's slot, number of distinct pieces) among the ranks of ``group``, whose pieces
-    are told apart by their ``offsets`` in the global tensor. Collective over ``group``."""
+def replica_slot(offsets: tuple[int, ...], group) -> tuple[int, int, bool]:
+    """(this rank's slot, number of distinct pieces, whether this rank holds the first copy of
+    its piece) among the ranks of ``group``, whose pieces are told apart by their ``offsets``
+    in the global tensor. Collective over ``group``."""
     mine = torch.tensor(offsets, dtype=torch.int64)
     every = ops.all_gather(mine.unsqueeze(0), group, 0).tolist() if ops.group_size(group) > 1 else [list(offsets)]
-    distinct = sorted({tuple(o) for o in every})
-    return distinct.index(tuple(offsets)), len(distinct)
+    every = [tuple(o) for o in every]
+    distinct = sorted(set(every))
+    me = ops.group_rank(group) if ops.group_size(group) > 1 else 0
+    return distinct.index(tuple(offsets)), len(distinct), every.index(tuple(offsets)) == me

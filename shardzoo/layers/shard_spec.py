@@ -108,6 +108,23 @@ def set_shard_spec(module: nn.Module, name: str, spec: ShardSpec | None) -> None
     specs[name] = spec
 
 
+_COPIES = "_repeated_copies"  # module attribute: names of tensors whose piece a lower rank of the axis also holds
+
+
+def mark_repeated_copy(module: nn.Module, name: str) -> None:
+    """Record that ``module``'s tensor ``name`` is a later copy of a piece another rank along a
+    partitioned axis holds too (kv heads repeated for grouped-query attention): whatever counts
+    each piece once (the global gradient norm) skips it."""
+    module.__dict__.setdefault(_COPIES, set()).add(name)
+
+
+def is_repeated_copy(module: nn.Module, name: str) -> bool:
+    """Whether tensor ``name`` (a dotted path is looked up on its owner) is such a later copy."""
+    owner_path, _, leaf = name.rpartition(".")
+    owner = module.get_submodule(owner_path) if owner_path else module
+    return leaf in owner.__dict__.get(_COPIES, ())
+
+
 def get_shard_spec(module: nn.Module, name: str) -> ShardSpec | None:
     """The ShardSpec of ``module``'s tensor ``name`` (a dotted path such as
     ``"blocks.0.fc1.weight"`` is looked up on the owning submodule), or None when replicated."""

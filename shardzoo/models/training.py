@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardzoo.layers.dp_shard import local_tensor, rank_piece
-from shardzoo.layers.shard_spec import get_shard_spec
+from shardzoo.layers.shard_spec import get_shard_spec, is_repeated_copy
 
 
 def _copy_axes(spec, mesh) -> tuple[str, ...]:
@@ -45,7 +45,7 @@ def global_grad_norm(models: nn.Module | list[nn.Module], mesh, norm_type: float
         if not getattr(model, "is_first", True):
             skip = set(getattr(model, "tied_names", {}))
         for name, p in model.named_parameters():
-            if p.grad is None or name in skip:
+            if p.grad is None or name in skip or is_repeated_copy(model, name):
                 continue
             g, spec = rank_piece(p.grad.detach(), get_shard_spec(model, name), mesh, name)
             axes = _copy_axes(spec, mesh)

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from shardzoo.layers.replica_grads import ReplicaGradSum, replica_slot
-from shardzoo.layers.shard_spec import ShardSpec, get_shard_spec, set_shard_spec
+from shardzoo.layers.shard_spec import ShardSpec, get_shard_spec, mark_repeated_copy, set_shard_spec
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -169,7 +169,10 @@ def build_repeated_kv(name: str, module: nn.Module, style: str, tpl, spec) -> nn
             continue
         serial = _serial_piece(f"{name}.{pname}", piece, spec.head_dim, rep, spec.kv_heads)
         set_shard_spec(layer, pname, serial)
-        _add_hook(layer, pname, ReplicaGradSum(group, *replica_slot(serial.offsets, group)))
+        slot, slots, first = replica_slot(serial.offsets, group)
+        _add_hook(layer, pname, ReplicaGradSum(group, slot, slots))
+        if not first:  # a later copy: norms and writers count the first one only
+            mark_repeated_copy(layer, pname)
     if is_conv1d(module):
         as_conv1d_storage(layer)
     return layer

@@ -54,10 +54,15 @@ def padded_batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return ids, mask, labels
 
 
+def _grad_norm(model) -> torch.Tensor:
+    return torch.linalg.vector_norm(torch.stack([p.grad.double().norm() for p in model.parameters()]))
+
+
 def _step(model, batch, lr: float = 1.0):
     ids, mask, labels = batch
     out = model(input_ids=ids, attention_mask=mask, labels=labels)
     out.loss.backward()
+    out.grad_norm = _grad_norm(model)
     with torch.no_grad():
         for p in model.parameters():
             p -= lr * p.grad
@@ -67,7 +72,8 @@ def _step(model, batch, lr: float = 1.0):
 def check_against_serial(kind: str, mesh_kwargs: dict, sp_mode: str = "ring", zero: int = 0) -> dict:
     """On every rank: parallelize a tiny ``kind`` model on the cached mesh of ``mesh_kwargs``,
     wrap it with ``data_parallel(zero=...)``, run one SGD step on this dp replica's rows, and
-    assert loss, gathered logits and every full parameter equal the serial step's. Returns
+    assert loss, gathered logits, the global gradient norm and every full parameter equal the
+    serial step's. Returns
     the largest differences (for reports)."""
     import shardzoo
 
@@ -84,6 +90,9 @@ def check_against_serial(kind: str, mesh_kwargs: dict, sp_mode: str = "ring", ze
     ids, mask, labels = (t[rows] for t in batch)
     out_p = wrapped(input_ids=ids, attention_mask=mask, labels=labels)
     out_p.loss.backward()
+    from shardzoo.models.training import global_grad_norm
+
+    norm = global_grad_norm(wrapped, mesh)  # each distinct piece once: kv copies and replicas skipped
     optimizer = shardzoo.zero_optimizer(wrapped, torch.optim.SGD, lr=1.0)
     optimizer.step()
 
@@ -91,6 +100,7 @@ def check_against_serial(kind: str, mesh_kwargs: dict, sp_mode: str = "ring", ze
     logits = shardzoo.gather_logits(parallel, out_p.logits.detach())
     assert_close_conditioned(out_p.loss.detach(), out_s.loss.detach(), out_x.loss.detach(), f"{kind} loss")
     assert_close_conditioned(logits[real], out_s.logits[rows][real], out_x.logits[rows][real], f"{kind} logits")
+    assert_close_conditioned(norm, out_s.grad_norm, out_x.grad_norm, f"{kind} global gradient norm")
     full = shardzoo.full_state_dict(wrapped)
     reference, exact_state = serial.state_dict(), exact.state_dict()
     assert set(full) == set(reference), f"names differ: {sorted(set(full) ^ set(reference))}"
