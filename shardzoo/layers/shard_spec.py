@@ -218,8 +218,12 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     ``fully_shard`` turned into DTensors are gathered over their dp mesh first, then over the
     tensor-parallel axes of their spec. Raises :class:`ShardSpecError` naming the tensor when
     a piece does not match its spec, or a sharded module's parameter has none. A DDP
-    wrapper is looked through (serial names, no ``module.`` prefix)."""
+    wrapper is looked through (serial names, no ``module.`` prefix); FSDP2 modules that a
+    forward without backward left unsharded are resharded first."""
+    from shardzoo.layers.dp_shard import reshard_fsdp  # dp_shard builds on this module
+
     module = unwrap_ddp(module)
+    reshard_fsdp(module)
     out: dict[str, torch.Tensor] = {}
     for mod_name, mod in module.named_modules():
         mesh = getattr(mod, "mesh", None)

@@ -50,11 +50,11 @@ def batch(step: int, rows: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
     return ids[:, :-1], ids[:, 1:]
 
 
-def build(mesh, dtype=torch.float32, stage=None):
-    """The GPT-2 of CONFIG (seed 0) on ``mesh`` in ``dtype``; ``stage``: its pipeline stage."""
+def build(mesh, dtype=torch.float32, stage=None, seed: int = 0):
+    """The GPT-2 of CONFIG (``seed``) on ``mesh`` in ``dtype``; ``stage``: its pipeline stage."""
     from shardzoo.models import GPT2, GPT2Config
 
-    model = GPT2(GPT2Config(**CONFIG), mesh=mesh, seed=0, stage=stage)
+    model = GPT2(GPT2Config(**CONFIG), mesh=mesh, seed=seed, stage=stage)
     return model.to(dtype)
 
 
@@ -186,6 +186,37 @@ def load_into(layout: str, zero: int, ckpt_dir: str):
     assert result == checkpoint.LoadResult([], []), result
     weights, state = full_weights(model), full_optimizer_state(model, opt)
     return (weights, state, opt.param_groups[0]["lr"]) if dist.get_rank() == 0 else None
+
+
+def eval_forward(model, mesh) -> None:
+    """A forward without backward (evaluation): FSDP2 modules that do not reshard after
+    forward stay unsharded afterwards."""
+    inner = getattr(model, "module", model)
+    model.eval()
+    with torch.no_grad():
+        model(inner.shard_input(dp_rows(batch(0)[0], mesh)))
+    model.train()
+
+
+def save_load_after_eval(layout: str, zero: int, ckpt_dir: str):
+    """Train, evaluate, save; then a fresh model (other seed) evaluates, loads and trains a
+    step. (full weights saved, full weights loaded, the loss of that step) from rank 0."""
+    import shardzoo
+    from shardzoo import checkpoint
+
+    mesh = mesh_of(layout)
+    model, opt, _ = train(layout, zero, steps=1)
+    eval_forward(model, mesh)
+    checkpoint.save(model, ckpt_dir, opt)
+    saved = full_weights(model)
+    fresh = shardzoo.data_parallel(build(mesh, seed=5), mesh, zero=zero)
+    fresh_opt = shardzoo.zero_optimizer(fresh, torch.optim.AdamW, lr=LR, eps=EPS)
+    eval_forward(fresh, mesh)
+    checkpoint.load(fresh, ckpt_dir, fresh_opt)
+    loaded = full_weights(fresh)
+    loss = step_loss(fresh, mesh, 1)
+    fresh_opt.step()
+    return (saved, loaded, float(loss)) if dist.get_rank() == 0 else None
 
 
 # -- gradient norms, accumulation, pipelines -----------------------------------------------------

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from shardzoo.testing import run_on_ranks
-from shardzoo.testing.zero_stack import (CLIP, assert_weights, load_into, no_sync_leaves_grads_local, single_rank_group_is_noop,
-                                         train_and_save, train_bf16, train_pipelined, trained_weights, world_of, wrapping_errors)
+from shardzoo.testing.zero_stack import (CLIP, assert_weights, load_into, no_sync_leaves_grads_local, save_load_after_eval,
+                                         single_rank_group_is_noop, train_and_save, train_bf16, train_pipelined, trained_weights, world_of, wrapping_errors)
 
 # bf16 compute (FSDP2 MixedPrecisionPolicy, fp32 master weights and reduce) after 3 AdamW steps
 # against fp32 serial, relative L2 error of all weights together: measured 1.02e-2 (1d, tp=2,
@@ -138,3 +138,15 @@ def test_custom_module_of_shardzoo_layers_with_plain_adamw_equals_serial(zero):
     assert got.keys() == ref.keys()
     for k, v in ref.items():
         torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=f"zero={zero}: {k}")
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_checkpoint_after_an_evaluation_forward(tmp_path, zero):
+    """A forward without backward leaves FSDP2's root (zero=3) or every unit (zero=2)
+    unsharded; save and load still see the sharded parameters the optimizer holds, the load
+    is not lost at the next gather, and training goes on."""
+    saved, loaded, loss = run_on_ranks(save_load_after_eval, world_of("1d"), "1d", zero, str(tmp_path / "ckpt"))[0]
+    assert saved.keys() == loaded.keys()
+    for name, t in saved.items():
+        assert torch.equal(loaded[name], t), name
+    assert loss == loss and loss > 0  # finite: the step after the load ran
