@@ -33,6 +33,7 @@ from shardzoo.layers.shard_spec import get_shard_spec
 from shardzoo.layers.tensor_layout import layout_of
 from shardzoo.models import common
 from shardzoo.models.loss import GlobalLoss
+from shardzoo.parallel.data_parallel import ddp_of
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -213,8 +214,8 @@ def build_schedule(stages: list[tuple[int, nn.Module]], mesh, *, n_microbatches:
 
     ``stages``: (global stage index, stage module) pairs held by this rank; one pair for GPipe /
     1F1B, v pairs (indices ``pp_rank + i * pp``) for the interleaved schedule. A stage may be
-    wrapped in DDP (``training.data_parallel``): gradients are then averaged over dp x sp in
-    the last microbatch's backward.
+    passed through ``shardzoo.data_parallel`` (any ZeRO stage): torch's schedules then average
+    its gradients over dp x sp in the last microbatch's backward (DDP) or drive FSDP2's sync.
     ``loss_fn(output, target, **loss_kwargs)``: the loss on the last stage (e.g. ``model.loss``).
     Pass it on every rank: a schedule built without one skips backward on that rank (and the
     others wait). ``schedule.step(..., target=t, loss_kwargs=...)`` on the last stage counts
@@ -234,7 +235,8 @@ def build_schedule(stages: list[tuple[int, nn.Module]], mesh, *, n_microbatches:
     pp = mesh.pp_size
     device = device or default_device(mesh)  # where the stages' p2p buffers live (CUDA under NCCL)
     total = pp * len(stages)
-    wrapped = [PipelineStage(m, index, total, device, group=mesh.pp_group) for index, m in stages]
+    # a zero 0 / 1 stage runs through its DDP engine, which torch's stages recognise (no_sync)
+    wrapped = [PipelineStage(_engine(m), index, total, device, group=mesh.pp_group) for index, m in stages]
     last = [getattr(m, "module", m) for _, m in stages if getattr(getattr(m, "module", m), "is_last", False)]
     if schedule == "interleaved":
         if len(stages) < 2:
@@ -249,6 +251,12 @@ def build_schedule(stages: list[tuple[int, nn.Module]], mesh, *, n_microbatches:
     result = _counting(cls)(held, n_microbatches, loss_fn=loss_fn, scale_grads=False)
     result.count_targets = last[0].count_targets if last else None
     return result
+
+
+def _engine(stage: nn.Module) -> nn.Module:
+    """What the pipeline stage calls: a zero 0 / 1 stage's DDP engine, else the stage."""
+    ddp = ddp_of(stage)
+    return stage if ddp is None else ddp
 
 
 _COUNTING: dict[type, type] = {}
