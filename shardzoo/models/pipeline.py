@@ -28,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from shardzoo.comm.mesh import default_device
 from shardzoo.layers import random as tp_random
+from shardzoo.layers import replicas
 from shardzoo.layers.dp_shard import local_tensor
 from shardzoo.layers.shard_spec import get_shard_spec
 from shardzoo.layers.tensor_layout import layout_of
@@ -97,7 +98,12 @@ class StagedModel(GlobalLoss, nn.Module):
         return self.tpl.linear_output(self.layout)
 
     def shard_input(self, ids_full: torch.Tensor) -> torch.Tensor:
-        """Token ids [B, S] -> this rank's [b, s] (batch as the tp layout, sequence over sp)."""
+        """Token ids [B, S] -> this rank's [b, s] (batch as the tp layout, sequence over sp).
+        Every tp and sp rank of a dp replica must pass the same ``ids_full``; with
+        ``SHARDZOO_DEBUG=1`` that is checked (layers/replicas.py: one small all-reduce per
+        sp / tp axis, each call)."""
+        if replicas.debug_mode():
+            replicas.check_same_input(ids_full, self.mesh, f"{type(self).__name__}.shard_input")
         return common.shard_tokens(ids_full, self.mesh, self.layout, zigzag=self.causal)
 
     def shard_mask(self, mask_full: torch.Tensor) -> torch.Tensor:

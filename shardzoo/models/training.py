@@ -19,14 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 from shardzoo.layers.dp_shard import local_tensor, rank_piece
+from shardzoo.layers.replicas import copy_axes
 from shardzoo.layers.shard_spec import get_shard_spec
-
-
-def _copy_axes(spec, mesh) -> tuple[str, ...]:
-    """Mesh axes over which this rank's piece (``spec``) of a parameter is repeated (every
-    axis but pp and the ones the spec partitions it over)."""
-    parted = set(mesh.expand_axes(*spec.partitioned_over)) if spec is not None and spec.partitioned_over else set()
-    return tuple(a for a in mesh.axis_names if a != "pp" and a not in parted)
 
 
 def global_grad_norm(models: nn.Module | list[nn.Module], mesh, norm_type: float = 2.0) -> torch.Tensor:
@@ -47,7 +41,7 @@ def global_grad_norm(models: nn.Module | list[nn.Module], mesh, norm_type: float
             if p.grad is None or name in skip:
                 continue
             g, spec = rank_piece(p.grad.detach(), get_shard_spec(model, name), mesh, name)
-            axes = _copy_axes(spec, mesh)
+            axes = copy_axes(spec, mesh)
             if axes and mesh.rank(*axes) != 0:
                 continue
             if g.numel() == 0:  # FSDP2 left this rank no rows of a short tensor
