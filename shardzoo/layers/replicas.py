@@ -138,13 +138,13 @@ def replica_mismatches(model: nn.Module, mesh=None) -> list[str]:
         return []
     table = table[:, 1:].cpu()
     ranks = mesh.ranks(*stage)
+    coords = [_coords(g, stage, mesh) for g in range(len(ranks))]
     lines = []
     for k, (name, _, axes) in enumerate(pieces):
         if not axes:
             continue
-        classes: dict[tuple, list[int]] = {}
-        for g in range(len(ranks)):
-            coord = _coords(g, stage, mesh)
+        classes: dict[tuple, list[int]] = {}  # ranks holding the same piece: equal off the copy axes
+        for g, coord in enumerate(coords):
             classes.setdefault(tuple(coord[a] for a in stage if a not in axes), []).append(g)
         for members in classes.values():
             values: dict[int, list[int]] = {}
