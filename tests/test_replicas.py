@@ -122,3 +122,29 @@ def test_checksum_is_exact_and_position_sensitive():
     assert checksum(x) != checksum(x.flip(0))
     assert checksum(torch.tensor([1, 2], dtype=torch.int8)) != checksum(torch.tensor([2, 1], dtype=torch.int8))
     assert checksum(x.to(torch.bfloat16)) == checksum(x.to(torch.bfloat16).clone())
+
+
+def pipeline_copy_nudged(ckpt_dir):
+    """pp=2 x tp=2: tp rank 1 of the last stage nudges its copy of ln_f.weight by one ulp;
+    every rank's checkpoint.save error."""
+    from shardzoo import checkpoint
+    from shardzoo.models import GPT2, GPT2Config
+
+    mesh = cached_mesh(pp=2, tp=2)
+    model = GPT2(GPT2Config(**{**CONFIG, "n_layer": 2}), mesh=mesh, seed=0, stage=(mesh.pp_rank, mesh.pp_size))
+    if model.is_last and mesh.tp_rank == 1:
+        with torch.no_grad():
+            w = model.transformer.ln_f.weight
+            w[0] = torch.nextafter(w[0], torch.tensor(2.0))
+    try:
+        checkpoint.save(model, ckpt_dir)
+    except checkpoint.CheckpointError as e:
+        return str(e)
+    return None
+
+
+def test_every_pipeline_stage_refuses_when_one_stage_drifted(tmp_path):
+    errors = run_on_ranks(pipeline_copy_nudged, 4, str(tmp_path / "ckpt"))  # ranks 0, 1: stage 0
+    assert all("differ on another pipeline stage" in e for e in errors[:2]), errors
+    assert all("transformer.ln_f.weight (replicated over tp): ranks [2] hold one copy; ranks [3] another" in e
+               for e in errors[2:]), errors
