@@ -26,6 +26,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardzoo.layers.dp_shard import rank_piece
+from shardzoo.layers.shard_spec import get_shard_spec
+
 DEBUG_ENV = "SHARDZOO_DEBUG"
 _CHUNK = 1 << 20  # 16-bit words per step of the checksum (bounds its temporary memory to ~16 MiB)
 _PRIME = 65521  # position weights 1.._PRIME, so swapped words change the sum
@@ -78,9 +81,6 @@ def _pieces(model: nn.Module, mesh) -> tuple[list[tuple[str, torch.Tensor | None
     """(name, this rank's piece or None when it has no other copy, copy axes) of every parameter,
     in ``named_parameters`` order; and False when a piece could not be read (the comparison is
     then skipped on every rank, and the caller's own reading reports the error)."""
-    from shardzoo.layers.dp_shard import rank_piece
-    from shardzoo.layers.shard_spec import get_shard_spec
-
     out, ok = [], True
     for name, p in model.named_parameters():
         owner_path, _, leaf = name.rpartition(".")
