@@ -311,7 +311,7 @@ def sync_tied_grads(stages: list[nn.Module], mesh) -> None:
         return
     group = tied_group(mesh)
     for model in stages:
-        model = getattr(model, "module", model)  # DDP-wrapped stage
+        model = getattr(model, "module", model)  # a stage in a DDP wrapper built by hand
         if model.is_first == model.is_last:  # a middle stage, or one holding both ends (one table)
             continue
         params = dict(model.named_parameters())

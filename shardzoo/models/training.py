@@ -33,7 +33,7 @@ def global_grad_norm(models: nn.Module | list[nn.Module], mesh, norm_type: float
     device = next(p for m in models for p in m.parameters()).device
     total = torch.zeros((), dtype=torch.float64, device=device)
     for model in models:
-        model = getattr(model, "module", model)  # DDP
+        model = getattr(model, "module", model)  # a DDP wrapper built by hand
         skip = set()
         if not getattr(model, "is_first", True):
             skip = set(getattr(model, "tied_names", {}))
