@@ -217,6 +217,27 @@ def save_load_after_eval(layout: str, zero: int, ckpt_dir: str):
     return (saved, loaded, float(loss)) if dist.get_rank() == 0 else None
 
 
+def save_between_forward_and_backward(layout: str, zero: int, ckpt_dir: str):
+    """One step with ``checkpoint.save`` between the forward and the backward, and the same
+    step without it: (full weights after each) from rank 0."""
+    import shardzoo
+    from shardzoo import checkpoint
+
+    mesh = mesh_of(layout)
+    ids, target = (dp_rows(t, mesh) for t in batch(0))
+    out = []
+    for save in (True, False):
+        model = shardzoo.data_parallel(build(mesh), mesh, zero=zero)
+        opt = shardzoo.zero_optimizer(model, torch.optim.AdamW, lr=LR, eps=EPS)
+        loss = model.loss(model(model.shard_input(ids)), model.shard_target(target))
+        if save:  # FSDP2 holds unsharded parameters that the backward still needs
+            checkpoint.save(model, ckpt_dir, opt)
+        loss.backward()
+        opt.step()
+        out.append(full_weights(model))
+    return tuple(out) if dist.get_rank() == 0 else None
+
+
 # -- gradient norms, accumulation, pipelines -----------------------------------------------------
 def serial_clipped(clip: float, dtype=torch.float32) -> tuple[dict, list[float]]:
     """Serial weights after STEPS AdamW steps clipped by torch.nn.utils.clip_grad_norm_, and

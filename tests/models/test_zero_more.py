@@ -7,7 +7,7 @@ import torch
 
 from shardzoo.testing import run_on_ranks
 from shardzoo.testing.zero_stack import (CLIP, assert_weights, load_into, no_sync_leaves_grads_local, save_load_after_eval,
-                                         single_rank_group_is_noop, train_and_save, train_bf16, train_pipelined, trained_weights, world_of,
+                                         save_between_forward_and_backward, single_rank_group_is_noop, train_and_save, train_bf16, train_pipelined, trained_weights, world_of,
                                          wrapped_in_place, wrapping_errors)
 
 # bf16 compute (FSDP2 MixedPrecisionPolicy, fp32 master weights and reduce) after 3 AdamW steps
@@ -151,6 +151,16 @@ def test_checkpoint_after_an_evaluation_forward(tmp_path, zero):
     for name, t in saved.items():
         assert torch.equal(loaded[name], t), name
     assert loss == loss and loss > 0  # finite: the step after the load ran
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_checkpoint_between_forward_and_backward(tmp_path, zero):
+    """Saving while the backward still needs FSDP2's unsharded parameters: the backward gathers
+    them again, and the step is the one without the save, bit for bit."""
+    with_save, without = run_on_ranks(save_between_forward_and_backward, world_of("1d"), "1d", zero,
+                                      str(tmp_path / "ckpt"))[0]
+    for name, t in without.items():
+        assert torch.equal(with_save[name], t), name
 
 
 def test_data_parallel_returns_the_model_itself_at_every_stage():
