@@ -4,9 +4,6 @@ Every rank's loss is the mean over its own tokens, so the gradient of the global
 average of the ranks' gradients over dp and sp (sp ranks hold other tokens of the same rows);
 every stage averages over that group, ``mesh.group("dp", "sp")``:
 
-Every stage returns the model itself, wrapped in place: the same object, class, parameter
-names and methods (``model.loss``, ``model.shard_input``), whose calls now run the engine.
-
 ====== ============================================= ==========================================
 zero   engine                                        sharded over the dp (x sp) group
 ====== ============================================= ==========================================
@@ -16,6 +13,9 @@ zero   engine                                        sharded over the dp (x sp) 
                                                       between steps (whole through fwd / bwd)
 3      FSDP2 fully_shard per block, then the root     optimizer state, gradients, parameters
 ====== ============================================= ==========================================
+
+Every stage returns the model itself, wrapped in place: the same object, class, parameter
+names and methods (``model.loss``, ``model.shard_input``), whose calls now run the engine.
 
 The tensor-parallel parameters are plain local tensors, so FSDP2 shards each rank's piece
 along its dim 0 over the dp axes; the ShardSpec on the owning module still describes the
@@ -64,14 +64,18 @@ def ddp_of(model: nn.Module) -> nn.parallel.DistributedDataParallel | None:
 
 
 class _OwnForward(nn.Module):
-    """The module DDP wraps: it runs the model's own (class) forward, so the model's calls can
-    go through DDP while the model stays the object the user holds."""
+    """The module DDP wraps: it runs the model's own forward (its class's, or one set on the
+    instance before wrapping), so the model's calls can go through DDP while the model stays
+    the object the user holds."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
+        self.own = model.__dict__.get("forward")  # replaced next by the DDP
 
     def forward(self, *args, **kwargs):
+        if self.own is not None:
+            return self.own(*args, **kwargs)
         return type(self.model).forward(self.model, *args, **kwargs)
 
 
