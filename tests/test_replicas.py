@@ -45,19 +45,20 @@ def test_mesh_aligns_the_default_rng_of_tp_ranks_only():
 def train_and_check(case, ckpt_dir):
     """Two AdamW steps of a tiny GPT-2 with dropout 0.1 on tp=2, then checkpoint.save: the
     error message (None when it saved) and whether full_state_dict(check_replicas=True)
-    raised. ``case``: "aligned" (what the mesh's alignment gives), "reseeded" (each rank
-    reseeded differently after the mesh: dropout on replicated activations differs)."""
-    from shardzoo import checkpoint, full_state_dict
+    raised. ``case``: "aligned" (ranks seeded differently, as unseeded ranks are, then a fresh
+    ParallelMesh aligns them), "reseeded" (each rank reseeded differently after the mesh)."""
+    from shardzoo import ParallelMesh, checkpoint, full_state_dict
     from shardzoo.layers.replicas import ReplicaMismatchError
     from shardzoo.models import GPT2, GPT2Config
 
-    mesh = cached_mesh(tp=2)
-    model = GPT2(GPT2Config(**CONFIG), mesh=mesh, seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    if case == "reseeded":
+    if case == "aligned":
+        torch.manual_seed(1000 + dist.get_rank())
+        mesh = ParallelMesh(tp=2)
+    else:
+        mesh = cached_mesh(tp=2)
         torch.manual_seed(dist.get_rank())
-    else:  # what ParallelMesh(...) leaves the ranks with
-        torch.manual_seed(0)
+    model = GPT2(GPT2Config(**CONFIG), mesh=mesh)  # seeded from torch.initial_seed()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     rows = torch.Generator().manual_seed(0)
     for _ in range(2):
         ids = torch.randint(0, 32, (2, 9), generator=rows)
@@ -74,6 +75,8 @@ def train_and_check(case, ckpt_dir):
         gathered = False
     except ReplicaMismatchError:
         gathered = True
+    if case == "aligned":
+        mesh.close()
     return saved, gathered
 
 
