@@ -30,7 +30,7 @@ from shardzoo.layers.dp_shard import rank_piece
 from shardzoo.layers.shard_spec import get_shard_spec
 
 DEBUG_ENV = "SHARDZOO_DEBUG"
-_CHUNK = 1 << 20  # 16-bit words per step of the checksum (bounds its temporary memory to ~16 MiB)
+_CHUNK = 1 << 20  # 16-bit words per step of the checksum: three int64 temporaries, 24 MiB
 _PRIME = 65521  # position weights 1.._PRIME, so swapped words change the sum
 _SHOWN = 5  # mismatching parameters spelled out in the error
 
