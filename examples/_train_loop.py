@@ -75,21 +75,22 @@ class Progress:
 def train(args, mesh, build, batches, units_per_batch: int, unit: str) -> list[float]:
     """``args.steps`` AdamW steps of the models ``build(stage)`` makes for this rank (whole, one
     stage or interleaved virtual stages) on ``batches(step)`` -> (inputs [B, ...], targets),
-    with a progress line on rank 0. Data parallelism (dp x sp) goes through torch DDP, also
-    for pipeline stages. Returns the losses."""
+    with a progress line on rank 0. Data parallelism (dp x sp) goes through
+    ``shardzoo.data_parallel`` (torch DDP), also for pipeline stages. Returns the losses."""
     from shardzoo.comm.mesh import default_device
     from shardzoo.models.pipeline import build_schedule, sync_tied_grads
-    from shardzoo.models.training import autocast, clip_grad_norm_, data_parallel
+    from shardzoo.models.training import autocast, clip_grad_norm_
+    from shardzoo.parallel import data_parallel
 
     device = default_device(mesh)  # this rank's GPU under NCCL, else CPU
     stages = stages_of(args, mesh)
     models = [build(stage, device) for _, stage in stages]
-    wrapped = [data_parallel(m, mesh) for m in models]
+    models = [data_parallel(m, mesh) for m in models]  # each stage wrapped in place
     first, last = models[0], models[-1]
     opt = torch.optim.AdamW([p for m in models for p in m.parameters()], lr=args.lr)
     schedule = None
     if mesh.pp_size > 1:
-        schedule = build_schedule([(i, w) for (i, _), w in zip(stages, wrapped)], mesh,
+        schedule = build_schedule([(i, m) for (i, _), m in zip(stages, models)], mesh,
                                   n_microbatches=args.microbatches, schedule=args.schedule, loss_fn=last.loss,
                                   device=device)
     progress = Progress(args.steps, unit) if dist.get_rank() == 0 else None
@@ -109,7 +110,7 @@ def train(args, mesh, build, batches, units_per_batch: int, unit: str) -> list[f
                 # each microbatch's loss is its share of the step's global mean
                 loss = torch.stack(mb).sum().float() if last.is_last else torch.zeros((), device=device)
             else:
-                loss = first.loss(wrapped[0](first.shard_input(inputs)), first.shard_target(targets))
+                loss = first.loss(first(first.shard_input(inputs)), first.shard_target(targets))
                 loss.backward()
         sync_tied_grads(models, mesh)
         norm = clip_grad_norm_(models, args.clip, mesh)

@@ -16,7 +16,7 @@ from shardzoo.testing import get_pool, run_on_ranks
 
 
 def rank_info(scale):
-    return dist.get_rank() * scale, dist.get_world_size(), torch.get_num_threads(), os.getpid()
+    return dist.get_rank() * scale, dist.get_world_size(), torch.get_num_threads(), os.getpid(), torch.rand(3)
 
 
 def fail_on_rank(bad_rank):
@@ -48,11 +48,13 @@ def all_fail():
     raise KeyError("every rank fails the same way")
 
 
-def test_launch_returns_per_rank_results_and_shares_threads():
-    results = shardzoo.launch(rank_info, 2, 10)
+def test_launch_returns_per_rank_results_shares_threads_and_seeds_ranks_alike():
+    results = shardzoo.launch(rank_info, 2, 10, seed=7)
     assert [r[:2] for r in results] == [(0, 2), (10, 2)]
     cores = len(os.sched_getaffinity(0))
     assert all(r[2] == max(1, cores // 2) for r in results)
+    expected = torch.rand(3, generator=torch.Generator().manual_seed(7))  # the default stream, seeded alike
+    assert all(torch.equal(r[4], expected) for r in results)
 
 
 def test_launch_reraises_first_failure_with_rank_and_remote_traceback():

@@ -27,9 +27,13 @@ from shardzoo.checkpoint.plan import Offer, pieces_of_rank, plan_writes
 from shardzoo.checkpoint.safetensors_io import SafetensorsWriter, dtype_name
 from shardzoo.checkpoint.sync import Ranks, describe
 from shardzoo.checkpoint.tensors import LocalTensor, find_mesh, is_candidate_writer, model_tensors, volume
+from shardzoo.layers import replicas
+from shardzoo.layers.dp_shard import reshard_fsdp
+from shardzoo.layers.shard_spec import unwrap_ddp
 
 
-def save(model: nn.Module, ckpt_dir: str, optimizer=None, *, config=None, layout: dict | None = None) -> None:
+def save(model: nn.Module, ckpt_dir: str, optimizer=None, *, config=None, layout: dict | None = None,
+         check_replicas: bool = True) -> None:
     """Save ``model`` (and ``optimizer``) as a sharded checkpoint in directory ``ckpt_dir``.
 
     Collective: every rank of the default process group calls it (a plain module in a single
@@ -44,10 +48,20 @@ def save(model: nn.Module, ckpt_dir: str, optimizer=None, *, config=None, layout
             by default the model's own ``model.config`` when it has one (shardzoo's model families,
             transformers models; also under a DDP wrapper's ``.module``).
         layout: extra layout fields to record (default: the model mesh's sizes and tp_mode).
+        check_replicas: first compare the copies of every replicated parameter across the
+            ranks holding them (layers/replicas.py: one checksum pass and one int64
+            all-reduce) and raise, naming them, when they differ: the file would keep one
+            rank's copy. False skips it.
     """
     config = own_config(model) if config is None else config
     config_to_json(config)  # a config that cannot be stored fails here, on every rank alike
     mesh = find_mesh(model)
+    if check_replicas:
+        reshard_fsdp(unwrap_ddp(model))  # compare the pieces the file will hold
+        try:
+            replicas.check_replicas(unwrap_ddp(model), mesh, f"saving checkpoint {ckpt_dir}")
+        except replicas.ReplicaMismatchError as e:  # raised on every rank alike
+            raise CheckpointError(str(e)) from e
     timeout = getattr(mesh, "timeout", None) or datetime.timedelta(minutes=10)
     ranks = Ranks(timeout)
     what = f"saving checkpoint {ckpt_dir}"

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardzoo.checkpoint.errors import CheckpointError
-from shardzoo.layers.dp_shard import rank_piece
+from shardzoo.layers.dp_shard import rank_piece, reshard_fsdp
 from shardzoo.layers.shard_spec import ShardSpec, ShardSpecError, check_local, check_specs, get_shard_spec, unwrap_ddp
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, shape) in global coordinates
@@ -86,9 +86,11 @@ def model_tensors(model: nn.Module) -> tuple[list[LocalTensor], dict[str, str]]:
     A tensor reachable under several names (tied embeddings) is listed once, under the name
     ``named_parameters`` gives it; ``aliases`` maps each other name to that one. A parameter
     FSDP2 sharded over dp (a DTensor) is listed as the rows this rank keeps
-    (layers/dp_shard.py), so every dp rank saves and loads its own part. A DDP wrapper is
-    looked through."""
+    (layers/dp_shard.py), so every dp rank saves and loads its own part; FSDP2 modules left
+    unsharded by a forward without backward are resharded first. A DDP wrapper is looked
+    through."""
     model = unwrap_ddp(model)
+    reshard_fsdp(model)
     model_mesh = find_mesh(model)
     seen: dict[int, str] = {}
     tensors: list[LocalTensor] = []

@@ -74,8 +74,25 @@ def _destroy_at_exit() -> None:
     dist.destroy_process_group()
 
 
+class _Seeded:
+    """``fn`` run after ``torch.manual_seed(seed)`` on each rank; named and shown as ``fn``, so
+    the pool's errors and timeouts still name the user's function."""
+
+    def __init__(self, fn: Callable[..., Any], seed: int):
+        self.fn, self.seed = fn, seed
+        self.__name__ = getattr(fn, "__name__", repr(fn))
+
+    def __repr__(self) -> str:
+        return repr(self.fn)
+
+    def __call__(self, *args: Any) -> Any:
+        torch.manual_seed(self.seed)
+        return self.fn(*args)
+
+
 def launch(
-    fn: Callable[..., Any], nprocs: int, *args: Any, backend: str = "auto", timeout: float = 600.0
+    fn: Callable[..., Any], nprocs: int, *args: Any, backend: str = "auto", timeout: float = 600.0,
+    seed: int | None = None,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``nprocs`` ranks and return the per-rank results (rank order).
 
@@ -90,6 +107,11 @@ def launch(
         backend: "auto", "gloo" or "nccl".
         timeout: seconds before ranks that have not finished are reported by rank (with their
             stacks) and killed; also the collective timeout (at least 30 s).
+        seed: every rank runs ``torch.manual_seed(seed)`` before ``fn``, the same seed on all
+            of them, as one seeded serial script would. Default: this process's
+            ``torch.initial_seed()`` (``torch.manual_seed(s)`` before ``launch`` makes the ranks
+            reproducible); under torchrun, rank 0's. ``fn`` may reseed as it likes; a
+            ``ParallelMesh`` built afterwards aligns its tp x sp ranks again.
 
     Raises:
         The first rank's exception, with the rank and remote traceback attached;
@@ -105,9 +127,11 @@ def launch(
                 f"run `torchrun --nproc-per-node {nprocs}` or pass nprocs={world}"
             )
         init_from_env(backend, timeout)
-        result = fn(*args)
+        shared = [torch.initial_seed() if seed is None else seed]
+        dist.broadcast_object_list(shared, src=0)
+        result = _Seeded(fn, shared[0])(*args)
         results: list[Any] = [None] * world
         dist.all_gather_object(results, result)
         return results
     with WorkerPool(nprocs, backend=backend, timeout=timeout) as pool:
-        return pool.run(fn, *args)
+        return pool.run(_Seeded(fn, torch.initial_seed() if seed is None else seed), *args)

@@ -175,6 +175,12 @@ class ParallelMesh:
         tp_depth: depth d of the 2.5d grid (tp = d*q*q).
         timeout: collective timeout of the groups (default: 10 minutes), so a dead rank makes
             the others raise instead of waiting forever.
+        sync_rng: give every rank of each tp x sp group the default RNG state (CPU, and the
+            current CUDA device under NCCL) of that group's first rank, so that dropout on
+            activations replicated over tp, and any other draw outside the tp region, is the
+            same on all of them (one ~5 KB broadcast per sp / tp axis of size > 1, now). Ranks
+            already alike are left exactly as they were. The per-rank tp stream
+            (layers/random.py) still differs per tp rank. False leaves every generator alone.
 
     Axis names: "dp", "pp", "sp", "tp" and the tp sub-axes of the mode (module docstring).
     ``mesh.group("tp_row", "tp_col")`` returns the group spanning several axes.
@@ -190,6 +196,7 @@ class ParallelMesh:
         tp_depth: int = 1,
         *,
         timeout: datetime.timedelta | float | None = 600.0,
+        sync_rng: bool = True,
     ):
         seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
         if timeout is not None and not seconds > 0:  # checked before any group exists
@@ -219,6 +226,26 @@ class ParallelMesh:
         self._adopted: list = []  # groups others made for this mesh, closed with it
         coord = self.device_mesh.get_coordinate()
         self._coord = dict(zip(self.axis_names, coord))
+        if sync_rng:
+            self._sync_default_rng()
+
+    def _sync_default_rng(self) -> None:
+        """Broadcast the default generators' state from the first rank of each tp x sp group:
+        along each sp / tp axis in turn from coordinate 0, which ends with the state of the
+        rank at coordinate 0 on all of them (each axis's own group: no group is created)."""
+        cuda = dist.get_backend() == "nccl"
+        for axis in ("sp",) + self.tp_sub_axes:
+            if self._sizes[axis] == 1:
+                continue
+            group = self.device_mesh.get_group(axis)
+            src = dist.get_global_rank(group, 0)
+            state = torch.get_rng_state()
+            if cuda:  # NCCL moves CUDA tensors only
+                state, device_state = state.cuda(), torch.cuda.get_rng_state().cuda()
+                dist.broadcast(device_state, src=src, group=group)
+                torch.cuda.set_rng_state(device_state.cpu())
+            dist.broadcast(state, src=src, group=group)
+            torch.set_rng_state(state.cpu())
 
     # -- sizes and coordinates ------------------------------------------------------------
     def expand_axes(self, *axes: str) -> tuple[str, ...]:

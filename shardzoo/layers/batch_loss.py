@@ -4,7 +4,7 @@
 A model's targets are split along the batch axes of its head's layout (tp rows), along the
 sequence (sp) and across data-parallel replicas (dp); a rank holds one block. The layers sum
 parameter gradients over the tp axes themselves, and data parallelism *averages* them over
-dp x sp afterwards (``training.data_parallel``'s DDP, ``training.average_grads``). So the loss
+dp x sp afterwards (``shardzoo.data_parallel``, ``training.average_grads``). So the loss
 a rank backpropagates is
 
     R * local_sum / N      local_sum: this rank's per-target losses, summed

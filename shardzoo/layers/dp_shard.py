@@ -99,6 +99,22 @@ def rank_piece(t: torch.Tensor, spec: ShardSpec | None, mesh, who: str = "tensor
     return local, composed
 
 
+def reshard_fsdp(model: torch.nn.Module) -> None:
+    """Put every FSDP2 module of ``model`` back in its sharded state (FSDP2's ``reshard()``).
+
+    A forward without a backward (evaluation) leaves the modules that do not reshard after
+    forward (all of zero=2, the root of zero=3) unsharded: their registered parameters are
+    then whole plain tensors, not the DTensors the optimizer holds, and writes to them are
+    lost at the next unshard. Saving, loading and gathering read or write the sharded ones,
+    so they call this first; the next forward gathers the parameters again as usual. Local
+    (no communication); a no-op for modules that are sharded already or not FSDP2's."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def like_param(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """``local`` (a piece shaped like ``param``'s own) as ``param`` holds it: a DTensor with
     ``param``'s mesh and placements when ``param`` is one, ``local`` itself otherwise."""

@@ -3,10 +3,11 @@ bound to a mesh instead of a global).
 
 Two streams per process:
 
-* the **default stream** is torch's own generator (CPU, or the current CUDA device). Seed it
-  with the same seed on every tp rank (``torch.manual_seed(seed)``) and everything drawn
-  outside the parallel region -- dropout on replicated activations, initialisation -- is
-  identical across tp ranks and equal to what the serial model draws.
+* the **default stream** is torch's own generator (CPU, or the current CUDA device). It must
+  be the same on every tp rank, so that everything drawn outside the parallel region --
+  dropout on replicated activations, initialisation -- is identical across tp ranks and equal
+  to what the serial model draws: ``launch`` seeds every rank alike, and ``ParallelMesh``
+  gives each tp x sp group its first rank's state when built (``sync_rng=True``).
 * the **tp stream** is seeded with ``seed + TP_SEED_OFFSET + tp_rank``, so it differs per tp
   rank. Use it for dropout on activations that are split across tp ranks (attention
   probabilities of local heads, the hidden of a column layer): each rank's shard gets an

@@ -230,7 +230,7 @@ def unwrap_ddp(module: nn.Module) -> nn.Module:
     return module.module if isinstance(module, DistributedDataParallel) else module
 
 
-def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+def full_state_dict(module: nn.Module, *, check_replicas: bool = False) -> dict[str, torch.Tensor]:
     """Serial-named, full-size state dict of any (parallel) module, on every rank.
 
     Collective: every rank of each sharded parameter's group must call it. Parameters and
@@ -239,8 +239,18 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     ``fully_shard`` turned into DTensors are gathered over their dp mesh first, then over the
     tensor-parallel axes of their spec. Raises :class:`ShardSpecError` naming the tensor when
     a piece does not match its spec, or a sharded module's parameter has none. A DDP
-    wrapper is looked through (serial names, no ``module.`` prefix)."""
+    wrapper is looked through (serial names, no ``module.`` prefix); FSDP2 modules that a
+    forward without backward left unsharded are resharded first. ``check_replicas=True``
+    first compares the copies of every replicated parameter across the ranks holding them and
+    raises :class:`~shardzoo.layers.replicas.ReplicaMismatchError` naming those that differ
+    (one checksum pass and one int64 all-reduce; layers/replicas.py)."""
+    from shardzoo.layers import replicas  # both build on this module
+    from shardzoo.layers.dp_shard import reshard_fsdp
+
     module = unwrap_ddp(module)
+    reshard_fsdp(module)
+    if check_replicas:
+        replicas.check_replicas(module, what="full_state_dict")
     out: dict[str, torch.Tensor] = {}
     for mod_name, mod in module.named_modules():
         mesh = getattr(mod, "mesh", None)

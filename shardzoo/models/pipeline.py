@@ -28,12 +28,14 @@ from torch.utils.checkpoint import checkpoint
 
 from shardzoo.comm.mesh import default_device
 from shardzoo.layers import random as tp_random
+from shardzoo.layers import replicas
 from shardzoo.layers.dp_shard import local_tensor
 from shardzoo.layers.shard_spec import get_shard_spec
 from shardzoo.layers.tensor_layout import layout_of
 from shardzoo.layers.token_ids import check_token_ids
 from shardzoo.models import common
 from shardzoo.models.loss import GlobalLoss
+from shardzoo.parallel.data_parallel import ddp_of
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -98,8 +100,12 @@ class StagedModel(GlobalLoss, nn.Module):
 
     def shard_input(self, ids_full: torch.Tensor) -> torch.Tensor:
         """Token ids [B, S] -> this rank's [b, s] (batch as the tp layout, sequence over sp).
-        Ids outside the vocabulary raise ``IndexError`` here, on every rank alike (each holds the
-        full batch), before any collective could leave a rank waiting."""
+        Every tp and sp rank of a dp replica must pass the same ``ids_full``; with
+        ``SHARDZOO_DEBUG=1`` that is checked (layers/replicas.py: one small all-reduce per
+        sp / tp axis, each call). Ids outside the vocabulary raise ``IndexError`` here, on every
+        rank alike (each holds the full batch), before any collective could leave a rank waiting."""
+        if replicas.debug_mode():
+            replicas.check_same_input(ids_full, self.mesh, f"{type(self).__name__}.shard_input")
         check_token_ids(ids_full, self.config.vocab_size, type(self).__name__)
         return common.shard_tokens(ids_full, self.mesh, self.layout, zigzag=self.causal)
 
@@ -217,8 +223,8 @@ def build_schedule(stages: list[tuple[int, nn.Module]], mesh, *, n_microbatches:
 
     ``stages``: (global stage index, stage module) pairs held by this rank; one pair for GPipe /
     1F1B, v pairs (indices ``pp_rank + i * pp``) for the interleaved schedule. A stage may be
-    wrapped in DDP (``training.data_parallel``): gradients are then averaged over dp x sp in
-    the last microbatch's backward.
+    passed through ``shardzoo.data_parallel`` (any ZeRO stage): torch's schedules then average
+    its gradients over dp x sp in the last microbatch's backward (DDP) or drive FSDP2's sync.
     ``loss_fn(output, target, **loss_kwargs)``: the loss on the last stage (e.g. ``model.loss``).
     Pass it on every rank: a schedule built without one skips backward on that rank (and the
     others wait). ``schedule.step(..., target=t, loss_kwargs=...)`` on the last stage counts
@@ -238,7 +244,8 @@ def build_schedule(stages: list[tuple[int, nn.Module]], mesh, *, n_microbatches:
     pp = mesh.pp_size
     device = device or default_device(mesh)  # where the stages' p2p buffers live (CUDA under NCCL)
     total = pp * len(stages)
-    wrapped = [PipelineStage(m, index, total, device, group=mesh.pp_group) for index, m in stages]
+    # a zero 0 / 1 stage runs through its DDP engine, which torch's stages recognise (no_sync)
+    wrapped = [PipelineStage(_engine(m), index, total, device, group=mesh.pp_group) for index, m in stages]
     last = [getattr(m, "module", m) for _, m in stages if getattr(getattr(m, "module", m), "is_last", False)]
     if schedule == "interleaved":
         if len(stages) < 2:
@@ -253,6 +260,12 @@ def build_schedule(stages: list[tuple[int, nn.Module]], mesh, *, n_microbatches:
     result = _counting(cls)(held, n_microbatches, loss_fn=loss_fn, scale_grads=False)
     result.count_targets = last[0].count_targets if last else None
     return result
+
+
+def _engine(stage: nn.Module) -> nn.Module:
+    """What the pipeline stage calls: a zero 0 / 1 stage's DDP engine, else the stage."""
+    ddp = ddp_of(stage)
+    return stage if ddp is None else ddp
 
 
 _COUNTING: dict[type, type] = {}
@@ -301,7 +314,7 @@ def sync_tied_grads(stages: list[nn.Module], mesh) -> None:
         return
     group = tied_group(mesh)
     for model in stages:
-        model = getattr(model, "module", model)  # DDP-wrapped stage
+        model = getattr(model, "module", model)  # a stage in a DDP wrapper built by hand
         if model.is_first == model.is_last:  # a middle stage, or one holding both ends (one table)
             continue
         params = dict(model.named_parameters())

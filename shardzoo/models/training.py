@@ -1,13 +1,12 @@
-"""Training utilities: global gradient norm / clipping across tp, pp, dp and sp shards, data
-parallelism through torch DDP, and bf16 autocast.
+"""Training utilities: global gradient norm / clipping across tp, pp, dp and sp shards, gradient
+averaging by hand, and bf16 autocast.
 
 Gradient convention: ``model.loss`` returns the global token mean and scales the gradient it
 backpropagates on each rank (this rank's sum over the global count, times dp x sp; see
 layers/batch_loss.py), so the gradient of the global mean is the *average* of the ranks'
-gradients over the dp and sp axes; ``data_parallel`` wraps a model or a pipeline stage in DDP
-over ``mesh.group("dp", "sp")``, which does exactly that (``torch.distributed.pipelining`` runs a
-DDP-wrapped stage's microbatches under ``no_sync`` and reduces in the last backward). Pipeline
-stages with tied embeddings also need ``pipeline.sync_tied_grads``.
+gradients over the dp and sp axes; ``shardzoo.data_parallel`` (shardzoo/parallel) averages over
+``mesh.group("dp", "sp")``, which does exactly that, and :func:`average_grads` does it by hand.
+Pipeline stages with tied embeddings also need ``pipeline.sync_tied_grads``.
 """
 
 from __future__ import annotations
@@ -20,14 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 from shardzoo.layers.dp_shard import local_tensor, rank_piece
+from shardzoo.layers.replicas import copy_axes
 from shardzoo.layers.shard_spec import get_shard_spec, is_repeated_copy
-
-
-def _copy_axes(spec, mesh) -> tuple[str, ...]:
-    """Mesh axes over which this rank's piece (``spec``) of a parameter is repeated (every
-    axis but pp and the ones the spec partitions it over)."""
-    parted = set(mesh.expand_axes(*spec.partitioned_over)) if spec is not None and spec.partitioned_over else set()
-    return tuple(a for a in mesh.axis_names if a != "pp" and a not in parted)
 
 
 def global_grad_norm(models: nn.Module | list[nn.Module], mesh, norm_type: float = 2.0) -> torch.Tensor:
@@ -40,7 +33,7 @@ def global_grad_norm(models: nn.Module | list[nn.Module], mesh, norm_type: float
     device = next(p for m in models for p in m.parameters()).device
     total = torch.zeros((), dtype=torch.float64, device=device)
     for model in models:
-        model = getattr(model, "module", model)  # DDP
+        model = getattr(model, "module", model)  # a DDP wrapper built by hand
         skip = set()
         if not getattr(model, "is_first", True):
             skip = set(getattr(model, "tied_names", {}))
@@ -48,7 +41,7 @@ def global_grad_norm(models: nn.Module | list[nn.Module], mesh, norm_type: float
             if p.grad is None or name in skip or is_repeated_copy(model, name):
                 continue
             g, spec = rank_piece(p.grad.detach(), get_shard_spec(model, name), mesh, name)
-            axes = _copy_axes(spec, mesh)
+            axes = copy_axes(spec, mesh)
             if axes and mesh.rank(*axes) != 0:
                 continue
             if g.numel() == 0:  # FSDP2 left this rank no rows of a short tensor
@@ -78,21 +71,22 @@ def clip_grad_norm_(models: nn.Module | list[nn.Module], max_norm: float, mesh,
 
 
 def data_parallel(model: nn.Module, mesh, zero: int = 0, **options) -> nn.Module:
-    """``shardzoo.data_parallel`` (shardzoo/parallel): with the default ``zero=0``, ``model``
-    (a whole model or a pipeline stage) wrapped in torch DDP over the dp x sp group
-    (gradients averaged there); the model itself when that group has one rank. Use
-    ``wrapped.module`` for ``loss``, ``shard_input`` and friends. Give a wrapped stage to
-    ``build_schedule``: the pipelining schedules skip DDP's reduction for all but the last
-    microbatch's backward."""
+    """Deprecated alias of :func:`shardzoo.data_parallel` (same arguments, same result: the
+    model itself, wrapped in place for every ZeRO stage); warns with a DeprecationWarning."""
+    import warnings
+
     from shardzoo.parallel import data_parallel as wrap
 
+    warnings.warn("shardzoo.models.training.data_parallel is deprecated; use shardzoo.data_parallel(model, mesh, "
+                  "zero=...), which it calls (the same model, wrapped in place, for every ZeRO stage)",
+                  DeprecationWarning, stacklevel=2)
     return wrap(model, mesh, zero, **options)
 
 
 @torch.no_grad()
 def average_grads(models: nn.Module | list[nn.Module], mesh) -> None:
     """Average gradients over the dp x sp group in place, one all-reduce per parameter: for
-    custom loops that neither wrap in DDP (:func:`data_parallel`) nor run a schedule. After
+    custom loops that neither use ``shardzoo.data_parallel`` nor run a schedule. After
     ``model.loss`` the result is the gradient of the global token mean."""
     if mesh.size("dp", "sp") == 1:
         return

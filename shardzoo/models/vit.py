@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardzoo.layers import replicas
 from shardzoo.layers.attention import SelfAttention, check_heads
 from shardzoo.layers.mlp import MLP
 from shardzoo.layers.tensor_layout import layout_of
@@ -161,7 +162,10 @@ class ViT(StagedModel):
         return x.narrow(1, self.mesh.sp_rank * self.local_tokens, self.local_tokens)
 
     def shard_input(self, pixels_full: torch.Tensor) -> torch.Tensor:
-        """Pixels [B, C, img, img] -> this rank's batch rows [b, C, img, img]."""
+        """Pixels [B, C, img, img] -> this rank's batch rows [b, C, img, img]; the same on every
+        tp and sp rank of a dp replica, checked with ``SHARDZOO_DEBUG=1`` (as the token models)."""
+        if replicas.debug_mode():
+            replicas.check_same_input(pixels_full, self.mesh, f"{type(self).__name__}.shard_input")
         return self.tpl.shard_batch(pixels_full, self.layout)
 
     def gather_output(self, y_local: torch.Tensor) -> torch.Tensor:

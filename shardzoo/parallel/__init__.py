@@ -1,7 +1,7 @@
 """``parallelize`` (any model, a plan, any tp layout; docs/parallelize.md), and data parallelism and ZeRO on the mesh's dp axis, from torch's engines (DDP, FSDP2,
 ZeroRedundancyOptimizer), composed with every tensor-parallel layout, sp and pipeline stages.
 
-    model = shardzoo.data_parallel(model, mesh, zero=3)         # wrapped in place
+    model = shardzoo.data_parallel(model, mesh, zero=3)         # the model, wrapped in place (every stage)
     opt = shardzoo.zero_optimizer(model, torch.optim.AdamW, lr=1e-3)
     with no_sync(model):                                       # accumulate micro-batches
         ...
@@ -11,7 +11,8 @@ See docs/data_parallel.md.
 
 from shardzoo.parallel.inputs import gather_logits, lm_loss
 from shardzoo.parallel.parallelize import parallelize
-from shardzoo.parallel.data_parallel import DataParallelInfo, block_units, data_parallel, info_of
+from shardzoo.parallel.data_parallel import DataParallelInfo, block_units, data_parallel, ddp_of, info_of
 from shardzoo.parallel.zero import no_sync, zero_optimizer
 
-__all__ = ["parallelize", "gather_logits", "lm_loss", "DataParallelInfo", "block_units", "data_parallel", "info_of", "no_sync", "zero_optimizer"]
+__all__ = ["parallelize", "gather_logits", "lm_loss", "DataParallelInfo", "block_units", "data_parallel", "ddp_of",
+           "info_of", "no_sync", "zero_optimizer"]

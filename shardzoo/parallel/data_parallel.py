@@ -7,12 +7,15 @@ every stage averages over that group, ``mesh.group("dp", "sp")``:
 ====== ============================================= ==========================================
 zero   engine                                        sharded over the dp (x sp) group
 ====== ============================================= ==========================================
-0      DDP (returned wrapper)                        nothing
+0      DDP (held by the model, see ddp_of)           nothing
 1      DDP + ZeroRedundancyOptimizer (zero_optimizer) optimizer state (whole parameters)
 2      FSDP2 fully_shard, reshard_after_forward=False optimizer state, gradients; parameters
                                                       between steps (whole through fwd / bwd)
 3      FSDP2 fully_shard per block, then the root     optimizer state, gradients, parameters
 ====== ============================================= ==========================================
+
+Every stage returns the model itself, wrapped in place: the same object, class, parameter
+names and methods (``model.loss``, ``model.shard_input``), whose calls now run the engine.
 
 The tensor-parallel parameters are plain local tensors, so FSDP2 shards each rank's piece
 along its dim 0 over the dp axes; the ShardSpec on the owning module still describes the
@@ -28,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 _MARK = "_shardzoo_data_parallel"  # module attribute: the DataParallelInfo of a wrapped model
+_DDP = "_shardzoo_ddp"  # instance dict entry: the DDP engine of a zero 0 / 1 model (not a submodule)
 MIXED_PRECISION = {"bf16": torch.bfloat16}
 
 
@@ -48,10 +52,45 @@ class DataParallelInfo:
 
 
 def info_of(model: nn.Module) -> DataParallelInfo | None:
-    """The :class:`DataParallelInfo` of a model (or its DDP wrapper) passed through
-    :func:`data_parallel`, else None."""
-    inner = getattr(model, "module", None) if isinstance(model, nn.parallel.DistributedDataParallel) else None
-    return getattr(model, _MARK, None) or (getattr(inner, _MARK, None) if inner is not None else None)
+    """The :class:`DataParallelInfo` of a model passed through :func:`data_parallel`, else None."""
+    return getattr(model, _MARK, None)
+
+
+def ddp_of(model: nn.Module) -> nn.parallel.DistributedDataParallel | None:
+    """The torch DDP engine that a zero 0 / 1 model's calls run through (for DDP's own API:
+    ``no_sync``, ``join``, communication hooks), else None. It is not a submodule of the model
+    (names, ``state_dict`` and checkpoints stay the model's own)."""
+    return model.__dict__.get(_DDP)
+
+
+class _OwnForward(nn.Module):
+    """The module DDP wraps: it runs the model's own forward (its class's, or one set on the
+    instance before wrapping), so the model's calls can go through DDP while the model stays
+    the object the user holds."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        self.own = model.__dict__.get("forward")  # replaced next by the DDP
+
+    def forward(self, *args, **kwargs):
+        if self.own is not None:
+            return self.own(*args, **kwargs)
+        return type(self.model).forward(self.model, *args, **kwargs)
+
+
+def _ddp_in_place(model: nn.Module, mesh) -> nn.Module:
+    """Wrap ``model`` in torch DDP over dp x sp and route ``model(...)`` through it."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    # a stage's microbatches all run backward before the reduction; DDP's bucket rebuild after
+    # the first step counts every microbatch's hooks and fails, which find_unused_parameters skips
+    ddp = DistributedDataParallel(_OwnForward(model), process_group=mesh.group("dp", "sp"),
+                                  find_unused_parameters=mesh.pp_size > 1)
+    # kept outside _modules: registering DDP (which holds the model) would make a cycle of submodules
+    model.__dict__[_DDP] = ddp
+    model.__dict__["forward"] = ddp  # nn.Module.__call__ runs the model's hooks, then this
+    return model
 
 
 def _check_args(model, mesh, zero, mixed_precision, offload, reshard_after_forward) -> None:
@@ -160,10 +199,12 @@ def data_parallel(model: nn.Module, mesh, zero: int = 0, *, mixed_precision: str
             :func:`block_units`.
 
     Returns:
-        zero 0 / 1: the DDP wrapper (``wrapped.module`` is the model); zero 2 / 3: ``model``
-        itself, wrapped in place. When the dp (x sp) group has one rank there is nothing to
-        average or shard: ``model`` is returned unchanged (and marked, so a second call is
-        refused like any double wrapping).
+        ``model`` itself, for every stage, wrapped in place: the same class, parameter names,
+        ``state_dict`` and methods (``model.loss``, ``model.shard_input``); calling it runs
+        the engine (zero 0 / 1: torch DDP, reachable as :func:`ddp_of`; zero 2 / 3: FSDP2,
+        which makes the model an ``FSDPModule``). When the dp (x sp) group has one rank there
+        is nothing to average or shard: ``model`` is returned unchanged (and marked, so a
+        second call is refused like any double wrapping).
     """
     _check_args(model, mesh, zero, mixed_precision, offload, reshard_after_forward)
     axes = tuple(a for a in ("dp", "sp") if mesh.size(a) > 1)
@@ -175,9 +216,5 @@ def data_parallel(model: nn.Module, mesh, zero: int = 0, *, mixed_precision: str
         model = _fully_shard(model, info, zero, mixed_precision, offload, reshard_after_forward, units)
         setattr(model, _MARK, info)
         return model
-    from torch.nn.parallel import DistributedDataParallel
-
     setattr(model, _MARK, info)
-    # a stage's microbatches all run backward before the reduction; DDP's bucket rebuild after
-    # the first step counts every microbatch's hooks and fails, which find_unused_parameters skips
-    return DistributedDataParallel(model, process_group=mesh.group("dp", "sp"), find_unused_parameters=mesh.pp_size > 1)
+    return _ddp_in_place(model, mesh)

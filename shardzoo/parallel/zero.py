@@ -14,7 +14,7 @@ import contextlib
 import torch
 from torch import nn
 
-from shardzoo.parallel.data_parallel import info_of
+from shardzoo.parallel.data_parallel import ddp_of, info_of
 
 
 def _models(models) -> list[nn.Module]:
@@ -55,8 +55,9 @@ def no_sync(models: nn.Module | list[nn.Module]):
     with contextlib.ExitStack() as stack:
         fsdp = []
         for model in _models(models):
-            if isinstance(model, DistributedDataParallel):
-                stack.enter_context(model.no_sync())
+            ddp = model if isinstance(model, DistributedDataParallel) else ddp_of(model)
+            if ddp is not None:
+                stack.enter_context(ddp.no_sync())
             elif isinstance(model, FSDPModule):
                 fsdp.append(model)
         for model in fsdp:

@@ -136,8 +136,7 @@ def run_layout(spec: dict) -> dict:
     """Build, train ``spec["steps"]`` steps (the first one warms up), measure the last ones."""
     from shardzoo import comm
     from shardzoo.models.pipeline import build_schedule, sync_tied_grads
-    from shardzoo.models.training import data_parallel
-    from shardzoo.parallel import zero_optimizer
+    from shardzoo.parallel import data_parallel, ddp_of, zero_optimizer
     from shardzoo.comm.mesh_cache import cached_mesh
 
     mesh = cached_mesh(**spec["layout"])
@@ -147,9 +146,9 @@ def run_layout(spec: dict) -> dict:
     param_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
     totals = {"ddp": Fraction(0), "p2p": Fraction(0), "tied": Fraction(0)}
     zero = spec.get("zero", 0)
-    wrapped = data_parallel(model, mesh, zero=zero)
-    if zero <= 1 and wrapped is not model:  # DDP, at zero 1 under a ZeroRedundancyOptimizer
-        wrapped.register_comm_hook((mesh.group("dp", "sp"), totals), counting_ddp_hook)
+    wrapped = data_parallel(model, mesh, zero=zero)  # the model itself, wrapped in place
+    if zero <= 1 and ddp_of(wrapped) is not None:  # DDP, at zero 1 under a ZeroRedundancyOptimizer
+        ddp_of(wrapped).register_comm_hook((mesh.group("dp", "sp"), totals), counting_ddp_hook)
     # FSDP2 (zero 2, 3) runs its own collectives, which neither comm.count nor the DDP hook sees
     opt = zero_optimizer(wrapped, torch.optim.AdamW, lr=1e-4)
     inputs, target = make_batch(spec, model, mesh)

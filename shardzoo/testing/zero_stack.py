@@ -50,11 +50,11 @@ def batch(step: int, rows: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
     return ids[:, :-1], ids[:, 1:]
 
 
-def build(mesh, dtype=torch.float32, stage=None):
-    """The GPT-2 of CONFIG (seed 0) on ``mesh`` in ``dtype``; ``stage``: its pipeline stage."""
+def build(mesh, dtype=torch.float32, stage=None, seed: int = 0):
+    """The GPT-2 of CONFIG (``seed``) on ``mesh`` in ``dtype``; ``stage``: its pipeline stage."""
     from shardzoo.models import GPT2, GPT2Config
 
-    model = GPT2(GPT2Config(**CONFIG), mesh=mesh, seed=0, stage=stage)
+    model = GPT2(GPT2Config(**CONFIG), mesh=mesh, seed=seed, stage=stage)
     return model.to(dtype)
 
 
@@ -68,15 +68,14 @@ def step_loss(model, mesh, step: int, micro: int = 1) -> torch.Tensor:
     (all but the last under ``no_sync``); returns the detached global mean loss."""
     from shardzoo.parallel import no_sync
 
-    inner = getattr(model, "module", model)  # DDP (zero 0 / 1)
     ids, target = (dp_rows(t, mesh) for t in batch(step))
     losses = []
     pieces = list(zip(ids.chunk(micro), target.chunk(micro)))
     # the whole step's target count, so the micro-batch losses sum to the step's global mean
-    count = inner.count_targets([inner.shard_target(y) for _, y in pieces]) if micro > 1 else None
+    count = model.count_targets([model.shard_target(y) for _, y in pieces]) if micro > 1 else None
     for i, (x, y) in enumerate(pieces):
         def run():
-            loss = inner.loss(model(inner.shard_input(x)), inner.shard_target(y), num_targets=count)
+            loss = model.loss(model(model.shard_input(x)), model.shard_target(y), num_targets=count)
             loss.backward()
             losses.append(loss.detach())
         if i < micro - 1:
@@ -102,7 +101,7 @@ def train(layout: str, zero: int, dtype=torch.float32, steps: int = STEPS, clip:
         opt.zero_grad()
         step_loss(model, mesh, step, micro)
         if clip is not None:
-            norms.append(float(clip_grad_norm_(getattr(model, "module", model), clip, mesh)))
+            norms.append(float(clip_grad_norm_(model, clip, mesh)))
         opt.step()
     return model, opt, norms
 
@@ -141,20 +140,20 @@ def full_optimizer_state(model, opt) -> dict[str, torch.Tensor]:
     ZeroRedundancyOptimizer's state is summed over its group from the rank that owns it."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    from shardzoo.layers.shard_spec import gather_full, get_shard_spec, unwrap_ddp
+    from shardzoo.layers.shard_spec import gather_full, get_shard_spec
     from shardzoo.parallel import info_of
 
-    inner, zero = unwrap_ddp(model), isinstance(opt, ZeroRedundancyOptimizer)
+    zero = isinstance(opt, ZeroRedundancyOptimizer)
     state = opt.optim.state if zero else opt.state
     out = {}
-    for name, p in inner.named_parameters():
+    for name, p in model.named_parameters():
         for key in ("exp_avg", "exp_avg_sq", "step"):
             t = state[p][key] if p in state else None
             if zero:  # only the owner holds it
                 t = t.clone() if t is not None else torch.zeros(() if key == "step" else p.shape)
                 dist.all_reduce(t, group=info_of(model).group)
-            spec = get_shard_spec(inner, name) if key != "step" else None
-            out[f"{name}/{key}"] = gather_full(t, spec, inner.mesh)
+            spec = get_shard_spec(model, name) if key != "step" else None
+            out[f"{name}/{key}"] = gather_full(t, spec, model.mesh)
     return out
 
 
@@ -188,6 +187,57 @@ def load_into(layout: str, zero: int, ckpt_dir: str):
     return (weights, state, opt.param_groups[0]["lr"]) if dist.get_rank() == 0 else None
 
 
+def eval_forward(model, mesh) -> None:
+    """A forward without backward (evaluation): FSDP2 modules that do not reshard after
+    forward stay unsharded afterwards."""
+    model.eval()
+    with torch.no_grad():
+        model(model.shard_input(dp_rows(batch(0)[0], mesh)))
+    model.train()
+
+
+def save_load_after_eval(layout: str, zero: int, ckpt_dir: str):
+    """Train, evaluate, save; then a fresh model (other seed) evaluates, loads and trains a
+    step. (full weights saved, full weights loaded, the loss of that step) from rank 0."""
+    import shardzoo
+    from shardzoo import checkpoint
+
+    mesh = mesh_of(layout)
+    model, opt, _ = train(layout, zero, steps=1)
+    eval_forward(model, mesh)
+    checkpoint.save(model, ckpt_dir, opt)
+    saved = full_weights(model)
+    fresh = shardzoo.data_parallel(build(mesh, seed=5), mesh, zero=zero)
+    fresh_opt = shardzoo.zero_optimizer(fresh, torch.optim.AdamW, lr=LR, eps=EPS)
+    eval_forward(fresh, mesh)
+    checkpoint.load(fresh, ckpt_dir, fresh_opt)
+    loaded = full_weights(fresh)
+    loss = step_loss(fresh, mesh, 1)
+    fresh_opt.step()
+    return (saved, loaded, float(loss)) if dist.get_rank() == 0 else None
+
+
+def save_between_forward_and_backward(layout: str, zero: int, ckpt_dir: str):
+    """One step with ``checkpoint.save`` between the forward and the backward, and the same
+    step without it: (full weights after each) from rank 0."""
+    import shardzoo
+    from shardzoo import checkpoint
+
+    mesh = mesh_of(layout)
+    ids, target = (dp_rows(t, mesh) for t in batch(0))
+    out = []
+    for save in (True, False):
+        model = shardzoo.data_parallel(build(mesh), mesh, zero=zero)
+        opt = shardzoo.zero_optimizer(model, torch.optim.AdamW, lr=LR, eps=EPS)
+        loss = model.loss(model(model.shard_input(ids)), model.shard_target(target))
+        if save:  # FSDP2 holds unsharded parameters that the backward still needs
+            checkpoint.save(model, ckpt_dir, opt)
+        loss.backward()
+        opt.step()
+        out.append(full_weights(model))
+    return tuple(out) if dist.get_rank() == 0 else None
+
+
 # -- gradient norms, accumulation, pipelines -----------------------------------------------------
 def serial_clipped(clip: float, dtype=torch.float32) -> tuple[dict, list[float]]:
     """Serial weights after STEPS AdamW steps clipped by torch.nn.utils.clip_grad_norm_, and
@@ -214,13 +264,12 @@ def no_sync_leaves_grads_local(layout: str, zero: int) -> bool:
 
     mesh = mesh_of(layout)
     model = shardzoo.data_parallel(build(mesh), mesh, zero=zero)
-    inner = getattr(model, "module", model)
     ids, target = (dp_rows(t, mesh) for t in batch(0))
     with no_sync(model):
-        inner.loss(model(inner.shard_input(ids)), inner.shard_target(target)).backward()
+        model.loss(model(model.shard_input(ids)), model.shard_target(target)).backward()
     if zero >= 2:
         return all(p.grad is None for p in model.parameters())
-    g = inner.transformer.wpe.weight.grad
+    g = model.transformer.wpe.weight.grad
     replicas = [torch.empty_like(g) for _ in range(mesh.dp_size)]
     dist.all_gather(replicas, g, group=mesh.dp_group)
     return not torch.equal(replicas[0], replicas[1])
@@ -235,20 +284,19 @@ def train_pipelined(layout: str, zero: int, clip: float):
 
     mesh = mesh_of(layout)
     stage = build(mesh, stage=(mesh.pp_rank, mesh.pp_size))
-    stage = shardzoo.data_parallel(stage, mesh, zero=zero)
-    inner = getattr(stage, "module", stage)
+    stage = shardzoo.data_parallel(stage, mesh, zero=zero)  # the stage itself, wrapped in place
     opt = shardzoo.zero_optimizer(stage, torch.optim.AdamW, lr=LR, eps=EPS)
-    schedule = build_schedule([(mesh.pp_rank, stage)], mesh, n_microbatches=2, loss_fn=inner.loss)
+    schedule = build_schedule([(mesh.pp_rank, stage)], mesh, n_microbatches=2, loss_fn=stage.loss)
     norms = []
     for step in range(STEPS):
         ids, target = (dp_rows(t, mesh) for t in batch(step))
         opt.zero_grad()
-        if inner.is_first:
-            schedule.step(inner.shard_input(ids))
+        if stage.is_first:
+            schedule.step(stage.shard_input(ids))
         else:
-            schedule.step(target=inner.shard_target(target))
-        sync_tied_grads([inner], mesh)
-        norms.append(float(clip_grad_norm_([inner], clip, mesh)))
+            schedule.step(target=stage.shard_target(target))
+        sync_tied_grads([stage], mesh)
+        norms.append(float(clip_grad_norm_([stage], clip, mesh)))
         opt.step()
     weights = shardzoo.full_state_dict(stage)
     return (weights, norms) if mesh.rank("dp", "tp") == 0 else None
@@ -277,7 +325,7 @@ def wrapping_errors() -> list[str]:
     for zero in (0, 3):
         model = shardzoo.data_parallel(build(mesh), mesh, zero=zero)
         try:
-            shardzoo.data_parallel(getattr(model, "module", model) if zero == 3 else model, mesh, zero=3)
+            shardzoo.data_parallel(model, mesh, zero=3)
         except ValueError as e:
             out.append(str(e))
         else:
@@ -296,3 +344,43 @@ def single_rank_group_is_noop() -> bool:
         model = build(mesh)
         ok &= shardzoo.data_parallel(model, mesh, zero=zero) is model and info_of(model).noop
     return ok
+
+
+def wrapped_in_place(layout: str) -> dict:
+    """For each stage: whether ``data_parallel`` returned the model itself with its own
+    parameter names, class and methods, which engine runs its calls, and whether one training
+    step averaged the gradients over dp (DDP: equal on the dp replicas; FSDP2: sharded); and
+    for the deprecated ``shardzoo.models.training.data_parallel``, the warnings it gave."""
+    import warnings
+
+    import shardzoo
+    from torch.distributed.fsdp import FSDPModule
+
+    from shardzoo.models import GPT2
+    from shardzoo.models import training
+    from shardzoo.parallel import ddp_of
+
+    mesh = mesh_of(layout)
+    out = {}
+    for zero in range(4):
+        model = build(mesh)
+        names = [n for n, _ in model.named_parameters()]
+        wrapped = shardzoo.data_parallel(model, mesh, zero=zero)
+        step_loss(wrapped, mesh, 0)  # wrapped.loss(wrapped(wrapped.shard_input(ids)), ...).backward()
+        g = wrapped.transformer.wpe.weight.grad
+        if ddp_of(wrapped) is not None:
+            replicas = [torch.empty_like(g) for _ in range(mesh.dp_size)]
+            dist.all_gather(replicas, g, group=mesh.dp_group)
+            averaged = torch.equal(replicas[0], replicas[1])
+        else:
+            averaged = isinstance(wrapped, FSDPModule) and g.to_local().shape[0] < g.shape[0]
+        out[zero] = dict(same=wrapped is model and isinstance(wrapped, GPT2),
+                         names=[n for n, _ in wrapped.named_parameters()] == names,
+                         engine="ddp" if ddp_of(wrapped) is not None else type(wrapped).__mro__[1].__name__,
+                         averaged=averaged)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = build(mesh)
+        same = training.data_parallel(model, mesh, zero=3) is model
+    out["alias"] = (same, [(w.category.__name__, str(w.message)) for w in caught])
+    return out

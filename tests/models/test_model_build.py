@@ -165,7 +165,8 @@ def pipelined_dp_grads(layout):
 
     from shardzoo.models import GPT2, GPT2Config
     from shardzoo.models.pipeline import build_schedule, sync_tied_grads
-    from shardzoo.models.training import average_grads, data_parallel
+    from shardzoo.models.training import average_grads
+    from shardzoo.parallel import data_parallel, ddp_of
 
     mesh = cached_mesh(**LAYOUTS[layout][0])
     config = GPT2Config(**TINY, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
@@ -174,7 +175,7 @@ def pipelined_dp_grads(layout):
     for use_ddp in (False, True):
         model = GPT2(config, mesh=mesh, stage=(mesh.pp_rank, mesh.pp_size), seed=2)
         stage = data_parallel(model, mesh) if use_ddp else model
-        assert (stage is not model) == use_ddp
+        assert stage is model and (ddp_of(stage) is not None) == use_ddp
         schedule = build_schedule([(mesh.pp_rank, stage)], mesh, n_microbatches=2, loss_fn=model.loss)
         for _ in range(2):  # DDP rebuilds its buckets after the first step
             model.zero_grad()

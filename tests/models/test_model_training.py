@@ -55,7 +55,8 @@ def train_losses(layout, seed, schedule_name=None, n_layer=2):
     from shardzoo.models import GPT2, GPT2Config
     from shardzoo.models.gpt2 import hf_to_shardzoo
     from shardzoo.models.pipeline import build_schedule, sync_tied_grads
-    from shardzoo.models.training import average_grads, clip_grad_norm_, data_parallel
+    from shardzoo.models.training import average_grads, clip_grad_norm_
+    from shardzoo.parallel import data_parallel
 
     mesh = cached_mesh(**LAYOUTS[layout][0])
     hf = hf_gpt2(seed, n_layer=n_layer)
@@ -67,7 +68,8 @@ def train_losses(layout, seed, schedule_name=None, n_layer=2):
     for model in models:
         model.load_full_state_dict(state)
     first, last = models[0], models[-1]
-    wrapped = data_parallel(first, mesh) if pp == 1 else None
+    if pp == 1:
+        data_parallel(first, mesh)  # in place: first(...) now averages gradients over dp x sp
     opt = torch.optim.AdamW([p for m in models for p in m.parameters()], lr=LR)
     schedule = build_schedule(list(zip(indices, models)), mesh, n_microbatches=2, schedule=schedule_name,
                               loss_fn=last.loss) if pp > 1 else None
@@ -85,7 +87,7 @@ def train_losses(layout, seed, schedule_name=None, n_layer=2):
             average_grads(models, mesh)  # over dp x sp (DDP's job without a pipeline)
             loss = torch.stack(mb).sum() if last.is_last else torch.zeros(())  # microbatch shares of the mean
         else:
-            loss = first.loss(wrapped(first.shard_input(rows[0])), first.shard_target(rows[1]))
+            loss = first.loss(first(first.shard_input(rows[0])), first.shard_target(rows[1]))
             loss.backward()
         clip_grad_norm_(models, CLIP, mesh)
         opt.step()

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from shardzoo.testing import run_on_ranks
-from shardzoo.testing.zero_stack import (CLIP, assert_weights, load_into, no_sync_leaves_grads_local, single_rank_group_is_noop,
-                                         train_and_save, train_bf16, train_pipelined, trained_weights, world_of, wrapping_errors)
+from shardzoo.testing.zero_stack import (CLIP, assert_weights, load_into, no_sync_leaves_grads_local, save_load_after_eval,
+                                         save_between_forward_and_backward, single_rank_group_is_noop, train_and_save, train_bf16, train_pipelined, trained_weights, world_of,
+                                         wrapped_in_place, wrapping_errors)
 
 # bf16 compute (FSDP2 MixedPrecisionPolicy, fp32 master weights and reduce) after 3 AdamW steps
 # against fp32 serial, relative L2 error of all weights together: measured 1.02e-2 (1d, tp=2,
@@ -128,7 +129,7 @@ def custom_model_steps(zero: int) -> dict[str, torch.Tensor] | None:
         ref_opt.zero_grad()
         serial(x).square().mean().backward()
         ref_opt.step()
-    got = full_state_dict(getattr(model, "module", model))
+    got = full_state_dict(model)
     return (got, serial.state_dict()) if torch.distributed.get_rank() == 0 else None
 
 
@@ -138,3 +139,39 @@ def test_custom_module_of_shardzoo_layers_with_plain_adamw_equals_serial(zero):
     assert got.keys() == ref.keys()
     for k, v in ref.items():
         torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=f"zero={zero}: {k}")
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_checkpoint_after_an_evaluation_forward(tmp_path, zero):
+    """A forward without backward leaves FSDP2's root (zero=3) or every unit (zero=2)
+    unsharded; save and load still see the sharded parameters the optimizer holds, the load
+    is not lost at the next gather, and training goes on."""
+    saved, loaded, loss = run_on_ranks(save_load_after_eval, world_of("1d"), "1d", zero, str(tmp_path / "ckpt"))[0]
+    assert saved.keys() == loaded.keys()
+    for name, t in saved.items():
+        assert torch.equal(loaded[name], t), name
+    assert loss == loss and loss > 0  # finite: the step after the load ran
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_checkpoint_between_forward_and_backward(tmp_path, zero):
+    """Saving while the backward still needs FSDP2's unsharded parameters: the backward gathers
+    them again, and the step is the one without the save, bit for bit."""
+    with_save, without = run_on_ranks(save_between_forward_and_backward, world_of("1d"), "1d", zero,
+                                      str(tmp_path / "ckpt"))[0]
+    for name, t in without.items():
+        assert torch.equal(with_save[name], t), name
+
+
+def test_data_parallel_returns_the_model_itself_at_every_stage():
+    """One return type for every ZeRO stage: the model, wrapped in place (same names, its own
+    loss / shard_input), DDP behind its calls at zero 0 / 1 and FSDP2 at 2 / 3; the old
+    shardzoo.models.training.data_parallel still works and warns."""
+    got = run_on_ranks(wrapped_in_place, world_of("1d"), "1d")[0]
+    for zero in range(4):
+        assert got[zero]["same"] and got[zero]["names"], (zero, got[zero])
+        assert got[zero]["engine"] == ("ddp" if zero < 2 else "FSDPModule"), (zero, got[zero])
+        assert got[zero]["averaged"], (zero, got[zero])
+    same, caught = got["alias"]
+    assert same
+    assert [c for c, _ in caught] == ["DeprecationWarning"] and "shardzoo.data_parallel" in caught[0][1], caught
