@@ -119,5 +119,6 @@ def install(model: nn.Module, state: inputs.Parallelized) -> None:
 
 def _loss(state, model, logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index: int = -100,
           **kwargs):
-    # labels are this rank's targets already (inputs.shard_labels, in the forward pre-hook)
-    return inputs.local_loss(state, model, logits, labels, ignore_index=ignore_index)
+    # labels are this rank's targets already (inputs.shard_labels, in the forward pre-hook);
+    # the logits are upcast as transformers' own causal-LM loss does
+    return inputs.local_loss(state, model, logits.float(), labels, ignore_index=ignore_index)

@@ -69,9 +69,10 @@ def _step(model, batch, lr: float = 1.0):
     return out
 
 
-def check_against_serial(kind: str, mesh_kwargs: dict, sp_mode: str = "ring", zero: int = 0) -> dict:
+def check_against_serial(kind: str, mesh_kwargs: dict, sp_mode: str = "ring", zero: int = 0,
+                         dtype: torch.dtype = torch.float32) -> dict:
     """On every rank: parallelize a tiny ``kind`` model on the cached mesh of ``mesh_kwargs``,
-    wrap it with ``data_parallel(zero=...)``, run one SGD step on this dp replica's rows, and
+    wrap it with ``data_parallel(zero=...)`` (parameters in ``dtype``), run one SGD step on this dp replica's rows, and
     assert loss, gathered logits, the global gradient norm and every full parameter equal the
     serial step's. Returns
     the largest differences (for reports)."""
@@ -80,6 +81,7 @@ def check_against_serial(kind: str, mesh_kwargs: dict, sp_mode: str = "ring", ze
     batch = padded_batch()
     serial = tiny_causal_lm(kind)
     exact = copy.deepcopy(serial).double()
+    serial = serial.to(dtype)
     parallel = copy.deepcopy(serial)
     out_s, out_x = _step(serial, batch), _step(exact, batch)
 
@@ -100,7 +102,7 @@ def check_against_serial(kind: str, mesh_kwargs: dict, sp_mode: str = "ring", ze
     logits = shardzoo.gather_logits(parallel, out_p.logits.detach())
     assert_close_conditioned(out_p.loss.detach(), out_s.loss.detach(), out_x.loss.detach(), f"{kind} loss")
     assert_close_conditioned(logits[real], out_s.logits[rows][real], out_x.logits[rows][real], f"{kind} logits")
-    assert_close_conditioned(norm, out_s.grad_norm, out_x.grad_norm, f"{kind} global gradient norm")
+    assert_close_conditioned(norm.to(dtype), out_s.grad_norm.to(dtype), out_x.grad_norm, f"{kind} global gradient norm")
     full = shardzoo.full_state_dict(wrapped)
     reference, exact_state = serial.state_dict(), exact.state_dict()
     assert set(full) == set(reference), f"names differ: {sorted(set(full) ^ set(reference))}"

@@ -10,7 +10,9 @@ pytest.importorskip("transformers", reason="transformers is in the test extra; t
 from shardzoo.testing import run_on_ranks  # noqa: E402
 from shardzoo.testing.hf_parallel import check_against_serial  # noqa: E402
 
-# (model, ParallelMesh kwargs, world, sp_mode, zero)
+import torch  # noqa: E402
+
+# (model, ParallelMesh kwargs, world, sp_mode, zero[, dtype])
 CASES = {
     "llama-1d-tp4-kv-replicated": ("llama", dict(tp=4), 4, "ring", 0),
     "llama-1d-tp8-kv-replicated": ("llama", dict(tp=8), 8, "ring", 0),
@@ -23,10 +25,11 @@ CASES = {
     "gpt2-1d-tp4": ("gpt2", dict(tp=4), 4, "ring", 0),
     "gpt2-3d": ("gpt2", dict(tp=8, tp_mode="3d"), 8, "ring", 0),
     "gpt2-2d-sp2": ("gpt2", dict(tp=4, tp_mode="2d", sp=2), 8, "ring", 0),
+    "llama-1d-tp4-bf16": ("llama", dict(tp=4), 4, "ring", 0, torch.bfloat16),
+    "qwen2-2d-bf16": ("qwen2", dict(tp=4, tp_mode="2d"), 4, "ring", 0, torch.bfloat16),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_transformers_model_equals_serial(case):
-    kind, mesh_kwargs, world, sp_mode, zero = CASES[case]
-    run_on_ranks(check_against_serial, world, kind, mesh_kwargs, sp_mode, zero)
+    run_on_ranks(check_against_serial, CASES[case][2], *CASES[case][:2], *CASES[case][3:])
