@@ -146,9 +146,9 @@ def load_pretrained(model, hf_dir: str, *, strict: bool = True) -> PretrainedLoa
     return PretrainedLoadResult(missing, unexpected)
 
 
-def config_from_dir(fam: Family, hf_dir: str):
-    """The family's config dataclass from ``hf_dir/config.json``, checking ``model_type`` and
-    every field's type and range (errors name the file and the field)."""
+def config_json(hf_dir: str) -> tuple[str, dict]:
+    """(path, parsed object) of ``hf_dir/config.json``, read by the strict JSON reader; a
+    missing directory or file, or JSON that is not an object, is a CheckpointError."""
     if not os.path.isdir(hf_dir):
         raise CheckpointError(f"{hf_dir}: no such directory; pass the Hugging Face model directory (config.json "
                               f"next to its safetensors weights), e.g. the one save_pretrained wrote")
@@ -156,7 +156,13 @@ def config_from_dir(fam: Family, hf_dir: str):
     if not os.path.isfile(path):
         raise CheckpointError(f"{hf_dir} has no config.json; a Hugging Face model directory holds config.json next to "
                               f"its weights")
-    data = obj(load_json_file(path), path, optional=None)
+    return path, obj(load_json_file(path), path, optional=None)
+
+
+def config_from_dir(fam: Family, hf_dir: str):
+    """The family's config dataclass from ``hf_dir/config.json``, checking ``model_type`` and
+    every field's type and range (errors name the file and the field)."""
+    path, data = config_json(hf_dir)
     model_type = data.get("model_type")
     if model_type is not None and model_type != fam.model_type:
         match = [f.model_class for f in FAMILIES.values() if f.model_type == model_type]

@@ -27,12 +27,11 @@ from torch import nn
 
 from shardzoo.checkpoint.errors import CheckpointError
 from shardzoo.checkpoint.hf_files import HFWeights
-from shardzoo.checkpoint.jsontypes import load_json_file
-from shardzoo.checkpoint.paths import resolve_in
 from shardzoo.checkpoint.sync import Ranks, describe
 from shardzoo.checkpoint.tensors import fill_local, model_tensors
 from shardzoo.layers.shard_spec import full_state_dict, unwrap_ddp
 from shardzoo.models.meta import materialize
+from shardzoo.models.pretrained import config_json
 from shardzoo.parallel import parallelize
 
 _TIMEOUT = datetime.timedelta(minutes=10)  # how long a rank waits for the others to finish reading / writing
@@ -60,15 +59,8 @@ def read_config(model_dir: str):
     JSON reader first (a missing directory or file, bad JSON, no ``model_type``: CheckpointError)."""
     import transformers
 
-    if not os.path.isdir(model_dir):
-        raise CheckpointError(f"{model_dir} does not exist or is not a directory; pass a Hugging Face model "
-                              f"directory (config.json and safetensors weights)")
-    path = resolve_in(model_dir, "config.json", source=f"Hugging Face model directory {model_dir}")
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{model_dir} has no config.json; a Hugging Face model directory holds its config "
-                              f"next to the weights")
-    raw = load_json_file(path, "the model's config")
-    model_type = raw.get("model_type") if isinstance(raw, dict) else None
+    path, raw = config_json(model_dir)
+    model_type = raw.get("model_type")
     if not isinstance(model_type, str) or model_type not in transformers.CONFIG_MAPPING:
         raise CheckpointError(f"{path}: 'model_type' must name a transformers model type; got {model_type!r}")
     fields = {k: v for k, v in raw.items() if k != "model_type"}

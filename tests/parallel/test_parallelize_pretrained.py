@@ -54,7 +54,7 @@ def _missing_dir(path):
     import shardzoo
     from shardzoo.checkpoint import CheckpointError
 
-    with pytest.raises(CheckpointError, match="does not exist"):
+    with pytest.raises(CheckpointError, match="no such directory"):
         shardzoo.from_pretrained(path, cached_mesh(tp=2))
 
 
