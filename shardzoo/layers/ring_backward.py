@@ -24,11 +24,11 @@ from __future__ import annotations
 import torch
 
 from shardzoo.comm import RingExchange
-from shardzoo.comm.ops import group_rank
+from shardzoo.comm.ops import group_rank, group_size
 from shardzoo.kernels import attention_block_backward
 from shardzoo.layers.packing import tile_rect
-from shardzoo.layers.ring_core import (RingSettings, accumulation_dtype, expand_kv, fold_kv_grad, pad_to,
-                                       ring_blocks)
+from shardzoo.layers.ring_core import (RingSettings, accumulation_dtype, chunks_round_ring, expand_kv, fold_kv_grad,
+                                       pad_to, ring_blocks)
 
 
 def ring_backward(dout, q, k, v, out, lse, dlse, key_padding_mask, settings: RingSettings):
@@ -89,40 +89,33 @@ def _backward_overlapped(dout, q, k, v, out, lse, dlse, key_padding_mask, settin
 
 def _backward_chunked(dout, q, k, v, out, lse, dlse, key_padding_mask, settings: RingSettings):
     acc = accumulation_dtype(q.dtype)
-    ring = RingExchange(settings.group)
     me, plan = group_rank(settings.group), settings.plan(q.shape[2])
     own, width = k.shape[2], plan.max_len
-    rects = {source: plan.rects(me, source, settings.causal) for source in range(ring.size)}
+    rects = {source: plan.rects(me, source, settings.causal) for source in range(group_size(settings.group))}
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)  # written chunk by chunk as each comes home
-    chunk, row_tile = settings.tile(width), settings.tile(q.shape[2])
-    for c0 in range(0, width, chunk):
-        c1 = min(width, c0 + chunk)
-        mine = slice(c0, min(c1, own))  # our own part of the chunk (shards may be shorter than width)
-        block = [k[:, :, mine], v[:, :, mine]] + ([] if key_padding_mask is None else [key_padding_mask[:, mine]])
+    row_tile = settings.tile(q.shape[2])
+
+    def zero_grads(c0, c1):
         shape = (k.shape[0], k.shape[1], c1 - c0, k.shape[3])
-        grads = [torch.zeros(shape, dtype=acc, device=k.device) for _ in range(2)]
-        for step in range(ring.size):
-            if step == 1:  # our K / V stay ours: a copy of the chunk travels, overwritten by each hop
-                block = [t.clone(memory_format=torch.contiguous_format) for t in block]
-                block = pad_to(block[:2], c1 - c0, 2) + pad_to(block[2:], c1 - c0, 1)
-            if step > 0:  # the previous rank's chunk of K / V and its dK / dV so far, into the same buffers
-                ring.swap(block + grads)
-            source = (me - step) % ring.size
-            k_block, v_block, *mask = block
-            for rect in rects[source]:
-                for piece in tile_rect(rect, row_tile, (c0, c1)):
-                    dq_t, dk_t, dv_t = _piece_backward(dout, q, k_block, v_block, out, lse, dlse, mask, piece,
-                                                       settings, me, source, col0=c0)
-                    r0, r1, a, b, _ = piece
-                    dq[:, :, r0:r1] += dq_t
-                    grads[0][:, :, a - c0 : b - c0] += dk_t
-                    grads[1][:, :, a - c0 : b - c0] += dv_t
-                    del dq_t, dk_t, dv_t  # free before the next tile's kernel call
-        del block, k_block, v_block, mask  # the last K / V chunk is not needed for the final hop
-        ring.swap(grads)  # the P-th hop brings our own chunk's gradient home
-        if c0 < own:
-            dk[:, :, mine] = grads[0][:, :, : mine.stop - c0]
-            dv[:, :, mine] = grads[1][:, :, : mine.stop - c0]
-        del grads
+        return [torch.zeros(shape, dtype=acc, device=k.device) for _ in range(2)]
+
+    for c0, c1, source, block, grads in chunks_round_ring(settings.group, k, v, key_padding_mask, width,
+                                                          settings.tile(width), zero_grads):
+        if source is None:  # our own chunk's dK / dV are home
+            if c0 < own:
+                end = min(c1, own)
+                dk[:, :, c0:end], dv[:, :, c0:end] = grads[0][:, :, : end - c0], grads[1][:, :, : end - c0]
+            continue
+        k_block, v_block, *mask = block
+        for rect in rects[source]:
+            for piece in tile_rect(rect, row_tile, (c0, c1)):
+                dq_t, dk_t, dv_t = _piece_backward(dout, q, k_block, v_block, out, lse, dlse, mask, piece, settings,
+                                                   me, source, col0=c0)
+                r0, r1, a, b, _ = piece
+                dq[:, :, r0:r1] += dq_t
+                grads[0][:, :, a - c0 : b - c0] += dk_t
+                grads[1][:, :, a - c0 : b - c0] += dv_t
+                del dq_t, dk_t, dv_t  # free before the next tile's kernel call
+        del block, k_block, v_block, mask, grads
     return dq, dk, dv

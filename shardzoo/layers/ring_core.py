@@ -158,26 +158,75 @@ def pad_to(tensors: list[torch.Tensor], length: int, dim: int) -> list[torch.Ten
 def ring_forward(q, k, v, key_padding_mask, settings: RingSettings) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward pass without autograd: q [B, H, S, D], k / v [B, H_kv, S, D] local shards.
 
+    Two schedules, as backward's (ring_backward.py): with ``settings.grad_tiles == 0`` (CUDA)
+    whole K / V blocks travel while the previous one is computed (two blocks in flight); with
+    n > 0 (CPU) the keys go round the ring in n chunks, swapped in place, one chunk in hand.
+
     Returns (out [B, H, S, D] in q's dtype, lse [B, H, S] fp32 (fp64 for fp64))."""
     acc = accumulation_dtype(q.dtype)
     batch, heads, seq, dim = q.shape
-    groups = heads // k.shape[1]
     out = torch.zeros(batch, heads, seq, dim, dtype=acc, device=q.device)
     lse = torch.full((batch, heads, seq), float("-inf"), dtype=acc, device=q.device)
     me, plan = group_rank(settings.group), settings.plan(seq)
-    travelling = pad_to([k, v], plan.max_len, 2)
-    if key_padding_mask is not None:
-        travelling += pad_to([key_padding_mask], plan.max_len, 1)
-    for _, source, block in ring_blocks(settings.group, travelling):
+    row_tile = settings.tile(seq)
+
+    def attend(block, source, cols):
+        """Merge the visible part of ``block`` (keys ``cols`` of ``source``) into out / lse."""
         k_block, v_block, *mask = block
+        groups = heads // k_block.shape[1]
         for rect in plan.rects(me, source, settings.causal):
-            for piece in tile_rect(rect, settings.tile(seq)):
+            for piece in tile_rect(rect, row_tile, cols):
                 r0, r1, c0, c1, causal = piece
+                a, b = c0 - cols[0], c1 - cols[0]
                 block_out, block_lse = attention_block_forward(
-                    q[:, :, r0:r1], expand_kv(k_block[:, :, c0:c1], groups), expand_kv(v_block[:, :, c0:c1], groups),
-                    causal=causal, key_padding_mask=mask[0][:, c0:c1] if mask else None,
+                    q[:, :, r0:r1], expand_kv(k_block[:, :, a:b], groups), expand_kv(v_block[:, :, a:b], groups),
+                    causal=causal, key_padding_mask=mask[0][:, a:b] if mask else None,
                     **settings.block_kwargs(seq, me, source, piece, q.device),
                 )  # fmt: skip
                 merge_block(out[:, :, r0:r1], lse[:, :, r0:r1], block_out, block_lse)
                 del block_out, block_lse
+
+    if settings.grad_tiles:
+        for c0, c1, source, block, _ in chunks_round_ring(settings.group, k, v, key_padding_mask, plan.max_len,
+                                                          settings.tile(plan.max_len)):
+            attend(block, source, (c0, c1))
+            del block
+    else:
+        travelling = pad_to([k, v], plan.max_len, 2)
+        if key_padding_mask is not None:
+            travelling += pad_to([key_padding_mask], plan.max_len, 1)
+        for _, source, block in ring_blocks(settings.group, travelling):
+            attend(block, source, (0, plan.max_len))
+            # drop the block before the ring resumes: it sends the next block while receiving
+            # the one after, and a third block held here would be one too many in flight
+            del block
     return out.to(q.dtype), lse
+
+
+def chunks_round_ring(group, k, v, key_padding_mask, width: int, chunk: int, riders=None):
+    """Yield ``(c0, c1, source, [k, v(, mask)], riding)``: key chunk [c0, c1) of every rank's
+    shard in turn, all P sources of a chunk before the next chunk.
+
+    Step 0 hands out views of our own chunk; later steps swap a copy in place with the previous
+    rank's (blocking; one chunk of K / V in hand, zero-padded to ``c1 - c0`` keys where our shard
+    is shorter than ``width``). ``riders``: optional ``(c0, c1) -> list of tensors`` that travel
+    with the chunk (dK / dV in backward); after a chunk's P steps they take one more hop, which
+    brings our own chunk's home, announced by a last ``(c0, c1, None, None, riding)``."""
+    ring = RingExchange(group)
+    me, own = group_rank(group), k.shape[2]
+    for c0 in range(0, width, chunk):
+        c1 = min(width, c0 + chunk)
+        mine = slice(c0, min(c1, own))
+        block = [k[:, :, mine], v[:, :, mine]] + ([] if key_padding_mask is None else [key_padding_mask[:, mine]])
+        riding = riders(c0, c1) if riders is not None else []
+        for step in range(ring.size):
+            if step == 1:  # our K / V stay ours: a copy of the chunk travels, overwritten by each hop
+                block = [t.clone(memory_format=torch.contiguous_format) for t in block]
+                block = pad_to(block[:2], c1 - c0, 2) + pad_to(block[2:], c1 - c0, 1)
+            if step > 0:  # the previous rank's chunk (and what rides with it), into the same buffers
+                ring.swap(block + riding)
+            yield c0, c1, (me - step) % ring.size, block, riding
+        del block  # the last K / V chunk is not needed for the riders' final hop
+        if riders is not None:
+            ring.swap(riding)
+            yield c0, c1, None, None, riding

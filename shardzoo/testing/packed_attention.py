@@ -83,3 +83,15 @@ def compare_packed(actual, expected, exact, what, names=("out", "dq", "dk", "dv"
     for name, a, e, x in zip(names, actual, expected, exact):
         assert a.shape == e.shape, f"{what} {name}: shape {tuple(a.shape)} != {tuple(e.shape)}"
         assert_close_conditioned(a, e, x, f"{what} {name}", scale=4.0)
+
+
+def long_tailed_lengths(total: int, seed: int, median: int = 512, sigma: float = 1.5) -> list[int]:
+    """Document lengths of the packed benchmark: log-normal (``median`` tokens, log-space standard
+    deviation ``sigma``; about 1 in 10 documents over 3.5k tokens at the defaults), rounded up
+    to at least 1, drawn until they fill ``total`` tokens (the last one cut to fit)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths: list[int] = []
+    while sum(lengths) < total:
+        draw = float(torch.exp(torch.randn((), generator=g, dtype=torch.float64) * sigma) * median)
+        lengths.append(max(1, min(int(round(draw)), total - sum(lengths))))
+    return lengths
