@@ -5,8 +5,10 @@ three pieces (DESIGN principle 6):
 
 * a block kernel, :func:`shardzoo.kernels.attention_block_forward` / ``_backward``, returning
   ``(out, lse)`` for one query block against one key block, without a score matrix;
-* a ring iterator, :func:`ring_blocks`, that hands each rank every K/V block of the group in
-  turn while the next block is already on its way (async p2p overlapping the compute);
+* a ring iterator that hands each rank every K/V block of the group in turn: on CUDA
+  :func:`ring_blocks`, whole blocks with the next one already on its way (async p2p
+  overlapping the compute); on CPU :func:`chunks_round_ring`, one key chunk at a time swapped
+  in place, so a rank holds a chunk of foreign K/V instead of two blocks;
 * a merge, :func:`merge_block`, folding each block's ``(out, lse)`` into the running result in
   fp32 by log-sum-exp.
 
@@ -100,7 +102,7 @@ class RingSettings:
     head_offset: int = 0  # global index of the first local head (tensor parallelism)
     batch_offset: int = 0  # global index of the first local batch row
     zigzag: bool = False  # dense shard layout, for the global positions of the dropout mask
-    grad_tiles: int = 0  # 0: CUDA schedule (whole blocks, overlapped hops); n: n x n tiles (ring_backward.py)
+    grad_tiles: int = 0  # 0: CUDA schedule (whole blocks, overlapped hops); n: n key chunks x n row tiles (CPU)
     min_tile: int = 256  # smaller tiles cost more in kernel calls than their memory is worth
     split: DocumentSplit | None = None  # packed documents; None: one dense sequence
     return_lse: bool = False

@@ -61,7 +61,7 @@ def serial_grads(q, k, v, dout, lse_weight, lengths, causal, dtype, with_lse):
 
 def parallel_grads(attention, q, k, v, dout, lse_weight, lengths, causal, group, with_lse, dense=False, **kwargs):
     """Shard with cu_seqlens (``dense``: one document, zigzag shards when causal, no
-    cu_seqlens), attend, gather: (out, [lse,] dq, dk, dv) in q's dtype."""
+    cu_seqlens), attend (``kwargs`` passed on), gather: (out, [lse,] dq, dk, dv) in q's dtype."""
     cu = None if dense else offsets(lengths)
     zigzag = dense and causal
     leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]

@@ -233,3 +233,31 @@ def test_ulysses_gqa_sends_exact_bytes(world, heads, kv_heads, packed):
     for fwd, bwd, width, p in run_on_ranks(count_gqa_bytes, world, "ulysses", heads, kv_heads, packed):
         expected = Fraction(p - 1, p) * 2 * width * 16 * 4 * (2 * heads + 2 * p * max(kv_heads // p, 1))
         assert fwd == {"all_to_all": expected} and bwd == {"all_to_all": expected}
+
+
+def check_packed_dropout(mode):
+    """Dropout with packed documents: the stateless mask of the global positions, so the result
+    equals single-rank flash_attention per document with the same seed (fp64)."""
+    from shardzoo.kernels import flash_attention
+
+    group = cached_mesh(sp=torch.distributed.get_world_size()).sp_group
+    lengths, seed, p = [3, 1, 11, 5], 2**33 + 5, 0.25
+    q, k, v, dout, _ = packed_inputs(1, 4, 2, sum(lengths), 16, 7)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    outs, start = [], 0
+    for n in lengths:
+        part, pos = slice(start, start + n), torch.arange(start, start + n)
+        kd, vd = (t[:, :, part].repeat_interleave(2, 1) for t in leaves[1:])
+        outs.append(flash_attention(leaves[0][:, :, part], kd, vd, causal=True, dropout_p=p, dropout_seed=seed,
+                                    q_positions=pos, k_positions=pos))
+        start += n
+    torch.cat(outs, 2).backward(dout)
+    expected = (torch.cat(outs, 2).detach(),) + tuple(t.grad for t in leaves)
+    actual = parallel_grads(ATTENTIONS[mode], q, k, v, dout, None, lengths, True, group, False, dropout_p=p,
+                            dropout_seed=seed)
+    compare_packed(actual, expected, expected, f"{mode} packed dropout")
+
+
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_packed_dropout_matches_single_rank(mode):
+    run_on_ranks(check_packed_dropout, 2, mode)
