@@ -25,6 +25,12 @@ reps interleave the methods of one rank count (alternating order), so their time
     python bench/attention.py                                  # 4k .. 32k on 1 (SDPA), 2 and 4 ranks
     python bench/attention.py --seqs 4096 8192 --reps 1        # what a 2-core machine manages
     python bench/attention.py --seqs 2048 --worlds 1 2 --reps 1  # smoke test
+    python bench/attention.py --no-dense --packed --gqa-bytes   # packed documents and GQA bytes only
+
+Packed documents and grouped-query attention (``--packed``, ``--gqa-bytes``; bench/_attention_packed.py):
+32k tokens of long-tailed document lengths, ring / Ulysses with ``cu_seqlens`` against SDPA run
+document by document on one rank, with work balance and peak memory against the floor; and
+the bytes each rank sends with 4:1 grouped-query attention against the kv heads repeated.
 """
 
 from __future__ import annotations
@@ -173,7 +179,18 @@ def main() -> None:
     parser.add_argument("--no-overlapped", action="store_true",
                         help="skip the ring with the CUDA dK/dV schedule (overlapped hops, whole-block kernel calls)")
     parser.add_argument("--budget-mib", type=float, default=512.0, help="per-rank memory budget for the max-length fit")
+    parser.add_argument("--no-dense", action="store_true", help="skip the dense causal rows above")
+    parser.add_argument("--packed", action="store_true", help="packed documents: ring / Ulysses vs per-document SDPA")
+    parser.add_argument("--packed-tokens", type=int, default=32768)
+    parser.add_argument("--packed-seed", type=int, default=0, help="seed of the document lengths")
+    parser.add_argument("--gqa-bytes", action="store_true", help="bytes per rank, 4:1 GQA vs repeated kv heads")
+    parser.add_argument("--gqa-heads", type=int, default=16, help="query heads of the GQA byte count (kv: a quarter)")
+    parser.add_argument("--gqa-seq", type=int, default=4096, help="sequence length of the GQA byte count")
     args = parser.parse_args()
+    if args.packed or args.gqa_bytes:
+        run_packed_and_gqa(args)
+    if args.no_dense:
+        return
     load_before = os.getloadavg()[0]
     rows, fits = run(args)
     table_md, fit_md = _tables(rows, fits, args)
@@ -194,6 +211,53 @@ def main() -> None:
     data = {"rows": rows, "max_seq_fit": fits, "args": vars(args)}
     title = "Ring attention vs full attention and torch's ring core (bench/attention.py)"
     write_results("attention", title, table_md, data, note)
+
+
+def run_packed_and_gqa(args) -> None:
+    """The packed and GQA sections (bench/_attention_packed.py), written to their own part of RESULTS.md."""
+    from _attention_packed import PACKED_LABELS, run_gqa_bytes, run_packed
+
+    load_before = os.getloadavg()[0]
+    pools: dict[int, WorkerPool] = {}
+
+    def pool_for(world: int) -> WorkerPool:
+        if world not in pools:
+            pools[world] = WorkerPool(world, timeout=3600)
+        return pools[world]
+
+    try:
+        packed = run_packed(args, pool_for) if args.packed else []
+        gqa = run_gqa_bytes(argparse.Namespace(**{**vars(args), "heads": args.gqa_heads}), pool_for) \
+            if args.gqa_bytes else []
+    finally:
+        for pool in pools.values():
+            pool.close()
+    base = {r["world"]: r for r in packed if r["method"] == "sdpa_docs"}.get(1)
+    packed_md = markdown_table(
+        ["method", "ranks", "fwd+bwd s", "time / per-doc SDPA", "work max / mean", "same, zigzag over the stream",
+         "peak MiB/rank", "floor MiB/rank", "peak / floor"],
+        [[PACKED_LABELS[r["method"]], r["world"], f"{r['seconds']:.2f}",
+          f"{r['seconds'] / base['seconds']:.2f}" if base else "-", f"{r['work_max_over_mean']:.3f}",
+          f"{r['stream_zigzag_max_over_mean']:.3f}", f"{r['peak_mib']:.1f}", f"{r['floor_mib']:.1f}",
+          f"{r['peak_mib'] / r['floor_mib']:.2f}"] for r in packed])  # fmt: skip
+    gqa_md = markdown_table(
+        ["sp", "ranks", "heads : kv heads", "seq", "MiB sent/rank, GQA", "MiB sent/rank, kv repeated", "ratio"],
+        [[r["mode"], r["world"], f"{r['heads']}:{r['kv_heads']}", r["seq"], f"{r['gqa_bytes'] / MIB:.2f}",
+          f"{r['repeated_bytes'] / MIB:.2f}", f"{r['ratio']:.3f}"] for r in gqa])  # fmt: skip
+    docs = packed[0]["docs"] if packed else 0
+    note = (
+        f"Packed: {args.packed_tokens} tokens in {docs} documents, lengths log-normal (median 512, log-space sd "
+        f"1.5, seed {args.packed_seed}), causal within each, batch 1, heads {args.heads}, head_dim {args.head_dim}, "
+        f"fp32; median of {args.reps} interleaved reps, slowest rank. Work = visible (query, key) pairs per rank "
+        "(max over mean), for the per-document split used and for zigzag over the packed stream. Floor = q, k, v, "
+        "out and their gradients at the longest shard. Peak memory as in the dense section. All ranks share this "
+        f"machine's cores; 1-minute load average {load_before:.1f} before and {os.getloadavg()[0]:.1f} after. GQA: "
+        "bytes from comm.count() around one causal fwd + bwd, batch 1, fp32, head_dim "
+        f"{args.head_dim}; the ring sends only kv heads (exactly 1/4), Ulysses also sends q and out "
+        "(2 * heads + 2 * P * max(kv_heads / P, 1) heads' worth per all-to-all round, docs/sequence_parallel.md)."
+    )
+    title = "Packed documents and grouped-query attention (bench/attention.py --packed --gqa-bytes)"
+    write_results("attention_packed", title, packed_md + "\n\n" + gqa_md, {"packed": packed, "gqa": gqa}, note)
 
 
 def _tables(rows: list[dict], fits: dict, args) -> tuple[str, str]:

@@ -100,26 +100,34 @@ class RingExchange:
     def swap(self, tensors: list[torch.Tensor], chunk_bytes: int = 4 << 20) -> None:
         """Send ``tensors`` onward and overwrite them with the previous rank's, in place.
 
-        Blocking. Runs chunk by chunk (at most ``chunk_bytes`` each), so it holds one chunk of
-        extra memory instead of a second copy of every tensor; each tensor must be contiguous."""
+        Blocking. Runs in rounds: round i exchanges the i-th piece (at most ``chunk_bytes``) of
+        every tensor in one batch, so it holds one piece per tensor of extra memory instead of a
+        second copy of every tensor, and small tensors cost one round trip together, not one
+        each; each tensor must be contiguous."""
         for t in tensors:
             if not t.is_contiguous():
                 raise ValueError(f"RingExchange.swap needs contiguous tensors (it overwrites them in place), got "
                                  f"shape {tuple(t.shape)} with strides {t.stride()}; pass t.contiguous()")
         if self.size == 1:
             return
-        for t in tensors:
-            flat = t.view(-1)
-            step = max(1, chunk_bytes // t.element_size())
-            scratch = torch.empty(min(step, flat.numel()), dtype=t.dtype, device=t.device)
-            for start in range(0, flat.numel(), step):
-                chunk = flat[start : start + step]
-                incoming = scratch[: chunk.numel()]
+        flats = [t.view(-1) for t in tensors]
+        steps = [max(1, chunk_bytes // t.element_size()) for t in tensors]
+        scratch = [torch.empty(min(step, f.numel()), dtype=f.dtype, device=f.device) for f, step in zip(flats, steps)]
+        rounds = max((-(-f.numel() // step) for f, step in zip(flats, steps)), default=0)
+        for i in range(rounds):
+            ops, landed = [], []
+            for flat, step, buf in zip(flats, steps, scratch):
+                chunk = flat[i * step : (i + 1) * step]
+                if chunk.numel() == 0:
+                    continue
+                incoming = buf[: chunk.numel()]
                 record("send", chunk.numel() * chunk.element_size(), self.size)
-                works = dist.batch_isend_irecv([dist.P2POp(dist.isend, chunk, self.next, group=self.group),
-                                                dist.P2POp(dist.irecv, incoming, self.prev, group=self.group)])
-                for w in works:
-                    w.wait()
+                ops += [dist.P2POp(dist.isend, chunk, self.next, group=self.group),
+                        dist.P2POp(dist.irecv, incoming, self.prev, group=self.group)]
+                landed.append((chunk, incoming))
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+            for chunk, incoming in landed:
                 chunk.copy_(incoming)
 
 

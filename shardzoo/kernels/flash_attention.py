@@ -33,9 +33,10 @@ _FLOATS = HALF_AND_SINGLE + (torch.float64,)
 ATTENTION_BACKENDS = ("auto", "triton", "aten", "torch")
 
 
-def _resolve_attention_backend(backend, device, op, dropout=False) -> str:
+def _resolve_attention_backend(backend, device, op, dropout=False, needs_delta=False) -> str:
     """"auto": Triton for CUDA tensors, torch's fused CPU flash kernel ("aten") for CPU tensors
-    where this torch has it and there is no dropout, else the pure-torch reference ("torch")."""
+    where this torch has it and there is no dropout (nor an lse gradient, ``needs_delta``),
+    else the pure-torch reference ("torch")."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"{op}: backend={backend!r} is not one of {ATTENTION_BACKENDS}; pass 'auto' or one of "
                          "the others")
@@ -47,9 +48,13 @@ def _resolve_attention_backend(backend, device, op, dropout=False) -> str:
             raise ValueError(f"{op}: backend='aten' (torch's fused CPU flash kernel) cannot apply the stateless "
                              "dropout mask, so dropout_p must be 0 there; pass backend='auto' or 'torch' for "
                              "dropout on CPU")
+        if needs_delta:
+            raise ValueError(f"{op}: backend='aten' (torch's fused CPU flash kernel) computes D = rowsum(dO * O) "
+                             "itself and cannot take an lse gradient; pass backend='auto' or 'torch'")
         return "aten"
     resolved = resolve_backend(backend, device, op)
-    if backend == "auto" and resolved == "torch" and device.type == "cpu" and _cpu.available() and not dropout:
+    if backend == "auto" and resolved == "torch" and device.type == "cpu" and _cpu.available() and not (
+            dropout or needs_delta):
         return "aten"
     return resolved
 
@@ -60,7 +65,7 @@ def _triton_module():
     return flash_attention_triton
 
 
-def _check_inputs(op, q, k, v, key_padding_mask, softmax_scale, backend, dropout=False):
+def _check_inputs(op, q, k, v, key_padding_mask, softmax_scale, backend, dropout=False, needs_delta=False):
     """Validate shapes / dtypes and return (backend, softmax_scale)."""
     for name, t, layout in (("q", q, "[B, H, Sq, D]"), ("k", k, "[B, H, Sk, D]"), ("v", v, "[B, H, Sk, D]")):
         check_tensor(op, name, t, ndim=4, dtypes=_FLOATS, layout=layout)
@@ -79,7 +84,7 @@ def _check_inputs(op, q, k, v, key_padding_mask, softmax_scale, backend, dropout
             raise ValueError(f"{op}: key_padding_mask shape {tuple(key_padding_mask.shape)} must be [B, Sk] = "
                              f"{(b, k.shape[2])} (True = attend)")
     check_same_device(op, q=q, k=k, v=v, key_padding_mask=key_padding_mask)
-    backend = _resolve_attention_backend(backend, q.device, op, dropout)
+    backend = _resolve_attention_backend(backend, q.device, op, dropout, needs_delta)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(d)
     softmax_scale = float(softmax_scale)
@@ -165,7 +170,7 @@ def attention_block_forward(q, k, v, *, causal=False, key_padding_mask=None, sof
 
 def attention_block_backward(dout, q, k, v, out, lse, *, causal=False, key_padding_mask=None, softmax_scale=None,
                              backend="auto", dropout_p=0.0, dropout_seed=None, q_positions=None, k_positions=None,
-                             head_offset=0, batch_offset=0):
+                             head_offset=0, batch_offset=0, lse_grad=None):
     """Gradients of one attention block given a (possibly global) lse.
 
     Args:
@@ -173,6 +178,9 @@ def attention_block_backward(dout, q, k, v, out, lse, *, causal=False, key_paddi
         q: [B, H, Sq, D]; k, v: [B, H, Sk, D]; lse: [B, H, Sq].
         Other arguments as in :func:`attention_block_forward` (the dropout ones equal to the
         forward's, so the same mask Z is redrawn).
+        lse_grad: optional [B, H, Sq], the gradient reaching the (global) lse; since
+            d lse_i / d s_ij = P_ij it enters as D_i - lse_grad_i. torch's fused CPU op computes
+            D itself, so "auto" runs CPU tensors with an lse gradient on the torch reference.
 
     Returns:
         (dq [B, H, Sq, D], dk [B, H, Sk, D], dv [B, H, Sk, D]), all fp32, computed with
@@ -181,7 +189,7 @@ def attention_block_backward(dout, q, k, v, out, lse, *, causal=False, key_paddi
     """
     op = "attention_block_backward"
     backend, scale = _check_inputs(op, q, k, v, key_padding_mask, softmax_scale, backend,
-                                   _check_dropout_p(op, dropout_p))
+                                   _check_dropout_p(op, dropout_p), needs_delta=lse_grad is not None)
     drop = _dropout(op, q, k, dropout_p, dropout_seed, q_positions, k_positions, head_offset, batch_offset)
     for name, t in (("dout", dout), ("out", out)):
         check_tensor(op, name, t, dtypes=_FLOATS)
@@ -191,12 +199,14 @@ def attention_block_backward(dout, q, k, v, out, lse, *, causal=False, key_paddi
     if lse.shape != q.shape[:3]:
         raise ValueError(f"{op}: lse shape {tuple(lse.shape)} must be [B, H, Sq] = {tuple(q.shape[:3])}")
     check_same_device(op, q=q, dout=dout, out=out, lse=lse)
+    if lse_grad is not None and lse_grad.shape != lse.shape:
+        raise ValueError(f"{op}: lse_grad shape {tuple(lse_grad.shape)} must equal lse's {tuple(lse.shape)}")
     if backend == "triton":
         return _triton_module().attention_backward_triton(dout, q, k, v, out, lse, causal, key_padding_mask, scale,
-                                                          drop)
+                                                          drop, lse_grad)
     if backend == "aten":
         return _cpu.attention_backward_aten(dout, q, k, v, out, lse, causal, key_padding_mask, scale)
-    return _ref.attention_backward_torch(dout, q, k, v, out, lse, causal, key_padding_mask, scale, drop)
+    return _ref.attention_backward_torch(dout, q, k, v, out, lse, causal, key_padding_mask, scale, drop, lse_grad)
 
 
 class FlashAttentionFunction(torch.autograd.Function):

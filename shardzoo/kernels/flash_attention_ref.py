@@ -83,11 +83,15 @@ def attention_forward_torch(q, k, v, causal, key_padding_mask, softmax_scale, dr
     return out, lse
 
 
-def attention_backward_torch(dout, q, k, v, out, lse, causal, key_padding_mask, softmax_scale, dropout=None):
+def attention_backward_torch(dout, q, k, v, out, lse, causal, key_padding_mask, softmax_scale, dropout=None,
+                             lse_grad=None):
     """Reference backward with a possibly global ``lse``: P = exp(scale*S - lse).
 
     With dropout (mask Z, out the dropped output): dV = (P Z / (1-p))^T dO,
     dP = (dO V^T) Z / (1-p), dS = P (dP - rowsum(dO * out)).
+
+    ``lse_grad`` [B, H, Sq] (optional): the gradient reaching lse, which adds P * lse_grad to
+    dS, i.e. D becomes rowsum(dO * out) - lse_grad.
 
     Returns (dq [B, H, Sq, D], dk, dv [B, H, Sk, D]) in fp32 (fp64 for fp64 input).
     """
@@ -97,6 +101,8 @@ def attention_backward_torch(dout, q, k, v, out, lse, causal, key_padding_mask, 
     dk = torch.zeros(k.shape, dtype=ct, device=q.device)
     dv = torch.zeros(v.shape, dtype=ct, device=q.device)
     delta = (dout.to(ct) * out.to(ct)).sum(-1)  # D_i = rowsum(dO * O), [B, H, Sq]
+    if lse_grad is not None:
+        delta = delta - lse_grad.to(ct)
     # rows with lse = -inf saw no key: exp(s - (+inf)) = 0 makes them contribute nothing
     lse = lse.to(ct)
     lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)

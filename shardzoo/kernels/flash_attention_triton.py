@@ -306,8 +306,10 @@ def attention_forward_triton(q, k, v, causal, key_padding_mask, softmax_scale, d
     return out, lse
 
 
-def attention_backward_triton(dout, q, k, v, out, lse, causal, key_padding_mask, softmax_scale, dropout=None):
-    """Triton backward (FA2): delta pass, dK/dV over key blocks, dQ over query blocks. Grads fp32."""
+def attention_backward_triton(dout, q, k, v, out, lse, causal, key_padding_mask, softmax_scale, dropout=None,
+                              lse_grad=None):
+    """Triton backward (FA2): delta pass, dK/dV over key blocks, dQ over query blocks. Grads fp32.
+    ``lse_grad`` [B, H, Sq] (optional) is subtracted from D."""
     batch, heads, sq, dim = q.shape
     sk = k.shape[2]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -323,6 +325,8 @@ def attention_backward_triton(dout, q, k, v, out, lse, causal, key_padding_mask,
         out, dout, delta, *out.stride(), *dout.stride(), heads, sq, dim,
         BLOCK_M=fwd["BLOCK_M"], BLOCK_D=fwd["BLOCK_D"],
     )
+    if lse_grad is not None:  # d lse / d s = P: the lse gradient enters as D - lse_grad
+        delta -= lse_grad.to(torch.float32)
     kpm, smb = _mask_arg(key_padding_mask, q)
     rk, ck, threshold, drop_scale = _dropout_args(dropout, q)
     args = (q, k, v, kpm, rk, ck, dout, lse, delta)

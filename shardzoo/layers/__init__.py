@@ -26,6 +26,7 @@ from shardzoo.layers.norm_2p5d import LayerNorm2p5D, RMSNorm2p5D
 from shardzoo.layers.norm_3d import LayerNorm3D, RMSNorm3D
 from shardzoo.layers.patch_embedding_1d import PatchEmbedding1D
 from shardzoo.layers.patch_embedding_2d import PatchEmbedding2D
+from shardzoo.layers.packing import cu_seqlens_from_position_ids, split_documents
 from shardzoo.layers.random import ParallelDropout, RNGStreams, dropout, manual_seed, rng_streams, tp_rng
 from shardzoo.layers.ring_attention import RingAttentionFunction, ring_attention
 from shardzoo.layers.sequence import gather_padding_mask, gather_sequence, shard_padding_mask, shard_sequence
@@ -51,7 +52,7 @@ __all__ = [
     "vocab_parallel_cross_entropy", "RNGStreams", "ParallelDropout", "dropout", "manual_seed", "rng_streams", "tp_rng",
     # sequence parallelism
     "ring_attention", "RingAttentionFunction", "ulysses_attention", "shard_sequence", "gather_sequence",
-    "shard_padding_mask", "gather_padding_mask",
+    "shard_padding_mask", "gather_padding_mask", "cu_seqlens_from_position_ids", "split_documents",
     # blocks, and the one factory per tp_mode
     "SelfAttention", "MLP", "TensorLayout", "Layout1D", "Layout2D", "Layout2p5D", "Layout3D", "layout_of",
     # sharding metadata

@@ -148,8 +148,10 @@ class SelfAttention(nn.Module):
         return cls(o.in_features, num_heads, mesh=mesh, bias=o.bias is not None, qkv=qkv_style,
                    _serial=serial, **kwargs)
 
-    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """x [b, s, H_l] -> [b, s, H_l]; key_padding_mask bool [b, s] (True = attend)."""
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None, cu_seqlens=None) -> torch.Tensor:
+        """x [b, s, H_l] -> [b, s, H_l]; key_padding_mask bool [b, s] (True = attend);
+        ``cu_seqlens``: packed documents, int32 offsets over the full sequence, with x from
+        :meth:`shard_input` given the same offsets."""
         d = self.head_dim
         if self.qkv_style == "fused":
             q, k, v = rearrange(self.qkv(x), "b s (h three d) -> three b h s d", three=3, d=d)
@@ -160,20 +162,20 @@ class SelfAttention(nn.Module):
         out = sequence_attention(q, k, v, mesh=self.mesh, causal=self.causal, key_padding_mask=key_padding_mask,
                                  softmax_scale=self.softmax_scale, sp_mode=self.sp_mode,
                                  dropout_p=self.attn_dropout, training=self.training, head_offset=head_offset,
-                                 batch_offset=batch_offset)
+                                 batch_offset=batch_offset, cu_seqlens=cu_seqlens)
         return self.out_proj(rearrange(out, "b h s d -> b s (h d)"))
 
     # -- entering and leaving the parallel region (tests, users) -----------------------------
-    def shard_input(self, x_full: torch.Tensor) -> torch.Tensor:
-        """[B, S, H] replicated -> [b, s, H_l]: sequence over sp (zigzag when causal), then
-        the mode's layout."""
-        x = self.tpl.shard_sequence(x_full, 1, zigzag=self.causal)
+    def shard_input(self, x_full: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
+        """[B, S, H] replicated -> [b, s, H_l]: sequence over sp (zigzag when causal, the
+        per-document split with ``cu_seqlens``), then the mode's layout."""
+        x = self.tpl.shard_sequence(x_full, 1, zigzag=self.causal, cu_seqlens=cu_seqlens)
         return self.tpl.shard_hidden(x, self.layout)
 
-    def gather_output(self, y_local: torch.Tensor) -> torch.Tensor:
+    def gather_output(self, y_local: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
         """[b, s, H_l] -> [B, S, H] on every rank."""
         y = self.tpl.gather_hidden(y_local, self.output_layout)
-        return self.tpl.gather_sequence(y, 1, zigzag=self.causal)
+        return self.tpl.gather_sequence(y, 1, zigzag=self.causal, cu_seqlens=cu_seqlens)
 
     def shard_mask(self, mask_full: torch.Tensor) -> torch.Tensor:
         """Key padding mask bool [B, S] (True = attend) -> this rank's [b, s]."""

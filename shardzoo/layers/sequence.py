@@ -10,6 +10,10 @@ rank owns as many early (cheap) as late (expensive) queries and ring attention i
 replicated use (the full tensor is the same on every rank): sharding backward all-gathers the
 gradient, gathering backward keeps this rank's slice. The padding-mask variants carry no
 gradient.
+
+Packed documents (``cu_seqlens``, int32 offsets): both use the balanced per-document split of
+:mod:`shardzoo.layers.packing` instead (any lengths; local lengths differ by at most one
+token), with the same adjoint gradients.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 
 from shardzoo.comm import gather_from, scatter_to
 from shardzoo.comm import ops
+from shardzoo.layers.packing import DocumentSplit, check_cu_seqlens, split_documents
 
 
 def zigzag_chunk_order(world: int) -> list[int]:
@@ -75,30 +80,92 @@ def shard_positions(seq_local: int, rank: int, world: int, zigzag: bool, device=
     return torch.cat([first, second])
 
 
-def shard_sequence(x_full: torch.Tensor, group, dim: int, zigzag: bool = False) -> torch.Tensor:
+def shard_sequence(x_full: torch.Tensor, group, dim: int, zigzag: bool = False, cu_seqlens=None) -> torch.Tensor:
     """This rank's sequence shard of the replicated ``x_full``.
 
     [.., S, ..] -> [.., S/P, ..] along ``dim``; zigzag puts chunks r and 2P-1-r (each S/2P)
-    back to back. Backward all-gathers the gradient (every rank gets the full gradient)."""
+    back to back. With ``cu_seqlens`` (int32 [docs + 1] offsets over S) the shard is this
+    rank's part of the balanced per-document split (``zigzag`` is ignored; local lengths may
+    differ by one token). Backward all-gathers the gradient (every rank gets the full gradient)."""
     world = ops.group_size(group)
     dim = dim % x_full.dim()
+    if cu_seqlens is not None:
+        split = packed_split(cu_seqlens, world, "shard_sequence", x_full.shape[dim])
+        return _ShardPacked.apply(x_full, group, dim, split)
     _check_length(x_full, dim, world, zigzag, "shard_sequence", full=True)
     if zigzag:
         x_full = to_zigzag_order(x_full, world, dim)
     return scatter_to(x_full, group, dim)
 
 
-def gather_sequence(x_local: torch.Tensor, group, dim: int, zigzag: bool = False) -> torch.Tensor:
+def gather_sequence(x_local: torch.Tensor, group, dim: int, zigzag: bool = False, cu_seqlens=None) -> torch.Tensor:
     """The full sequence from every rank's shard, in natural order, on every rank.
 
-    [.., S/P, ..] -> [.., S, ..] along ``dim``. The result is treated as replicated (every rank
-    computes the same thing from it), so backward keeps this rank's slice of the gradient."""
+    [.., S/P, ..] -> [.., S, ..] along ``dim`` (with ``cu_seqlens``: the shards of the
+    per-document split, see :func:`shard_sequence`). The result is treated as replicated (every
+    rank computes the same thing from it), so backward keeps this rank's slice of the gradient."""
     world = ops.group_size(group)
     dim = dim % x_local.dim()
+    if cu_seqlens is not None:
+        split = packed_split(cu_seqlens, world, "gather_sequence")
+        _check_packed_local(x_local, dim, split, ops.group_rank(group), "gather_sequence")
+        return _GatherPacked.apply(x_local, group, dim, split)
     if zigzag and world > 1:
         _check_length(x_local, dim, world, zigzag, "gather_sequence", full=False)
     x_full = gather_from(x_local, group, dim)
     return from_zigzag_order(x_full, world, dim) if zigzag else x_full
+
+
+def packed_split(cu_seqlens, world: int, who: str, total: int | None = None) -> DocumentSplit:
+    """The :class:`~shardzoo.layers.packing.DocumentSplit` of ``cu_seqlens`` over ``world``
+    ranks, checking that the documents cover ``total`` tokens when given."""
+    lengths = check_cu_seqlens(cu_seqlens, who)
+    if total is not None and sum(lengths) != total:
+        raise ValueError(f"{who}: cu_seqlens ends at {sum(lengths)} but the packed sequence has {total} tokens; "
+                         "the last offset must be the full sequence length")
+    return split_documents(lengths, world)
+
+
+def _check_packed_local(x_local, dim, split: DocumentSplit, rank: int, who: str) -> None:
+    if x_local.shape[dim] != split.local_len(rank):
+        raise ValueError(f"{who}: rank {rank} holds {x_local.shape[dim]} tokens (dim {dim} of shape "
+                         f"{tuple(x_local.shape)}) but the split of these cu_seqlens gives it {split.local_len(rank)}; "
+                         "shard with shard_sequence(x, group, dim, cu_seqlens=cu_seqlens) using the same offsets")
+
+
+def _all_gather_packed(x_local: torch.Tensor, group, dim: int, split: DocumentSplit) -> torch.Tensor:
+    """Every rank's shard, padded to ``max_len``, all-gathered and put in natural order."""
+    pad = split.max_len - x_local.shape[dim]
+    if pad:
+        shape = list(x_local.shape)
+        shape[dim] = pad
+        x_local = torch.cat([x_local, x_local.new_zeros(shape)], dim)
+    stream = ops.all_gather(x_local, group, dim)
+    return stream.index_select(dim, split.gather_index.to(stream.device))
+
+
+class _ShardPacked(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_full, group, dim, split):
+        ctx.group, ctx.dim, ctx.split = group, dim, split
+        rank = ops.group_rank(group)
+        return x_full.index_select(dim, split.positions(rank, x_full.device))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_packed(grad, ctx.group, ctx.dim, ctx.split), None, None, None
+
+
+class _GatherPacked(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_local, group, dim, split):
+        ctx.group, ctx.dim, ctx.split = group, dim, split
+        return _all_gather_packed(x_local, group, dim, split)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rank = ops.group_rank(ctx.group)
+        return grad.index_select(ctx.dim, ctx.split.positions(rank, grad.device)), None, None, None
 
 
 def shard_padding_mask(mask_full: torch.Tensor, group, zigzag: bool = False) -> torch.Tensor:

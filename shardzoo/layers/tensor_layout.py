@@ -240,14 +240,17 @@ class TensorLayout:
         """Inverse of :meth:`shard_batch`: [b, ...] -> [B, ...] on every rank."""
         return layouts.gather_batch(t_local, self.mesh, layout or self.activation)
 
-    def shard_sequence(self, x_full: torch.Tensor, dim: int = 1, zigzag: bool = False) -> torch.Tensor:
+    def shard_sequence(self, x_full: torch.Tensor, dim: int = 1, zigzag: bool = False,
+                       cu_seqlens=None) -> torch.Tensor:
         """This rank's part of the sequence over sp: [.., S, ..] -> [.., S/sp, ..]; ``zigzag``
-        (causal attention) keeps chunks r and 2*sp-1-r, so every rank does equal work."""
-        return shard_sequence(x_full, self.mesh.sp_group, dim, zigzag)
+        (causal attention) keeps chunks r and 2*sp-1-r, so every rank does equal work;
+        ``cu_seqlens`` (packed documents) the balanced per-document split instead."""
+        return shard_sequence(x_full, self.mesh.sp_group, dim, zigzag, cu_seqlens)
 
-    def gather_sequence(self, x_local: torch.Tensor, dim: int = 1, zigzag: bool = False) -> torch.Tensor:
+    def gather_sequence(self, x_local: torch.Tensor, dim: int = 1, zigzag: bool = False,
+                        cu_seqlens=None) -> torch.Tensor:
         """Inverse of :meth:`shard_sequence`: [.., S/sp, ..] -> [.., S, ..] on every sp rank."""
-        return gather_sequence(x_local, self.mesh.sp_group, dim, zigzag)
+        return gather_sequence(x_local, self.mesh.sp_group, dim, zigzag, cu_seqlens)
 
     def relayout(self, x: torch.Tensor, src: ActivationLayout, dst: ActivationLayout) -> torch.Tensor:
         """Move an activation from layout ``src`` to ``dst``: gather to full and keep the

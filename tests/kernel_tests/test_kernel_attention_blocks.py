@@ -108,3 +108,28 @@ def test_reference_never_builds_the_full_score_matrix(monkeypatch, causal):
     assert_close(lse[finite], want_lse[finite], (1e-5, 1e-5), scale_atol=False)
     for got, want in zip(grads, (dq_w, dk_w, dv_w)):
         assert_close(got, want, GRAD_TOL[torch.float32])
+
+
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=needs_triton), "torch", "auto"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_lse_gradient_enters_the_block_backward(backend, causal):
+    """lse_grad = dL/dlse adds P * lse_grad to dS: the block backward equals autograd through
+    SDPA's output and an explicit logsumexp (fp64 reference). "auto" on CPU takes the torch
+    reference, as torch's fused CPU op computes D = rowsum(dO * O) itself."""
+    gen = torch.Generator().manual_seed(4)
+    b, h, s, d = 1, 2, 13, 16
+    q, k, v, dout = (randn(gen, b, h, s, d) for _ in range(4))
+    lse_grad = torch.randn(b, h, s, generator=gen)
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    scores = leaves[0] @ leaves[1].transpose(-1, -2) / d**0.5
+    if causal:
+        scores = scores.masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf"))
+    out, lse = scores.softmax(-1) @ leaves[2], scores.logsumexp(-1)
+    ((out * dout.double()).sum() + (lse * lse_grad.double()).sum()).backward()
+    kernel_out, kernel_lse = attention_block_forward(q, k, v, causal=causal, backend="torch")
+    grads = attention_block_backward(dout, q, k, v, kernel_out, kernel_lse, causal=causal, backend=backend,
+                                     lse_grad=lse_grad)
+    for got, want in zip(grads, (t.grad for t in leaves)):
+        assert_close(got, want.float(), GRAD_TOL[torch.float32])
+    with pytest.raises(ValueError, match="cannot take an lse gradient"):
+        attention_block_backward(dout, q, k, v, kernel_out, kernel_lse, backend="aten", lse_grad=lse_grad)

@@ -227,24 +227,27 @@ def test_ring_attention_dropout_with_tensor_parallel_heads():
 
 @pytest.mark.parametrize("causal,q_len,k_len", [(False, 8, 8), (False, 5, 9), (False, 1, 3), (True, 8, 8),
                                                  (True, 7, 7), (True, 1, 1)])  # causal blocks are square
-@pytest.mark.parametrize("tiles,min_tile", [(1, 1), (2, 1), (3, 1), (4, 1), (4, 3)])
-def test_block_tiles_cover_each_visible_pair_once(causal, q_len, k_len, tiles, min_tile):
-    """Tiles of the CPU backward schedule partition the block's visible (query, key) pairs."""
-    from shardzoo.layers.ring_attention import block_tiles
+@pytest.mark.parametrize("row_tile", [None, 1, 2, 3, 5])
+def test_tile_rect_covers_each_visible_pair_once(causal, q_len, k_len, row_tile):
+    """Kernel calls cut from a visible block, whole or restricted to a key chunk, partition its
+    visible (query, key) pairs and visit nothing above a causal diagonal."""
+    from shardzoo.layers.packing import tile_rect
 
-    for rows, cols in ((slice(None), slice(None)), (slice(q_len // 2, None), slice(None)),
-                       (slice(None), slice(0, max(1, k_len // 2)))):
-        if causal and (rows, cols) != (slice(None), slice(None)):
-            continue  # causal blocks are whole (block_schedule)
-        covered = torch.zeros(q_len, k_len, dtype=torch.int64)
-        for tile_rows, tile_cols, tile_causal in block_tiles(rows, cols, q_len, k_len, causal, tiles, min_tile):
-            piece = torch.ones(len(range(q_len)[tile_rows]), len(range(k_len)[tile_cols]), dtype=torch.int64)
-            covered[tile_rows, tile_cols] += piece.tril() if tile_causal else piece
-        expected = torch.zeros(q_len, k_len, dtype=torch.int64)
-        expected[rows, cols] = 1
-        if causal:
-            expected = expected.tril()
-        assert torch.equal(covered, expected), (rows, cols)
+    for chunk in (None, (-3, 1), (1, 4), (2, k_len), (k_len - 1, k_len + 3)):  # keys relative to the block
+        cols = None if chunk is None else (3 + chunk[0], 3 + chunk[1])
+        covered = torch.zeros(q_len + 2, k_len + 3, dtype=torch.int64)
+        for r0, r1, c0, c1, diag in tile_rect((2, 2 + q_len, 3, 3 + k_len, causal), row_tile, cols):
+            assert r1 - r0 <= (row_tile or q_len) and (not diag or r1 - r0 == c1 - c0)
+            piece = torch.ones(r1 - r0, c1 - c0, dtype=torch.int64)
+            covered[r0 - 2 : r1 - 2, c0 : c1] += piece.tril() if diag else piece
+        expected = torch.zeros_like(covered)
+        block = torch.ones(q_len, k_len, dtype=torch.int64)
+        expected[:q_len, 3:] = block.tril() if causal else block
+        if cols is not None:
+            keep = torch.zeros(k_len + 3, dtype=torch.bool)
+            keep[cols[0] : cols[1]] = True
+            expected[:, ~keep] = 0
+        assert torch.equal(covered, expected), cols
 
 
 def check_gradient_schedules(causal, grad_tiles, backend, dropout_p=0.0):
@@ -289,7 +292,7 @@ def count_backward_kernel_rows_and_keys():
     """(most query rows, most keys) of one backward kernel call, and the local length, on this rank."""
     import sys
 
-    ring = sys.modules["shardzoo.layers.ring_attention"]  # the package re-exports a function of that name
+    ring = sys.modules["shardzoo.layers.ring_backward"]
     world = torch.distributed.get_world_size()
     group = cached_mesh(sp=world).sp_group
     q, k, v = (torch.randn(1, 1, 4096, 16, requires_grad=True) for _ in range(3))  # long enough for 4 tiles
@@ -304,9 +307,10 @@ def count_backward_kernel_rows_and_keys():
 
 
 def test_ring_attention_cpu_backward_asks_the_kernel_for_tiles_only():
-    """On CPU no long block's gradients come from one kernel call: at most a quarter of the keys
-    and queries per call, so the tile outputs stay small next to the travelling dK / dV."""
-    from shardzoo.layers.ring_attention import CPU_GRAD_TILES
+    """On CPU no long block's gradients come from one kernel call: at most 1/CPU_GRAD_TILES of the
+    keys and queries per call (or min_tile), so the tile outputs stay small next to q, k, v."""
+    from shardzoo.layers.ring_attention import CPU_GRAD_TILES, RingSettings
 
     for max_rows, max_keys, local in run_on_ranks(count_backward_kernel_rows_and_keys, 2):
-        assert max_keys <= -(-local // CPU_GRAD_TILES) and max_rows <= -(-local // CPU_GRAD_TILES)
+        tile = max(RingSettings(None, True, None).min_tile, -(-local // CPU_GRAD_TILES))
+        assert tile < local and max_keys <= tile and max_rows <= tile
