@@ -5,8 +5,9 @@ shardzoo's ring and Ulysses attention are registered as attention implementation
 no forward function of transformers is replaced. transformers builds no mask for an
 implementation it has no mask function for, so the attention is causal by the module's
 ``is_causal`` and takes the padding mask the input hook split for this rank
-(inputs.Parallelized.key_padding_mask). The q heads are this rank's; kv heads fewer than q heads
-(grouped-query attention) are expanded locally before the sequence-parallel exchange.
+(inputs.Parallelized.key_padding_mask), or the packed documents' boundaries (``cu_seqlens``).
+The q heads are this rank's; fewer kv heads (grouped-query attention) travel as they are, and
+only the kv heads go round the ring.
 """
 
 from __future__ import annotations
@@ -32,15 +33,19 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
         raise ValueError(f"{type(module).__name__} uses a sliding window of {window} tokens, which shardzoo's "
                          f"sequence-parallel attention does not apply; the sequence ({seq}) must be at most the "
                          f"window, or use sp=1")
-    if key.shape[1] != query.shape[1]:
-        rep = query.shape[1] // key.shape[1]
+    if state.sp_mode == "ulysses" and not _ulysses_fits(key.shape[1], mesh.sp_size):
+        rep = query.shape[1] // key.shape[1]  # Ulysses splits kv heads over sp, or copies them
         key, value = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
     batch_offset, head_offset = layout_of(mesh).block_offsets(state.mask_layout, query.shape[0], query.shape[1])
     out = sequence_attention(query, key, value, mesh=mesh, causal=bool(getattr(module, "is_causal", True)),
                              key_padding_mask=state.key_padding_mask, softmax_scale=scaling, sp_mode=state.sp_mode,
                              dropout_p=dropout, training=module.training, head_offset=head_offset,
-                             batch_offset=batch_offset)
+                             batch_offset=batch_offset, cu_seqlens=state.cu_seqlens)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _ulysses_fits(kv_heads: int, sp: int) -> bool:
+    return kv_heads % sp == 0 or sp % kv_heads == 0
 
 
 def register() -> None:

@@ -12,7 +12,11 @@ extension point; the model's forward is not touched) splits them:
 * ``position_ids`` under sp: the global positions of this rank's tokens, so RoPE and learned
   positions see where each token really is;
 * ``labels`` (transformers models): shifted over the whole sequence first when the model is
-  a causal LM, as transformers' loss does, then split like the logits.
+  a causal LM, as transformers' loss does, then split like the logits;
+* packed documents (transformers' format: batch 1, ``position_ids`` restarting at 0 for each
+  document, as ``DataCollatorWithFlattening`` makes them) under sp: every sequence tensor is
+  split by the balanced per-document split of ``shard_sequence(..., cu_seqlens=...)``, and the
+  attention keeps each document to itself (hf_attention.py).
 
 The loss is the global token mean over dp, sp and the batch axes (layers/batch_loss.py), the
 same value on every rank.
@@ -24,6 +28,7 @@ import torch
 from torch import nn
 
 from shardzoo.layers import batch_loss
+from shardzoo.layers.packing import cu_seqlens_from_position_ids
 from shardzoo.layers.sequence import gather_sequence, shard_positions, shard_sequence
 from shardzoo.layers.shard_spec import unwrap_ddp
 from shardzoo.layers.tensor_layout import layout_of
@@ -39,6 +44,7 @@ class Parallelized:
         self.mesh, self.sp_mode, self.hf, self.causal = mesh, sp_mode, hf, causal
         self.head, self.embedding = head, embedding
         self.key_padding_mask: torch.Tensor | None = None
+        self.cu_seqlens: torch.Tensor | None = None  # this forward's packed documents (sp > 1)
         tpl = layout_of(mesh)
         self.input_layout = tpl.activation
         self.mask_layout = tpl.linear_output(tpl.activation)  # the attention's batch rows
@@ -54,7 +60,7 @@ class Parallelized:
         if layout is not None and t.shape[0] != 1:
             t = layout_of(self.mesh).shard_batch(t, layout)
         if self.mesh.sp_size > 1:
-            t = shard_sequence(t, self.mesh.sp_group, 1, zigzag=self.zigzag)
+            t = shard_sequence(t, self.mesh.sp_group, 1, zigzag=self.zigzag, cu_seqlens=self.cu_seqlens)
         return t
 
     def __repr__(self) -> str:
@@ -71,6 +77,7 @@ def install(model: nn.Module, state: Parallelized) -> None:
 def _split_inputs(state: Parallelized, args: tuple, kwargs: dict):
     args, kwargs = list(args), dict(kwargs)
     seq = None
+    state.cu_seqlens = _packed_documents(state, kwargs.get("position_ids"), kwargs.get("attention_mask"))
     if kwargs.get("input_ids") is not None:
         seq = kwargs["input_ids"].shape[-1]
         kwargs["input_ids"] = _ids(state, kwargs["input_ids"])
@@ -97,6 +104,17 @@ def _split_inputs(state: Parallelized, args: tuple, kwargs: dict):
     if state.hf and "use_cache" not in kwargs:
         kwargs["use_cache"] = False  # a cache of sharded keys is no cache of the sequence
     return tuple(args), kwargs
+
+
+def _packed_documents(state: Parallelized, positions, mask) -> torch.Tensor | None:
+    """cu_seqlens of a packed batch (batch 1, positions restarting at 0) under sp, else None."""
+    if not (state.hf and state.mesh.sp_size > 1 and torch.is_tensor(positions) and positions.dim() == 2
+            and positions.shape[0] == 1 and bool((positions[0, 1:] == 0).any())):
+        return None
+    if mask is not None:
+        raise ValueError("a packed batch (position_ids restarting at 0 for each document) needs no attention_mask: "
+                         "the documents are its boundaries; pass attention_mask=None")
+    return cu_seqlens_from_position_ids(positions)
 
 
 def _ids(state: Parallelized, ids: torch.Tensor) -> torch.Tensor:
@@ -158,4 +176,4 @@ def gather_logits(model: nn.Module, logits: torch.Tensor) -> torch.Tensor:
     on every rank (collective over tp and sp; differentiable)."""
     state, model = _state(model)
     full = model.get_submodule(state.head).gather_output(logits)
-    return gather_sequence(full, state.mesh.sp_group, 1, zigzag=state.zigzag)
+    return gather_sequence(full, state.mesh.sp_group, 1, zigzag=state.zigzag, cu_seqlens=state.cu_seqlens)

@@ -112,3 +112,51 @@ def check_against_serial(kind: str, mesh_kwargs: dict, sp_mode: str = "ring", ze
         assert_close_conditioned(full[name], value, exact_state[name], f"{kind} {name} after a step", scale=4.0)
         worst = max(worst, (full[name] - value).abs().max().item())
     return {"loss": abs(out_p.loss.item() - out_s.loss.item()), "param": worst}
+
+
+DOCUMENTS = (5, 11, 1, 15)  # packed lengths: one a single token, one spanning both sp ranks
+
+
+def check_packed(kind: str, mesh_kwargs: dict, sp_mode: str = "ring") -> None:
+    """On every rank: one packed row of :data:`DOCUMENTS` (transformers' format: positions
+    restart at 0, each document's first label -100) through a parallelized ``kind`` model
+    equals the documents run one by one through the serial model: loss, logits and every
+    parameter after one SGD step."""
+    import torch.nn.functional as F
+
+    import shardzoo
+
+    g = torch.Generator().manual_seed(3)
+    docs = [torch.randint(0, VOCAB, (n,), generator=g) for n in DOCUMENTS]
+    serial = tiny_causal_lm(kind)
+    parallel, exact = copy.deepcopy(serial), copy.deepcopy(serial).double()
+
+    def one_by_one(model):  # each document alone; the loss is the mean over every document's targets
+        logits = [model(input_ids=d[None]).logits[0] for d in docs]
+        loss = sum(F.cross_entropy(lg[:-1], d[1:], reduction="sum") for lg, d in zip(logits, docs))
+        loss = loss / sum(len(d) - 1 for d in docs)
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= p.grad
+        return loss.detach(), torch.cat(logits).detach()
+
+    (loss_s, logits_s), (loss_x, logits_x) = one_by_one(serial), one_by_one(exact)
+    ids = torch.cat(docs)[None]
+    positions = torch.cat([torch.arange(len(d)) for d in docs])[None]
+    labels = torch.cat([torch.cat([torch.tensor([-100]), d[1:]]) for d in docs])[None]
+
+    mesh = cached_mesh(**mesh_kwargs)
+    shardzoo.parallelize(parallel, mesh, sp_mode=sp_mode)
+    wrapped = shardzoo.data_parallel(parallel, mesh)  # averages the sp ranks' gradients
+    out = wrapped(input_ids=ids, position_ids=positions, labels=labels)
+    out.loss.backward()
+    with torch.no_grad():
+        for p in parallel.parameters():
+            p -= p.grad
+    logits = shardzoo.gather_logits(parallel, out.logits.detach())
+    assert_close_conditioned(out.loss.detach(), loss_s, loss_x, "packed loss")
+    assert_close_conditioned(logits[0], logits_s, logits_x, "packed logits")
+    full, reference, exact_state = shardzoo.full_state_dict(parallel), serial.state_dict(), exact.state_dict()
+    for name, value in reference.items():
+        assert_close_conditioned(full[name], value, exact_state[name], f"packed {name} after a step", scale=4.0)

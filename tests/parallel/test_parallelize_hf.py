@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("transformers", reason="transformers is in the test extra; these tests build its models")
 
 from shardzoo.testing import run_on_ranks  # noqa: E402
-from shardzoo.testing.hf_parallel import check_against_serial  # noqa: E402
+from shardzoo.testing.hf_parallel import check_against_serial, check_packed  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -33,3 +33,9 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_transformers_model_equals_serial(case):
     run_on_ranks(check_against_serial, CASES[case][2], *CASES[case][:2], *CASES[case][3:])
+
+
+@pytest.mark.parametrize("sp_mode", ["ring", "ulysses"])
+def test_packed_documents_equal_documents_one_by_one(sp_mode):
+    """transformers' packed format through a parallelized Llama at tp=2, sp=2."""
+    run_on_ranks(check_packed, 4, "llama", dict(tp=2, sp=2), sp_mode)
