@@ -27,8 +27,9 @@ Per world size (one launch each, every implementation in it, interleaved step by
 
 All models of a group start from the same weights (random, seeded, saved once with
 transformers to a scratch directory) and see the same full [B, S] token batch every step
-(labels = input ids, all-ones attention mask for the Llama, none for GPT-2), fp32, SDPA
-attention. A step is ``loss = model(...).loss; loss.backward(); AdamW.step();
+(labels = input ids, all-ones attention mask for the Llama, none for GPT-2), fp32; the
+transformers models use ``attn_implementation="sdpa"``, the native GPT-2 its own attention,
+which on CPU calls the same fused kernel of torch. A step is ``loss = model(...).loss; loss.backward(); AdamW.step();
 zero_grad()`` (native GPT-2: ``model.loss(model(model.shard_input(ids)), labels=ids)``), timed
 between two barriers, so it is the slowest rank's time. The ratio column is the median over
 steps of the paired ratio (this implementation's step / the reference's step in the same
