@@ -5,7 +5,8 @@
 as usual), parallelizes it, gives each parameter storage of its local shape, and fills it with
 this rank's slices of the safetensors files, read through the checked readers of
 ``shardzoo.checkpoint`` (headers, sizes and names checked before anything is read). So a rank
-holds its own shard and the largest piece it reads, never the model.
+holds its own shard and, while it copies, at most one block of file pages (``_CHUNK_BYTES``),
+never the model.
 
 ``save_pretrained(model, out_dir)`` gathers the full tensors (collective), and rank 0 hands them
 to a serial twin built on the meta device, whose own ``save_pretrained`` writes the directory
@@ -119,10 +120,30 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
     error = None
     try:
         for lt in local:
-            fill_local(lt, lambda box, out, lt=lt: out.copy_(_read(weights, lt, box)))
+            fill_local(lt, lambda box, out, lt=lt: _copy_in_chunks(weights, lt, box, out))
     except Exception as e:
         error = describe(e)
     ranks.agree(error, what)
+
+
+_CHUNK_BYTES = 4 << 20  # the most file pages one read keeps mapped while it is copied
+
+
+def _copy_in_chunks(weights: HFWeights, lt, box, out: torch.Tensor) -> None:
+    """Copy box ``box`` of ``lt``'s global tensor into ``out`` a block of leading-dim rows at a
+    time, each from its own read. A read returns a view of a fresh memory map of the file, whose
+    pages count in this rank's memory until the view is dropped; one read of the whole box would
+    hold as many file pages as the rank's piece of its largest tensor (an embedding) on top of
+    the piece itself."""
+    offsets, shape = box
+    row_bytes = out[0].numel() * out.element_size() if out.dim() else 0
+    if not shape or row_bytes * shape[0] <= _CHUNK_BYTES:
+        out.copy_(_read(weights, lt, box))
+        return
+    step = max(1, _CHUNK_BYTES // max(row_bytes, 1))
+    for start in range(0, shape[0], step):
+        n = min(step, shape[0] - start)
+        out[start:start + n].copy_(_read(weights, lt, ((offsets[0] + start, *offsets[1:]), (n, *shape[1:]))))
 
 
 def _serial_shape(lt) -> tuple[int, ...]:

@@ -12,7 +12,19 @@ from shardzoo.testing import cached_mesh, run_on_ranks
 pytest.importorskip("transformers", reason="reads and writes transformers model directories")
 
 
-def _round_trip(kind, mesh_kwargs, src, dst):
+def _round_trip(kind, mesh_kwargs, src, dst, chunk_bytes=None):
+    from shardzoo.models import transformers_io
+
+    default = transformers_io._CHUNK_BYTES
+    if chunk_bytes is not None:  # every tensor read in blocks of a few rows (this pooled worker, this test only)
+        transformers_io._CHUNK_BYTES = chunk_bytes
+    try:
+        _check_round_trip(kind, mesh_kwargs, src, dst)
+    finally:
+        transformers_io._CHUNK_BYTES = default
+
+
+def _check_round_trip(kind, mesh_kwargs, src, dst):
     import transformers
 
     import shardzoo
@@ -37,16 +49,18 @@ def _round_trip(kind, mesh_kwargs, src, dst):
         torch.testing.assert_close(again, expected, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("kind, mesh_kwargs, world", [
-    ("llama", dict(tp=4), 4),                      # kv heads replicated over tp
-    ("gpt2", dict(tp=8, tp_mode="3d"), 8),         # Conv1D, packed c_attn read part by part
+@pytest.mark.parametrize("kind, mesh_kwargs, world, chunk_bytes", [
+    ("llama", dict(tp=4), 4, None),                # kv heads replicated over tp
+    ("gpt2", dict(tp=8, tp_mode="3d"), 8, None),   # Conv1D, packed c_attn read part by part
+    ("llama", dict(tp=4), 4, 200),                 # large tensors: read in blocks of rows, one map each
+    ("gpt2", dict(tp=2), 2, 200),                  # ... also the transposed Conv1D storage and packed c_attn
 ])
-def test_from_pretrained_and_back(tmp_path, kind, mesh_kwargs, world):
+def test_from_pretrained_and_back(tmp_path, kind, mesh_kwargs, world, chunk_bytes):
     from shardzoo.testing.hf_parallel import tiny_causal_lm
 
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
     tiny_causal_lm(kind).save_pretrained(src)
-    run_on_ranks(_round_trip, world, kind, mesh_kwargs, src, dst)
+    run_on_ranks(_round_trip, world, kind, mesh_kwargs, src, dst, chunk_bytes)
     assert sorted(os.listdir(tmp_path)) == ["dst", "src"], "a temporary directory was left behind"
 
 
