@@ -108,7 +108,7 @@ class SelfAttention(nn.Module):
             if "qkv" not in serial:
                 w = fuse_qkv(*(serial[n].weight for n in ("q", "k", "v")), num_heads)
                 b = None if serial["q"].bias is None else fuse_qkv(*(serial[n].bias for n in ("q", "k", "v")), num_heads)
-                serial["qkv"] = _linear_from(w, b)
+                serial["qkv"] = linear_from(w, b)
             self.qkv = tpl.linear(serial=serial["qkv"], style="column", layout=self.layout, device=device)
             first = self.qkv
         else:
@@ -141,7 +141,7 @@ class SelfAttention(nn.Module):
         if qkv is not None:
             wq, wk, wv = qkv.weight.detach().chunk(3, 0)
             bq, bk, bv = (None, None, None) if qkv.bias is None else qkv.bias.detach().chunk(3, 0)
-            q, k, v = _linear_from(wq, bq), _linear_from(wk, bk), _linear_from(wv, bv)
+            q, k, v = linear_from(wq, bq), linear_from(wk, bk), linear_from(wv, bv)
         if q is None or k is None or v is None:
             raise ValueError("SelfAttention.from_serial needs q=, k= and v= linears, or a fused qkv= linear")
         serial = {"q": q, "k": k, "v": v, "o": o}
@@ -187,7 +187,7 @@ class SelfAttention(nn.Module):
                 f"sp_mode={self.sp_mode!r}, qkv={self.qkv_style!r}, attn_dropout={self.attn_dropout}")
 
 
-def _linear_from(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+def linear_from(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
     """An nn.Linear holding copies of ``weight`` [out, in] and ``bias``."""
     lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=weight.dtype, device="meta")
     lin.weight = nn.Parameter(weight.detach().clone())

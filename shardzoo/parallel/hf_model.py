@@ -103,7 +103,7 @@ def complete_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     complete = dict(plan)
     for name, style in extra.items():
         found = style_of(plan, name)
-        if found is None or found[0] in ("replicate", "replicate_sum") and style == "norm":
+        if found is None or (style == "norm" and found[0] in ("replicate", "replicate_sum")):
             complete[name] = style
     return complete
 

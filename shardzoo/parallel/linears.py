@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shardzoo.layers.attention import linear_from
 from shardzoo.layers.replica_grads import ReplicaGradSum, replica_slot
 from shardzoo.layers.shard_spec import ShardSpec, get_shard_spec, mark_repeated_copy, set_shard_spec
 
@@ -38,11 +39,7 @@ def serial_linear(module: nn.Module, weight: torch.Tensor | None = None, bias=No
     if weight is None:
         weight = module.weight.t() if is_conv1d(module) else module.weight
         bias = module.bias
-    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=weight.dtype, device="meta")
-    lin.weight = nn.Parameter(weight.detach().clone())
-    if bias is not None:
-        lin.bias = nn.Parameter(bias.detach().clone())
-    return lin
+    return linear_from(weight, bias)
 
 
 class _Chain:

@@ -143,8 +143,8 @@ def _refuse_uncovered(model: nn.Module, planned: dict, tpl) -> None:
     for name, module in model.named_modules():
         if not name or name in planned or name.startswith(covered):
             continue
-        own = [p for p in module.parameters(recurse=False)]
-        if is_weighted_kind(module) or (own and tpl.mode != "1d"):
+        holds_weights = next(module.parameters(recurse=False), None) is not None
+        if is_weighted_kind(module) or (holds_weights and tpl.mode != "1d"):
             kind = type(module).__name__
             raise ValueError(f"{name} ({kind}) is not in the plan, and the {tpl.mode} layout splits the activations "
                              f"it reads; add it to the plan: plan[{name!r}] = 'column' / 'row' / 'norm' / "
