@@ -1,6 +1,6 @@
 """Messages that used to mislead: a model family shardzoo does not implement (demo --weights), a
-missing model directory, and ``convert`` of a checkpoint saved from a transformers model (whose
-suggested fix is followed here to the end: transformers loads the result)."""
+missing model directory, and ``convert`` of a checkpoint saved from a transformers model (which
+exports its saved names and config as they are: transformers loads the result)."""
 
 import argparse
 import json
@@ -38,19 +38,14 @@ def convert(*argv: str) -> int:
     return args.func(args)
 
 
-def test_convert_of_a_transformers_model_points_to_names_shardzoo(tmp_path, capsys):
+def test_convert_of_a_transformers_model_keeps_its_names(tmp_path, capsys):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
     hf = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16)).eval()
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
     checkpoint.save(hf, ckpt)  # a plain module in one process: its own transformers config is recorded
-    assert convert(ckpt, out) == 1
-    said = capsys.readouterr().out
-    assert "was saved from a transformers model (GPT2Config)" in said and "have no Hugging Face names" not in said
-    fix = said.split("`")[1]
-    assert fix == f"shardzoo convert {ckpt} {out} --names shardzoo"
-    assert convert(*fix.split()[2:]) == 0  # the advice works: transformers loads what it wrote
+    assert convert(ckpt, out) == 0, capsys.readouterr().out  # the default --names hf: its names already are
     loaded = GPT2LMHeadModel.from_pretrained(out).eval()
     ids = torch.randint(0, 64, (2, 8))
     with torch.no_grad():

@@ -24,16 +24,9 @@ def _convert(args: argparse.Namespace) -> int:
 
     try:
         index = read_index(args.ckpt) if args.names == "hf" else None
-        if index is not None and not has_hf_names(index) and _transformers_class(index):
-            print(f"shardzoo convert: {args.ckpt} was saved from a transformers model ({_transformers_class(index)}), "
-                  f"not from a shardzoo model family: its tensors already carry that model's Hugging Face names and "
-                  f"its config is transformers' own, so there is nothing to rename; nothing was written. Export them "
-                  f"unchanged with `shardzoo convert {args.ckpt} {args.out} --names shardzoo` (writes the saved names "
-                  f"and config.json, which {_transformers_class(index)}'s model class loads with from_pretrained)")
-            return 1
-        if index is not None and not has_hf_names(index):
+        if index is not None and not has_hf_names(index) and not _transformers_class(index):
             print(f"shardzoo convert: {args.ckpt} was saved without the config of a shardzoo model family (GPT-2, BERT, "
-                  f"ViT, OPT), so its tensors have no Hugging Face names and there is no config.json that transformers "
+                  f"ViT, OPT) or of a transformers model, so its tensors have no Hugging Face names and there is no config.json that transformers "
                   f"could load; nothing was written. Save the model with checkpoint.save(model, dir) from a shardzoo "
                   f"family model (it records model.config) or pass config=<the family's config>, then convert again; "
                   f"or export the saved names and config as they are with --names shardzoo (not a Hugging Face model "
@@ -49,7 +42,9 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _transformers_class(index: dict) -> str | None:
-    """The config class name of a checkpoint saved from a transformers model ("GPT2Config"), else None."""
+    """The config class name of a checkpoint saved from a transformers model ("GPT2Config"), else
+    None. Its saved names are already that model's Hugging Face names and its config is
+    transformers' own, so ``--names hf`` exports them unchanged."""
     path = index.get("config_class") or ""
     return path.rsplit(".", 1)[-1] if path.startswith("transformers.") else None
 
@@ -62,15 +57,17 @@ def add_convert_parser(subparsers) -> argparse.ArgumentParser:
         "convert", help="export a sharded checkpoint as plain safetensors (Hugging Face layout)",
         description="Assemble every tensor of a shardzoo checkpoint (any layout) and write model.safetensors "
                     "(or model-0000i-of-0000N.safetensors + model.safetensors.index.json) and config.json. A checkpoint "
-                    "of a shardzoo model family (GPT-2, BERT, ViT, OPT) gets Hugging Face names and config.json, "
-                    "so transformers' from_pretrained(OUT) loads it.")
+                    "of a shardzoo model family (GPT-2, BERT, ViT, OPT) gets Hugging Face names and config.json; one "
+                    "of a transformers model (shardzoo.parallelize) keeps its names and config, which already are "
+                    "transformers'. Either way transformers' from_pretrained(OUT) loads it.")
     parser.add_argument("ckpt", metavar="CKPT", help="checkpoint directory written by shardzoo.checkpoint.save")
     parser.add_argument("out", metavar="OUT", help="output directory (created)")
     parser.add_argument("--max-shard-size", type=parse_size, default=DEFAULT_MAX_SHARD_BYTES,
                         help="largest output file before splitting, e.g. 5GB (default), 500MB, 2GiB")
     parser.add_argument("--names", choices=("hf", "shardzoo"), default="hf",
                         help="hf (default): Hugging Face names, layouts and config.json; only for checkpoints of "
-                             "shardzoo's model families (others exit with status 1 and write nothing); shardzoo: the "
+                             "shardzoo's model families and of transformers models (others exit with status 1 and "
+                             "write nothing); shardzoo: the "
                              "saved names and config unchanged, for any checkpoint (not a Hugging Face directory)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=_convert)

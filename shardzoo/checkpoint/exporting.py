@@ -7,6 +7,9 @@ known through the export adapter it registers (adapters.py): this package import
 ``names="shardzoo"`` (and any checkpoint of another model) keeps the saved names and config. A
 ``rename`` hook replaces the family's mapping.
 
+A tensor the model stored reshaped (the index's ``serial_shape``, e.g. a fused q/k/v weight kept
+as [in, 3, n]) is exported in its serial shape.
+
 Streaming, tensor by tensor, with the output headers planned up front (the mapping is first run
 on meta tensors). Each output tensor is written at its known position in its file:
 
@@ -78,12 +81,18 @@ def has_hf_names(index: dict) -> bool:
     return _mapping(index, "hf", None)[0] is not None
 
 
+def _serial_shape(entry: dict) -> list[int]:
+    """The shape the serial model gives a saved tensor: its ``serial_shape`` when it was stored
+    reshaped (the same elements in the same row-major order, so its bytes are copied as they are)."""
+    return entry.get("serial_shape") or entry["shape"]
+
+
 def _plan(index: dict, rename: Rename | None) -> list[tuple[str, list[Out]]]:
     """Per source tensor, the outputs it maps to: ``rename`` run on meta tensors, so the output
     headers are known before any data is read."""
     plan, seen = [], {}
     for name, entry in index["tensors"].items():
-        meta = torch.empty(entry["shape"], dtype=dtype_from_name(entry["dtype"]), device="meta")
+        meta = torch.empty(_serial_shape(entry), dtype=dtype_from_name(entry["dtype"]), device="meta")
         try:
             outs = rename(name, meta) if rename is not None else [(name, meta)]
         except Exception as e:
@@ -205,7 +214,7 @@ def _write_weights(ckpt_dir: str, index: dict, plan, files: list[OutFile], hook,
             entry = index["tensors"][name]
             check_covered(name, entry)
             if not (all(out.same for out in row) and copy_tensor(shards, name, entry, [(output(o).fd, o.start) for o in row])):
-                full = assemble(shards, name, entry)
+                full = assemble(shards, name, entry).reshape(_serial_shape(entry))
                 outs = hook(name, full) if hook is not None else [(name, full)]
                 if [(n, t.dtype, tuple(t.shape)) for n, t in outs] != [(o.name, o.dtype, o.shape) for o in row]:
                     raise CheckpointError(f"rename({name!r}) returned {[(n, tuple(t.shape)) for n, t in outs]} on real data "

@@ -12,6 +12,8 @@
           {"file": "shard-00000.safetensors", "key": "model/fc1.weight@0,0",
            "offsets": [0, 0], "shape": [8, 4], "bytes": 128, "crc32": 2914236742}, ...]}, ...},
       "aliases": {"head.weight": "embed.weight"},
+      (a tensor entry may add "serial_shape": [768, 2304]: the serial model's shape of a tensor
+       stored reshaped, e.g. a fused q/k/v weight kept as [in, 3, n]; export writes that shape)
       "optimizer": null | {"class": "AdamW", "param_groups": [{"options": {...}, "params": [names]}],
                            "values": {param: {key: number}}, "tensors": {"fc1.weight/exp_avg": {..., "like_param": true}}}
     }

@@ -50,7 +50,8 @@ def _overlap(pieces: list[tuple[list[int], list[int]]]) -> tuple[int, int] | Non
 
 def _entry(path: str, section: str, name: str, entry, files: dict, used: dict[str, int], optimizer: bool) -> None:
     where = f"{path}, {'optimizer.' if optimizer else ''}tensors[{show(name)}]"
-    obj(entry, where, required=("dtype", "shape", "pieces") + (("like_param",) if optimizer else ()))
+    obj(entry, where, required=("dtype", "shape", "pieces") + (("like_param",) if optimizer else ()),
+        optional=() if optimizer else ("serial_shape",))
     if optimizer and not isinstance(entry["like_param"], bool):
         fail(f"{where}.like_param", f"must be true or false, is {kind(entry['like_param'])}")
     if string(entry["dtype"], f"{where}.dtype") not in DTYPE_NAMES:
@@ -58,6 +59,8 @@ def _entry(path: str, section: str, name: str, entry, files: dict, used: dict[st
     shape = int_list(entry["shape"], f"{where}.shape")
     if math.prod(s or 1 for s in shape) > MAX_INT:
         fail(f"{where}.shape", f"describes more than {MAX_INT} elements")
+    if "serial_shape" in entry and math.prod(int_list(entry["serial_shape"], f"{where}.serial_shape")) != math.prod(shape):
+        fail(f"{where}.serial_shape", f"must hold as many elements as the shape {shape} (it is that tensor reshaped). {_REDO}")
     item = nbytes((), DTYPE_NAMES[entry["dtype"]])
     boxes = []
     for i, piece in enumerate(array(entry["pieces"], f"{where}.pieces")):

@@ -10,6 +10,7 @@ layout the checkpoint was saved from does not matter. Steps, each agreed by all 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from typing import NamedTuple
 
@@ -39,11 +40,20 @@ def _match(local: list[LocalTensor], entries: dict, what: str) -> tuple[list[str
             missing.append(lt.name)
             continue
         found.append(lt.name)
-        if tuple(entry["shape"]) != lt.global_shape:
+        if tuple(entry["shape"]) != lt.global_shape and _serial_view(lt, entry) is None:
             problems.append(f"{what} tensor {lt.name!r} has global shape {entry['shape']} in the checkpoint but "
                             f"{list(lt.global_shape)} in the model; build the model with the config the checkpoint "
                             f"was saved with (index.json 'config')")
     return found, missing, problems
+
+
+def _serial_view(lt: LocalTensor, entry: dict) -> LocalTensor | None:
+    """A whole (unsplit) tensor of the serial model's shape, seen in the shape it was saved in
+    (the index's ``serial_shape``: e.g. a fused q/k/v weight stored as [in, 3, n] by a parallel
+    model, loaded into the serial [in, 3n] one); None when the shapes do not correspond."""
+    if lt.spec is not None or tuple(entry.get("serial_shape") or ()) != lt.global_shape:
+        return None
+    return dataclasses.replace(lt, tensor=lt.tensor.view(entry["shape"]))
 
 
 def _check_names(index: dict, replies: list, strict: bool, ckpt_dir: str) -> LoadResult:
@@ -112,8 +122,9 @@ def load(model: nn.Module, ckpt_dir: str, optimizer=None, *, strict: bool = True
     try:
         with PieceReader(ckpt_dir, index) as reader:
             for lt in local:
-                if lt.name in index["tensors"]:
-                    reader.fill(lt, index["tensors"][lt.name])
+                entry = index["tensors"].get(lt.name)
+                if entry is not None:
+                    reader.fill(_serial_view(lt, entry) or lt, entry)
             if optimizer is not None:
                 load_optimizer(model, optimizer, index["optimizer"], local, reader.fill)
     except Exception as e:

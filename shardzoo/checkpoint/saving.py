@@ -89,14 +89,21 @@ def save(model: nn.Module, ckpt_dir: str, optimizer=None, *, config=None, layout
         raise
 
 
-def _local_tensors(model, optimizer) -> tuple[list[tuple[str, LocalTensor]], dict, dict | None]:
+def _local_tensors(model, optimizer) -> tuple[list[tuple[str, LocalTensor]], dict, dict | None, dict]:
     tensors, aliases = model_tensors(model)
     local = [("model", lt) for lt in tensors]
     meta = None
     if optimizer is not None:
         opt_tensors, meta = optimizer_tensors(model, optimizer, tensors)
         local += [("optimizer", lt) for lt in opt_tensors]
-    return local, aliases, meta
+    return local, aliases, meta, _serial_shapes(tensors)
+
+
+def _serial_shapes(tensors: list[LocalTensor]) -> dict[str, list[int]]:
+    """Model tensors stored in another shape than the serial model's (a packed layer's weight,
+    ShardSpec.serial_shape): name -> the serial shape, which export writes."""
+    return {lt.name: list(lt.spec.serial_shape) for lt in tensors
+            if lt.spec is not None and lt.spec.serial_shape and tuple(lt.spec.serial_shape) != lt.global_shape}
 
 
 def _offers(local: list[tuple[str, LocalTensor]], rank: int) -> list[Offer]:
@@ -137,9 +144,9 @@ def _write_shard_file(tmp: str, rank: int, local: list[tuple[str, LocalTensor]],
 
 
 def _save_into(model, optimizer, ranks: Ranks, mesh, tmp: str, what: str, config, layout) -> None:
-    error, offers, local, aliases, meta = None, [], [], {}, None
+    error, offers, local, aliases, meta, serial = None, [], [], {}, None, {}
     try:
-        local, aliases, meta = _local_tensors(model, optimizer)
+        local, aliases, meta, serial = _local_tensors(model, optimizer)
         offers = _offers(local, ranks.rank)
     except Exception as e:
         error = describe(e)
@@ -153,7 +160,7 @@ def _save_into(model, optimizer, ranks: Ranks, mesh, tmp: str, what: str, config
     except Exception as e:
         error = describe(e)
     ranks.barrier()  # every shard is on disk (or its rank failed) before the index is written
-    replies = ranks.agree(error, what, (written, aliases, meta))
+    replies = ranks.agree(error, what, (written, aliases, meta, serial))
     error = None
     if ranks.rank == 0:
         try:
@@ -170,8 +177,10 @@ def _build_index(plans, replies, mesh, world: int, config, layout) -> dict:
     for (section, name), plan in plans.items():
         sections[section][name] = {"dtype": plan.dtype, "shape": list(plan.global_shape), "pieces": []}
     files, aliases, metas = {}, {}, []
-    for written, rank_aliases, meta in replies:
+    for written, rank_aliases, meta, serial in replies:
         aliases.update(rank_aliases)
+        for name, shape in serial.items():
+            sections["model"][name]["serial_shape"] = shape
         if meta is not None:
             metas.append(meta)
         if written is None:

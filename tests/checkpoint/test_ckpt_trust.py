@@ -85,6 +85,8 @@ def test_symlinks_out_of_the_directory_are_refused(saved, tmp_path):
     (lambda ix: ix["tensors"]["fc1.weight"]["pieces"][0].pop("crc32"), ["pieces[0]: lacks the field(s) crc32"]),
     (lambda ix: ix["tensors"]["fc1.weight"]["pieces"][0].update(extra=1), ["pieces[0]: has 1 unknown field(s)"]),
     (lambda ix: ix["tensors"]["fc1.weight"].update(dtype="float128"), ["tensors['fc1.weight'].dtype: must name a dtype"]),
+    (lambda ix: ix["tensors"]["fc1.weight"].update(serial_shape=[16, 9]), ["serial_shape: must hold as many elements"]),
+    (lambda ix: ix["tensors"]["fc1.weight"].update(serial_shape="128"), ["serial_shape: must be an array"]),
     (lambda ix: ix["tensors"]["fc1.weight"].update(shape=[2**40, 2**40]), ["tensors['fc1.weight'].shape: describes more than"]),
     (lambda ix: ix["tensors"]["fc1.weight"]["pieces"][0].update(offsets=[-8, 0]), ["offsets[0]: must be between 0"]),
     (lambda ix: ix["files"][SHARD].update(bytes=True), ["files['shard-00000.safetensors'].bytes: must be an integer"]),

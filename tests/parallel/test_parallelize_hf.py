@@ -1,7 +1,7 @@
 """transformers causal LMs (Llama with grouped-query attention, Qwen2 with tied embeddings and
 q / k / v biases, Mistral, GPT-2 with Conv1D weights and q|k|v packed in c_attn) run by their own code after ``shardzoo.parallelize``: loss, logits
 and every parameter after one optimizer step equal the serial transformers model in fp32, with
-padding, in every layout, with sequence parallelism and with ZeRO-3 on dp."""
+padding, in every layout, with sequence parallelism and with ZeRO 1, 2 and 3 on dp."""
 
 import pytest
 
@@ -21,6 +21,8 @@ CASES = {
     "mistral-3d": ("mistral", dict(tp=8, tp_mode="3d"), 8, "ring", 0),
     "qwen2-1d-sp2-ring": ("qwen2", dict(tp=2, sp=2), 4, "ring", 0),
     "mistral-1d-sp2-ulysses": ("mistral", dict(tp=2, sp=2), 4, "ulysses", 0),
+    "qwen2-dp2-zero1": ("qwen2", dict(dp=2, tp=2), 4, "ring", 1),
+    "gpt2-dp2-zero2": ("gpt2", dict(dp=2, tp=2), 4, "ring", 2),
     "llama-dp2-zero3": ("llama", dict(dp=2, tp=2), 4, "ring", 3),
     "gpt2-1d-tp4": ("gpt2", dict(tp=4), 4, "ring", 0),
     "gpt2-3d": ("gpt2", dict(tp=8, tp_mode="3d"), 8, "ring", 0),
