@@ -113,7 +113,7 @@ def _check_dense(q, key_padding_mask, world, causal, zigzag) -> None:
 
 def ring_attention(q, k, v, *, group, causal=False, cu_seqlens=None, return_lse=False, key_padding_mask=None,
                    softmax_scale=None, dropout_p=0.0, dropout_seed=None, head_offset=0, batch_offset=0, zigzag=None,
-                   position_ids=None):
+                   position_ids=None, grad_tiles=None):
     """Exact attention over a sequence sharded across ``group`` (ring attention).
 
     Args:
@@ -142,6 +142,10 @@ def ring_attention(q, k, v, *, group, causal=False, cu_seqlens=None, return_lse=
             when ``causal`` (causal over P > 1 ranks requires zigzag).
         position_ids: transformers' packed format instead of ``cu_seqlens``: the full
             [1, seq] position ids of the packed batch, restarting at 0 per document.
+        grad_tiles: the schedule (docs/sequence_parallel.md, "The ring schedule"): n > 0 sends
+            each 1/n of a K / V block round the ring on its own and computes it in row tiles
+            (memory at the floor, more kernel calls); 0 sends whole blocks with the hops
+            overlapped. None: 16 for CPU tensors, 0 for CUDA ones.
 
     Returns:
         [batch, heads, seq/P, head_dim] in q's dtype, this rank's rows of the output (rows that
@@ -151,6 +155,11 @@ def ring_attention(q, k, v, *, group, causal=False, cu_seqlens=None, return_lse=
         with the same seed on the gathered sequence.
     """
     check_gqa_shapes("ring_attention", q, k, v)
+    if grad_tiles is None:
+        grad_tiles = CPU_GRAD_TILES if q.device.type == "cpu" else 0
+    elif isinstance(grad_tiles, bool) or not isinstance(grad_tiles, int) or grad_tiles < 0:
+        raise ValueError(f"ring_attention: grad_tiles={grad_tiles!r} must be an int >= 0 (0: whole K / V blocks, "
+                         f"hops overlapped; n > 0: 1/n chunks, memory at the floor) or None for the device's default")
     world = group_size(group)
     split = resolve_documents("ring_attention", cu_seqlens, position_ids, key_padding_mask, world,
                               group_rank(group), q.shape[2])
@@ -161,7 +170,7 @@ def ring_attention(q, k, v, *, group, causal=False, cu_seqlens=None, return_lse=
     settings = RingSettings(group, bool(causal), softmax_scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
                             head_offset=head_offset, batch_offset=batch_offset,
                             zigzag=bool(causal) if zigzag is None else bool(zigzag),
-                            grad_tiles=CPU_GRAD_TILES if q.device.type == "cpu" else 0, split=split,
+                            grad_tiles=grad_tiles, split=split,
                             return_lse=bool(return_lse))
     return RingAttentionFunction.apply(q, k, v, key_padding_mask, settings)
 

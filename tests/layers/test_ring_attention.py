@@ -314,3 +314,21 @@ def test_ring_attention_cpu_backward_asks_the_kernel_for_tiles_only():
     for max_rows, max_keys, local in run_on_ranks(count_backward_kernel_rows_and_keys, 2):
         tile = max(RingSettings(None, True, None).min_tile, -(-local // CPU_GRAD_TILES))
         assert tile < local and max_keys <= tile and max_rows <= tile
+
+
+def check_public_schedule(causal):
+    """``ring_attention(..., grad_tiles=0)`` (whole blocks) on CPU tensors equals the fp64
+    reference as the default chunked schedule does; a negative count is refused."""
+    world = torch.distributed.get_world_size()
+    group = cached_mesh(sp=world).sp_group
+    q, k, v, dout = full_inputs(1, 2, 8 * world, 8, torch.float64, 3)
+    expected = reference_grads(q, k, v, dout, None, causal)
+    for tiles in (0, 2):
+        actual = parallel_attention(ring_attention, q, k, v, dout, None, causal, group, grad_tiles=tiles)
+        compare(actual, expected, torch.float64, f"ring_attention(grad_tiles={tiles}) sp={world}")
+    with pytest.raises(ValueError, match="grad_tiles=-1 must be an int >= 0"):
+        ring_attention(q[:, :, :8], k[:, :, :8], v[:, :, :8], group=group, grad_tiles=-1)
+
+
+def test_ring_attention_schedule_is_a_keyword():
+    run_on_ranks(check_public_schedule, 2, True)
