@@ -16,14 +16,12 @@ call with the kv heads repeated to ``heads`` (what a ring without grouped-query 
 
 from __future__ import annotations
 
-import gc
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from _results import reset_peak_rss, rss_kib
+from _results import timed_attention_step
 from shardzoo import comm
 from shardzoo.layers.packing import split_documents
 from shardzoo.layers.ring_attention import ring_attention
@@ -56,17 +54,9 @@ def measure_packed(method: str, lengths: list[int], heads: int, head_dim: int) -
     shard of the packed documents."""
     world, rank = dist.get_world_size(), dist.get_rank()
     local = split_documents(tuple(lengths), world).local_len(rank)
-    gc.collect()
-    reset_peak_rss()
-    base = rss_kib("VmRSS")
-    q, k, v = (torch.randn(1, heads, local, head_dim, requires_grad=True) for _ in range(3))
-    dout = torch.randn(1, heads, local, head_dim)
-    dist.barrier()
-    start = time.perf_counter()
-    PACKED_STEPS[method](q, k, v, dout, lengths, dist.group.WORLD)
-    dist.barrier()
-    seconds = time.perf_counter() - start
-    return seconds, (rss_kib("VmHWM") - base) / 1024, local
+    seconds, peak = timed_attention_step(
+        lambda q, k, v, dout: PACKED_STEPS[method](q, k, v, dout, lengths, dist.group.WORLD), local, heads, head_dim)
+    return seconds, peak, local
 
 
 def stream_zigzag_work(lengths: list[int], world: int) -> list[int]:

@@ -73,3 +73,25 @@ def reset_peak_rss() -> int:
         f.write("5")
     return rss_kib("VmRSS")
 
+
+
+def timed_attention_step(step, local: int, heads: int, head_dim: int) -> tuple[float, float]:
+    """(seconds, peak MiB) of ``step(q, k, v, dout)`` on fresh [1, heads, local, head_dim]
+    inputs, between two barriers of the default group (the slowest rank's time). Peak = the
+    high-water RSS during the step minus the RSS before the inputs were allocated."""
+    import gc
+    import time
+
+    import torch.distributed as dist
+
+    gc.collect()
+    reset_peak_rss()
+    base = rss_kib("VmRSS")
+    q, k, v = (torch.randn(1, heads, local, head_dim, requires_grad=True) for _ in range(3))
+    dout = torch.randn(1, heads, local, head_dim)
+    dist.barrier()
+    start = time.perf_counter()
+    step(q, k, v, dout)
+    dist.barrier()
+    seconds = time.perf_counter() - start
+    return seconds, (rss_kib("VmHWM") - base) / 1024

@@ -36,11 +36,9 @@ the bytes each rank sends with 4:1 grouped-query attention against the kv heads 
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))  # before any worker spawns
@@ -50,7 +48,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import markdown_table, reset_peak_rss, rss_kib, write_results  # noqa: E402
+from _results import markdown_table, timed_attention_step, write_results  # noqa: E402
 from shardzoo.comm.workers import WorkerPool  # noqa: E402
 from shardzoo.layers.ring_attention import ring_attention  # noqa: E402
 
@@ -103,18 +101,9 @@ def measure(method: str, seq: int, heads: int, head_dim: int, reps: int) -> tupl
     step = STEPS[method]
     times, peaks = [], []
     for _ in range(reps):
-        gc.collect()
-        reset_peak_rss()
-        base = rss_kib("VmRSS")
-        q, k, v = (torch.randn(1, heads, local, head_dim, requires_grad=True) for _ in range(3))
-        dout = torch.randn(1, heads, local, head_dim)
-        dist.barrier()
-        start = time.perf_counter()
-        step(q, k, v, dout, group)
-        dist.barrier()
-        times.append(time.perf_counter() - start)
-        peaks.append((rss_kib("VmHWM") - base) / 1024)
-        del q, k, v, dout
+        seconds, peak = timed_attention_step(lambda q, k, v, dout: step(q, k, v, dout, group), local, heads, head_dim)
+        times.append(seconds)
+        peaks.append(peak)
     return statistics.median(times), min(peaks)
 
 
