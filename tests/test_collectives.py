@@ -11,11 +11,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shardzoo import comm
-from shardzoo.testing import assert_close, run_on_ranks
+from shardzoo.testing import assert_close, dtypes, run_on_ranks
 
 OPS = ["copy_to", "reduce_from", "all_reduce", "scatter_to", "gather_from", "all_gather",
        "reduce_scatter", "all_to_all", "broadcast"]  # fmt: skip
-DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16}
+DTYPES = dtypes("fp32", "fp64", "bf16")
 
 
 def _tensor(seed: int, shape, dtype) -> torch.Tensor:

@@ -13,13 +13,14 @@ from shardzoo.comm.collectives import (
     scatter_to,
 )
 from shardzoo.comm.launch import launch
-from shardzoo.comm.mesh import TP_MODES, ParallelMesh
+from shardzoo.comm.mesh import ParallelMesh
 from shardzoo.comm.p2p import RingExchange, recv, send
+from shardzoo.comm.tp_grids import TP_GRIDS, TP_MODES, TpGrid
 from shardzoo.comm.workers import RankTimeoutError, RemoteTraceback, WorkerDiedError, WorkerPool
 
 __all__ = [
     "CommCounter", "count", "all_gather", "all_reduce", "all_to_all", "broadcast", "copy_to",
-    "gather_from", "reduce_from", "reduce_scatter", "scatter_to", "launch", "TP_MODES",
+    "gather_from", "reduce_from", "reduce_scatter", "scatter_to", "launch", "TP_GRIDS", "TP_MODES", "TpGrid",
     "ParallelMesh", "RingExchange", "recv", "send", "RankTimeoutError", "RemoteTraceback",
     "WorkerDiedError", "WorkerPool",
 ]  # fmt: skip

@@ -1,16 +1,9 @@
 """ParallelMesh: one explicit object holding every process group a layer needs.
 
 The world is a grid ``dp x pp x sp x tp`` (tp fastest-varying), and the tp axis is itself a
-sub-grid that depends on ``tp_mode``:
-
-======= ======== ============================ ==========================
-tp_mode tp size  tp sub-axes (slow -> fast)   classic name
-======= ======== ============================ ==========================
-1d      p        tp                           Megatron column / row
-2d      q*q      tp_row, tp_col               Optimus (SUMMA)
-2.5d    d*q*q    tp_dep, tp_row, tp_col       Tesseract
-3d      q*q*q    tp_x, tp_y, tp_z             3D (Bian et al.)
-======= ======== ============================ ==========================
+sub-grid that depends on ``tp_mode``: its sub-axes, sizes and legal tp are the rows of
+:data:`shardzoo.comm.tp_grids.TP_GRIDS` (1d: tp; 2d: tp_row x tp_col; 2.5d: tp_dep x tp_row x
+tp_col; 3d: tp_x x tp_y x tp_z).
 
 Groups come from torch's DeviceMesh (``mesh.device_mesh``), so they are ordinary process groups
 usable with DDP, FSDP2 and DTensor. Two meshes can live in one process; nothing is global.
@@ -27,70 +20,24 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-TP_MODES = ("1d", "2d", "2.5d", "3d")
-_TP_SUB_AXES = {
-    "1d": ("tp",),
-    "2d": ("tp_row", "tp_col"),
-    "2.5d": ("tp_dep", "tp_row", "tp_col"),
-    "3d": ("tp_x", "tp_y", "tp_z"),
-}
-
-
-def _int_root(n: int, k: int) -> int | None:
-    """The integer r with r**k == n, or None."""
-    r = round(n ** (1.0 / k))
-    for c in (r - 1, r, r + 1):
-        if c > 0 and c**k == n:
-            return c
-    return None
+from shardzoo.comm.tp_grids import TP_MODES, tp_grid  # noqa: F401  (TP_MODES: the public name stays here too)
 
 
 def default_tp_depth(tp: int, tp_mode: str) -> int:
     """The tp_depth to use when none is given: 1, except 2.5d where it is the smallest d with
     tp / d a perfect square (1 when tp is a square)."""
-    if tp_mode != "2.5d":
-        return 1
-    return next((d for d in range(1, tp + 1) if tp % d == 0 and _int_root(tp // d, 2) is not None), 1)
+    return tp_grid(tp_mode).default_depth(tp)
 
 
 def tp_grid_text(tp: int, tp_mode: str, tp_depth: int = 1) -> str:
     """``"tp=8,tp_mode=2.5d,tp_depth=2"``: the ParallelMesh arguments of a tp grid, the depth
     only where the mode has one."""
-    depth = f",tp_depth={tp_depth}" if tp_mode == "2.5d" else ""
-    return f"tp={tp},tp_mode={tp_mode}{depth}"
+    return tp_grid(tp_mode).text(tp, tp_depth)
 
 
 def tp_sub_shape(tp: int, tp_mode: str, tp_depth: int = 1) -> tuple[int, ...]:
-    """Sizes of the tp sub-axes for ``tp_mode`` (see the table above), with clear errors."""
-    if tp_mode not in TP_MODES:
-        raise ValueError(f"unknown tp_mode={tp_mode!r}; use one of {', '.join(TP_MODES)}")
-    if tp_mode != "2.5d" and tp_depth != 1:
-        raise ValueError(f"tp_depth={tp_depth} only applies to tp_mode='2.5d'; leave it at 1 for {tp_mode!r}")
-    if tp_mode == "1d":
-        return (tp,)
-    if tp_mode == "2d":
-        q = _int_root(tp, 2)
-        if q is None:
-            raise ValueError(
-                f"tp_mode='2d' needs tp to be a perfect square q*q; got tp={tp}. "
-                f"Use tp=4, 9, 16, ... or tp_mode='1d'"
-            )
-        return (q, q)
-    if tp_mode == "2.5d":
-        if tp_depth < 1 or tp % tp_depth != 0 or _int_root(tp // tp_depth, 2) is None:
-            raise ValueError(
-                f"tp_mode='2.5d' needs tp = tp_depth*q*q; got tp={tp}, tp_depth={tp_depth}. "
-                f"For example tp=8 with tp_depth=2 (q=2), or tp=4 with tp_depth=1"
-            )
-        q = _int_root(tp // tp_depth, 2)
-        return (tp_depth, q, q)
-    q = _int_root(tp, 3)
-    if q is None:
-        raise ValueError(
-            f"tp_mode='3d' needs tp to be a perfect cube q*q*q; got tp={tp}. Use tp=8, 27, ... "
-            f"or another tp_mode"
-        )
-    return (q, q, q)
+    """Sizes of the tp sub-axes for ``tp_mode`` (comm/tp_grids.py), with clear errors."""
+    return tp_grid(tp_mode).shape(tp, tp_depth)
 
 
 def _check_size_values(sizes: dict[str, int | None]) -> None:
@@ -204,13 +151,12 @@ class ParallelMesh:
                              f"timedelta), or None for torch's default")
         if not dist.is_available() or not dist.is_initialized():
             _start_serial_group({"dp": dp, "pp": pp, "sp": sp, "tp": tp}, seconds)
-        if tp_mode not in TP_MODES:
-            raise ValueError(f"unknown tp_mode={tp_mode!r}; use one of {', '.join(TP_MODES)}")
+        self.tp_grid = tp_grid(tp_mode)
         world = dist.get_world_size()
         sizes = _infer_sizes({"dp": dp, "pp": pp, "sp": sp, "tp": tp}, world)
         self.tp_mode = tp_mode
-        self.tp_sub_axes = _TP_SUB_AXES[tp_mode]
-        tp_shape = tp_sub_shape(sizes["tp"], tp_mode, tp_depth)
+        self.tp_sub_axes = self.tp_grid.sub_axes
+        tp_shape = self.tp_grid.shape(sizes["tp"], tp_depth)
         self.axis_names: tuple[str, ...] = ("dp", "pp", "sp") + self.tp_sub_axes
         self._sizes = {**sizes, **dict(zip(self.tp_sub_axes, tp_shape))}
         shape = tuple(self._sizes[a] for a in self.axis_names)
@@ -252,13 +198,14 @@ class ParallelMesh:
         """Mesh axes named by ``axes`` with "tp" expanded into the mode's sub-axes, checked and
         in mesh order: ``expand_axes("tp", "dp")`` on a 2d mesh is ("dp", "tp_row", "tp_col")."""
         expanded: list[str] = []
+        tp_is_split = "tp" not in self.tp_sub_axes  # the grid modes: "tp" names all their sub-axes
         for a in axes:
-            if a == "tp" and self.tp_mode != "1d":
+            if a == "tp" and tp_is_split:
                 expanded.extend(self.tp_sub_axes)
             elif a in self.axis_names:
                 expanded.append(a)
             else:
-                names = ", ".join(("tp",) + self.axis_names if self.tp_mode != "1d" else self.axis_names)
+                names = ", ".join(("tp",) + self.axis_names if tp_is_split else self.axis_names)
                 raise ValueError(f"unknown mesh axis {a!r} for tp_mode={self.tp_mode!r}; axes are {names}")
         if len(set(expanded)) != len(expanded):
             raise ValueError(f"mesh axes {axes} name an axis twice")
@@ -352,7 +299,8 @@ class ParallelMesh:
 
     @property
     def tp_depth(self) -> int:
-        return self._sizes["tp_dep"] if self.tp_mode == "2.5d" else 1
+        depth_axis = self.tp_grid.depth_axis
+        return self._sizes[depth_axis] if depth_axis else 1
 
     @property
     def q(self) -> int:

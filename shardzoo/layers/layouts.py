@@ -38,6 +38,7 @@ from torch import nn
 
 from shardzoo import comm
 from shardzoo.comm.mesh import default_device
+from shardzoo.comm.tp_grids import TP_GRIDS
 from shardzoo.layers.module import ParallelModule
 from shardzoo.layers.shard_spec import ShardSpec, shard_param
 
@@ -58,7 +59,8 @@ class ActivationLayout:
     @property
     def replica_axes(self) -> tuple[str, ...]:
         """Axes over which parameters are replicated (their gradients summed): tp_dep in 2.5D."""
-        return ("tp_dep",) if self.mode == "2.5d" else ()
+        depth_axis = TP_GRIDS[self.mode].depth_axis
+        return (depth_axis,) if depth_axis else ()
 
     @property
     def param_axes(self) -> tuple[str, ...]:
@@ -80,12 +82,8 @@ class ActivationLayout:
         return f"batch over {batch}, hidden over {self.hidden_axis}"
 
 
-_CANONICAL = {
-    "1d": ActivationLayout("1d", (), "tp"),
-    "2d": ActivationLayout("2d", ("tp_row",), "tp_col"),
-    "2.5d": ActivationLayout("2.5d", ("tp_dep", "tp_row"), "tp_col"),
-    "3d": ActivationLayout("3d", ("tp_x", "tp_y"), "tp_z"),
-}
+# Batch over every tp sub-axis but the fastest, hidden over the fastest (the table above)
+_CANONICAL = {mode: ActivationLayout(mode, grid.sub_axes[:-1], grid.sub_axes[-1]) for mode, grid in TP_GRIDS.items()}
 
 
 def canonical_layout(mesh) -> ActivationLayout:
@@ -190,7 +188,7 @@ def hidden_parts(mesh, layout: ActivationLayout) -> int:
 def check_hidden_parts(who: str, what: str, value: int, mesh, layout: ActivationLayout) -> None:
     """Raise unless ``value`` splits into :func:`hidden_parts` pieces (q*q in 2D / 2.5D, q^3 in 3D)."""
     parts = hidden_parts(mesh, layout)
-    rule = {"3d": "q*q*q"}.get(layout.mode, "q*q")
+    rule = "*".join("q" * TP_GRIDS[layout.mode].sides)  # the grid's sides: depth holds replicas
     check_divisible(who, what, value, parts, f"{rule}={parts}")
 
 

@@ -4,6 +4,7 @@ schedule, the torchrun command). Shared by the why line, ``--explain`` and ``--j
 
 from __future__ import annotations
 
+from shardzoo.comm.tp_grids import TP_GRIDS
 from shardzoo.planner.hardware import GIB
 
 # (JSON key, MemoryBreakdown field) in the order of the peak formula (planner/memory.py)
@@ -52,7 +53,7 @@ def run_lines(plan, cand) -> list[str]:
 
     lay, m, zero = cand.layout, cand.micro_batches, cand.zero
     fam = family_named(plan.problem.shape.family)
-    depth = f", tp_depth={lay['tp_depth']}" if lay["tp_mode"] == "2.5d" else ""
+    depth = f", tp_depth={lay['tp_depth']}" if TP_GRIDS[lay["tp_mode"]].has_depth else ""
     mesh = (f"mesh = shardzoo.ParallelMesh(dp={lay['dp']}, pp={lay['pp']}, sp={lay['sp']}, tp={lay['tp']}, "
             f"tp_mode=\"{lay['tp_mode']}\"{depth})")
     extra = ""

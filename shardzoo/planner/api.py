@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from fractions import Fraction
 
-from shardzoo.comm.mesh import TP_MODES
+from shardzoo.comm.tp_grids import TP_GRIDS, TP_MODES
 from shardzoo.layers.block_costs import Illegal
 from shardzoo.planner.enumerate import ZERO_STAGES, Problem, Pruned, layouts
 from shardzoo.planner.evaluate import Layout, Pricer
@@ -50,7 +50,7 @@ class Candidate:
 
     def describe(self) -> str:
         lay = self.layout
-        depth = f" d={lay['tp_depth']}" if lay["tp_mode"] == "2.5d" else ""
+        depth = f" d={lay['tp_depth']}" if TP_GRIDS[lay["tp_mode"]].has_depth else ""
         return (f"dp={lay['dp']} pp={lay['pp']} sp={lay['sp']} tp={lay['tp']} {lay['tp_mode']}{depth}, "
                 f"{self.micro_batches} micro-batch{'es' if self.micro_batches > 1 else ''}, "
                 f"checkpointing {'on' if self.activation_checkpointing else 'off'}, zero={self.zero}")

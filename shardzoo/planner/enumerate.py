@@ -14,7 +14,8 @@ import re
 from dataclasses import dataclass
 from typing import Iterator
 
-from shardzoo.comm.mesh import TP_MODES, default_tp_depth, tp_grid_text, tp_sub_shape
+from shardzoo.comm.mesh import default_tp_depth, tp_grid_text, tp_sub_shape
+from shardzoo.comm.tp_grids import TP_GRIDS, TP_MODES
 from shardzoo.layers.block_costs import Illegal
 from shardzoo.layers.tensor_layout import LAYOUTS
 from shardzoo.planner.evaluate import Layout
@@ -29,18 +30,19 @@ def divisors(n: int) -> list[int]:
 
 
 def tp_grids(world: int, modes=TP_MODES) -> Iterator[tuple[str, int, int]]:
-    """(tp_mode, tp, tp_depth) of every tp grid whose size divides ``world``: 1d any size,
-    2d q*q, 2.5d d*q*q with d >= 2 (d = 1 is 2d), 3d q^3 (q >= 2 for the grids)."""
+    """(tp_mode, tp, tp_depth) of every distinct tp grid whose size divides ``world``
+    (``TpGrid.planned_depths``: 1d any size, the grids with side q >= 2, 2.5d at depth >= 2).
+    Per tp: 1d first, then the grids by side, equal sides in TP_MODES order."""
     for tp in divisors(world):
-        if "1d" in modes:
-            yield "1d", tp, 1
-        for q in range(2, int(tp**0.5) + 1):
-            if "2d" in modes and q * q == tp:
-                yield "2d", tp, 1
-            if "2.5d" in modes and tp % (q * q) == 0 and tp // (q * q) >= 2:
-                yield "2.5d", tp, tp // (q * q)
-            if "3d" in modes and q**3 == tp:
-                yield "3d", tp, 1
+        found = [(mode, tp, depth) for mode, grid in TP_GRIDS.items() if mode in modes
+                 for depth in grid.planned_depths(tp)]
+        yield from sorted(found, key=lambda g: (_side(*g), TP_MODES.index(g[0])))
+
+
+def _side(mode: str, tp: int, depth: int) -> int:
+    """The grid side q the enumeration orders by; 0 for 1d, which comes first."""
+    grid = TP_GRIDS[mode]
+    return 0 if grid.sides == 1 else grid.side(tp, depth)
 
 
 @dataclass(frozen=True)

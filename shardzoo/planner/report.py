@@ -3,6 +3,7 @@ layout costs term by term (``--explain``) and the message when nothing fits."""
 
 from __future__ import annotations
 
+from shardzoo.comm.tp_grids import TP_GRIDS
 from shardzoo.planner import time as timing
 from shardzoo.planner.advice import memory_text, run_lines
 from shardzoo.planner.enumerate import explain
@@ -16,7 +17,7 @@ def table(candidates, start: int = 1) -> str:
     rows = []
     for i, c in enumerate(candidates, start):
         lay = c.layout
-        mode = lay["tp_mode"] + (f" d={lay['tp_depth']}" if lay["tp_mode"] == "2.5d" else "")
+        mode = lay["tp_mode"] + (f" d={lay['tp_depth']}" if TP_GRIDS[lay["tp_mode"]].has_depth else "")
         rows.append([str(i), str(lay["dp"]), str(lay["pp"]), str(lay["sp"]), str(lay["tp"]), mode,
                      str(c.micro_batches), "on" if c.activation_checkpointing else "off", str(c.zero),
                      f"{c.param_bytes_per_rank / GIB:.2f}", f"{c.peak_bytes_per_rank / GIB:.2f}",

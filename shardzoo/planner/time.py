@@ -20,7 +20,7 @@ otherwise it is costed at the inter-node bandwidth and latency.
 
 from __future__ import annotations
 
-from shardzoo.comm.mesh import _TP_SUB_AXES, tp_sub_shape
+from shardzoo.comm.tp_grids import tp_grid
 from shardzoo.planner.hardware import Hardware
 
 ADAM_PASSES = 12  # elementwise passes of torch's single-tensor AdamW per parameter
@@ -28,8 +28,9 @@ ADAM_PASSES = 12  # elementwise passes of torch's single-tensor AdamW per parame
 
 def axis_strides(dp: int, pp: int, sp: int, tp: int, tp_mode: str, tp_depth: int) -> dict[str, tuple[int, int]]:
     """axis -> (stride in the global rank order, size)."""
-    names = ("dp", "pp", "sp") + _TP_SUB_AXES[tp_mode]
-    sizes = (dp, pp, sp) + tp_sub_shape(tp, tp_mode, tp_depth)
+    grid = tp_grid(tp_mode)
+    names = ("dp", "pp", "sp") + grid.sub_axes
+    sizes = (dp, pp, sp) + grid.shape(tp, tp_depth)
     out, stride = {}, 1
     for name, size in reversed(list(zip(names, sizes))):
         out[name] = (stride, size)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+from shardzoo.comm.tp_grids import tp_grid
 from shardzoo.layers.block_costs import Piece
 from shardzoo.layers.tensor_layout import LAYOUTS
 from shardzoo.planner.comm import call_bytes
@@ -24,8 +25,7 @@ def sent_bytes(piece: Piece) -> Fraction:
 
 def costs_of(mode: str, q: int, d: int = 1, e: int = 4):
     """The block_costs object of ``mode`` on a grid of side ``q`` (depth ``d``)."""
-    tp = {"1d": q, "3d": q**3}.get(mode, q * q * d)
-    return LAYOUTS[mode].costs(tp, d, e)
+    return LAYOUTS[mode].costs(tp_grid(mode).size(q, d), d, e)
 
 
 def _mlp_pieces(mode, rows, hidden, ffn, q, d, e) -> list[Piece]:

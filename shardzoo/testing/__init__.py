@@ -11,6 +11,8 @@
 """
 
 from shardzoo.testing.asserts import TOLERANCES, assert_close, assert_close_conditioned, tolerance
+from shardzoo.testing.dtypes import DTYPES, dtypes
 from shardzoo.testing.pools import cached_mesh, close_pools, get_pool, run_on_ranks
 
-__all__ = ["TOLERANCES", "assert_close", "assert_close_conditioned", "tolerance", "cached_mesh", "close_pools", "get_pool", "run_on_ranks"]
+__all__ = ["DTYPES", "dtypes", "TOLERANCES", "assert_close", "assert_close_conditioned", "tolerance", "cached_mesh",
+           "close_pools", "get_pool", "run_on_ranks"]

@@ -1,16 +1,10 @@
-"""Comparisons used by parallel-vs-serial tests, with one tolerance table for every test."""
+"""Comparisons used by parallel-vs-serial tests, at the tolerances of testing/dtypes.py."""
 
 from __future__ import annotations
 
 import torch
 
-# (rtol, atol) per dtype for parallel-vs-serial comparisons of the same math.
-TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
-    torch.float64: (1e-10, 1e-12),
-    torch.float32: (1e-5, 1e-6),
-    torch.float16: (1e-2, 1e-3),
-    torch.bfloat16: (2e-2, 1e-2),
-}
+from shardzoo.testing.dtypes import TOLERANCES
 
 
 def tolerance(dtype: torch.dtype) -> tuple[float, float]:

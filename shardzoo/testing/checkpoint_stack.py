@@ -12,19 +12,20 @@ from torch import nn
 from shardzoo import checkpoint
 from shardzoo.layers.shard_spec import full_state_dict, get_shard_spec
 from shardzoo.testing import cached_mesh
+from shardzoo.testing.meshes import with_world
 
 VOCAB, HIDDEN, FFN = 13, 8, 16
 CONFIG = {"vocab_size": VOCAB, "hidden_size": HIDDEN, "ffn_size": FFN}
 # name -> (ParallelMesh kwargs, world size); "serial" runs in the test process, no mesh
 LAYOUTS = {
     "serial": (None, 1),
-    "1d_tp2": (dict(tp=2), 2),
-    "1d_tp4": (dict(tp=4), 4),
-    "1d_dp2_tp2": (dict(dp=2, tp=2), 4),
-    "1d_pp2_tp2": (dict(pp=2, tp=2), 4),  # stage 0: emb + ln, stage 1: fc1 + fc2
-    "2d": (dict(tp=4, tp_mode="2d"), 4),
-    "2.5d": (dict(tp=8, tp_mode="2.5d", tp_depth=2), 8),
-    "3d": (dict(tp=8, tp_mode="3d"), 8),
+    "1d_tp2": with_world(tp=2),
+    "1d_tp4": with_world(tp=4),
+    "1d_dp2_tp2": with_world(dp=2, tp=2),
+    "1d_pp2_tp2": with_world(pp=2, tp=2),  # stage 0: emb + ln, stage 1: fc1 + fc2
+    "2d": with_world(tp=4, tp_mode="2d"),
+    "2.5d": with_world(tp=8, tp_mode="2.5d", tp_depth=2),
+    "3d": with_world(tp=8, tp_mode="3d"),
 }
 
 

@@ -14,20 +14,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardzoo.testing.dtypes import dtypes
+from shardzoo.testing.meshes import batch_parts, hidden_parts, with_world
 from shardzoo.testing.pools import cached_mesh
 
-DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+DTYPES = dtypes("fp32", "fp64")
 # name -> (ParallelMesh kwargs, world size)
 MESHES = {
-    "2d": (dict(tp=4, tp_mode="2d"), 4),
-    "2d_dp2": (dict(dp=2, tp=4, tp_mode="2d"), 8),
-    "2d_sp2": (dict(sp=2, tp=4, tp_mode="2d"), 8),
-    "2.5d": (dict(tp=8, tp_mode="2.5d", tp_depth=2), 8),
-    "2.5d_d1": (dict(tp=4, tp_mode="2.5d", tp_depth=1), 4),
-    "3d": (dict(tp=8, tp_mode="3d"), 8),
+    "2d": with_world(tp=4, tp_mode="2d"),
+    "2d_dp2": with_world(dp=2, tp=4, tp_mode="2d"),
+    "2d_sp2": with_world(sp=2, tp=4, tp_mode="2d"),
+    "2.5d": with_world(tp=8, tp_mode="2.5d", tp_depth=2),
+    "2.5d_d1": with_world(tp=4, tp_mode="2.5d", tp_depth=1),
+    "3d": with_world(tp=8, tp_mode="3d"),
 }
 # name -> parts the batch (dim 0) of an activation is cut into: a batch must be a multiple
-BATCH_PARTS = {"2d": 2, "2d_dp2": 2, "2d_sp2": 2, "2.5d": 4, "2.5d_d1": 2, "3d": 4}
+BATCH_PARTS = {name: batch_parts(kwargs) for name, (kwargs, _) in MESHES.items()}
 
 
 def mesh_of(name: str):
@@ -41,8 +43,9 @@ def world_of(name: str) -> int:
 
 
 def hidden_parts_of(name: str, q: int = 2) -> int:
-    """Pieces an H-indexed table is cut into: q*q in 2D / 2.5D, q^3 in 3D."""
-    return q**3 if name == "3d" else q * q
+    """Pieces an H-indexed table is cut into on ``name``'s mode with side ``q``: q*q in 2D /
+    2.5D, q^3 in 3D."""
+    return hidden_parts(MESHES[name][0]["tp_mode"], q)
 
 
 def classes(mode: str) -> dict[str, type]:

@@ -10,18 +10,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardzoo.kernels import HAS_TRITON
 from shardzoo.kernels._triton import interpreting
+from shardzoo.testing.dtypes import KERNEL_GRAD_TOL as GRAD_TOL
+from shardzoo.testing.dtypes import KERNEL_OUT_TOL as OUT_TOL
+from shardzoo.testing.dtypes import dtypes
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TRITON_RUNNABLE = HAS_TRITON and (DEVICE.type == "cuda" or interpreting())
 needs_triton = pytest.mark.skipif(
     not TRITON_RUNNABLE, reason="needs triton plus a CUDA device or TRITON_INTERPRET=1 (set by conftest on CPU)")
 
-# (atol, rtol) of a kernel output against plain torch in fp32 on the same (upcast) inputs.
-# Low-precision rows cover rounding the result to the input dtype (the interpreter rounds
-# toward zero, so up to one full ulp) and, for gradients, the rounded `out` in D = rowsum(dO*O).
-OUT_TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
-GRAD_TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (5e-3, 5e-3), torch.bfloat16: (4e-2, 4e-2)}
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# OUT_TOL, GRAD_TOL: (atol, rtol) of a kernel against plain torch, from testing/dtypes.py
+DTYPES = tuple(dtypes("fp32", "fp16", "bf16").values())  # the kernels' input dtypes
 
 
 def assert_close(actual, expected, tol, scale_atol=True, msg=""):

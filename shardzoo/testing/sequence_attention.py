@@ -7,11 +7,10 @@ import torch.nn.functional as F
 
 from shardzoo.layers.sequence import gather_sequence, shard_padding_mask, shard_sequence
 from shardzoo.testing import assert_close, assert_close_conditioned
+from shardzoo.testing.dtypes import SEQUENCE_BF16_TOL, dtypes
 
-DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16}
+DTYPES = dtypes("fp32", "fp64", "bf16")
 MASK_KINDS = ["none", "random", "right_pad", "rank_padded", "all_padded"]
-# bf16 inputs vs the fp64 reference on the same rounded inputs (docs/sequence_parallel.md)
-BF16_TOL = {"out": (2e-2, 2e-2), "grad": (5e-2, 5e-2)}
 
 
 def sdpa_reference(q, k, v, mask, causal, scale=None):
@@ -94,7 +93,7 @@ def parallel_attention(attention, q, k, v, dout, mask, causal, group, shard_zigz
 
 def compare(actual, expected, dtype, what):
     """Assert (out, dq, dk, dv) of a parallel run equal the fp64 reference: dtype kept; bf16 at
-    BF16_TOL, other dtypes at assert_close's tolerance times 4 plus 4 times the serial run's own
+    SEQUENCE_BF16_TOL, other dtypes at assert_close's tolerance times 4 plus 4 times the serial run's own
     error against fp64 where ``expected`` carries the serial run (:func:`reference_grads`): a
     gradient element near zero carries the rounding of the large terms that cancel in it."""
     names = ("out", "dq", "dk", "dv")
@@ -106,7 +105,7 @@ def compare(actual, expected, dtype, what):
             continue
         assert a.dtype == dtype, f"{what} {name} dtype {a.dtype} != {dtype}"
         if dtype == torch.bfloat16:
-            rtol, atol = BF16_TOL["out" if name == "out" else "grad"]
+            rtol, atol = SEQUENCE_BF16_TOL["out" if name == "out" else "grad"]
             torch.testing.assert_close(a.double(), e, rtol=rtol, atol=atol, msg=lambda m: f"{what} {name}: {m}")
         else:
             assert_close(a, e.to(dtype), f"{what} {name}", scale=4.0)

@@ -24,8 +24,7 @@ from torch import nn
 
 from shardzoo.layers.shard_spec import full_state_dict, gather_full, get_shard_spec
 from shardzoo.testing.asserts import assert_close, assert_close_conditioned
-
-SCALE = 8  # tolerance multiple of the grid layouts: block sums add in another order than serial
+from shardzoo.testing.dtypes import GRID_SCALE
 
 
 def randn(seed: int, shape, dtype: torch.dtype) -> torch.Tensor:
@@ -60,7 +59,7 @@ def check_state_matches(par: nn.Module, serial: nn.Module, what: str) -> None:
         assert get_shard_spec(par, n) is not None, f"{what}: parameter {n} has no ShardSpec"
 
 
-def check_grads_match(par: nn.Module, serial: nn.Module, mesh, what: str, scale: float = SCALE) -> None:
+def check_grads_match(par: nn.Module, serial: nn.Module, mesh, what: str, scale: float = GRID_SCALE) -> None:
     """Every parameter gradient of ``par``, gathered to full size, equals the serial one
     (same parameter names) within the dtype's tolerance times ``scale``."""
     ref = dict(serial.named_parameters())
@@ -87,9 +86,9 @@ def compare_module(par: nn.Module, serial: nn.Module, mesh, x_full: torch.Tensor
     (y64 * g.double()).sum().backward()
     xp = x_full.clone().requires_grad_(float_input)
     y = par.gather_output(par(par.shard_input(xp)))
-    assert_close_conditioned(y, ys.detach(), y64.detach(), f"{what} output", SCALE)
+    assert_close_conditioned(y, ys.detach(), y64.detach(), f"{what} output", GRID_SCALE)
     (y * g).sum().backward()
     if float_input:
-        assert_close_conditioned(xp.grad, xs.grad, x64.grad, f"{what} input grad", SCALE)
+        assert_close_conditioned(xp.grad, xs.grad, x64.grad, f"{what} input grad", GRID_SCALE)
     check_grads_match(par, serial, mesh, what)
     return tuple(y.shape)

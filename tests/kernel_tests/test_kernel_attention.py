@@ -17,9 +17,9 @@ from shardzoo.testing.kernels import (
     randn,
     sdpa_attention,
 )
+from shardzoo.testing.dtypes import KERNEL_LSE_TOL as LSE_TOL
 
 BACKENDS = [pytest.param("triton", marks=needs_triton), "aten", "torch"]
-LSE_TOL = (1e-4, 1e-5)  # lse is fp32 from exactly upcast inputs, whatever the input dtype
 
 
 def check_attention(backend, b, h, sq, sk, d, dtype, causal, mask_kind, seed):

@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardzoo.layers.cross_entropy import vocab_parallel_cross_entropy
-from shardzoo.testing import assert_close, cached_mesh, run_on_ranks
+from shardzoo.testing import assert_close, cached_mesh, dtypes, run_on_ranks
 
-DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+DTYPES = dtypes("fp32", "fp64")
 
 
 def check_cross_entropy(case, group_axes=None):

@@ -9,9 +9,9 @@ from torch import nn
 
 from shardzoo.layers.embedding_1d import Embedding1D, VocabParallelEmbedding1D
 from shardzoo.layers.shard_spec import full_state_dict, gather_full, get_shard_spec
-from shardzoo.testing import assert_close, cached_mesh, run_on_ranks
+from shardzoo.testing import assert_close, cached_mesh, dtypes, run_on_ranks
 
-DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+DTYPES = dtypes("fp32", "fp64")
 
 
 def check_embedding(case):

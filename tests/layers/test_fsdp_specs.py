@@ -15,14 +15,15 @@ from shardzoo.layers import (ParallelLinear1D, ParallelLinear2D, ParallelLinear2
                              VocabParallelEmbedding3D)
 from shardzoo.layers.shard_spec import ShardSpecError, full_state_dict, get_shard_spec
 from shardzoo.testing import cached_mesh, run_on_ranks
+from shardzoo.testing.meshes import with_world
 
 # name -> (ParallelMesh kwargs, world, linear class, vocab-parallel embedding class)
 LAYOUTS = {
-    "1d": (dict(dp=2, tp=2), 4, ParallelLinear1D, VocabParallelEmbedding1D),
-    "2d": (dict(dp=2, tp=4, tp_mode="2d"), 8, ParallelLinear2D, VocabParallelEmbedding2D),
-    "2.5d": (dict(dp=2, tp=4, tp_mode="2.5d", tp_depth=1), 8, ParallelLinear2p5D, VocabParallelEmbedding2p5D),
-    "2.5d_d2": (dict(tp=8, tp_mode="2.5d", tp_depth=2), 8, ParallelLinear2p5D, VocabParallelEmbedding2p5D),
-    "3d": (dict(tp=8, tp_mode="3d"), 8, ParallelLinear3D, VocabParallelEmbedding3D),  # dp=1: 8 ranks at most
+    "1d": (*with_world(dp=2, tp=2), ParallelLinear1D, VocabParallelEmbedding1D),
+    "2d": (*with_world(dp=2, tp=4, tp_mode="2d"), ParallelLinear2D, VocabParallelEmbedding2D),
+    "2.5d": (*with_world(dp=2, tp=4, tp_mode="2.5d", tp_depth=1), ParallelLinear2p5D, VocabParallelEmbedding2p5D),
+    "2.5d_d2": (*with_world(tp=8, tp_mode="2.5d", tp_depth=2), ParallelLinear2p5D, VocabParallelEmbedding2p5D),
+    "3d": (*with_world(tp=8, tp_mode="3d"), ParallelLinear3D, VocabParallelEmbedding3D),  # dp=1: 8 ranks at most
 }
 
 

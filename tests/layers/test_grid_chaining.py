@@ -16,7 +16,8 @@ from shardzoo.layers.tensor_layout import layout_of
 from shardzoo.layers.shard_spec import full_state_dict
 from shardzoo.testing import assert_close, assert_close_conditioned, run_on_ranks
 from shardzoo.testing.grid import BATCH_PARTS, DTYPES, MLPBlock, mesh_of, parallel_mlp, world_of
-from shardzoo.testing.serial_twin import SCALE, check_grads_match, data_seed, perturbed, randn
+from shardzoo.testing.dtypes import GRID_SCALE
+from shardzoo.testing.serial_twin import check_grads_match, data_seed, perturbed, randn
 
 
 # -- layouts are fixed at construction: what is checked, and where ----------------------------
@@ -39,7 +40,7 @@ def check_layout_contract(name, seed):
     fc1, fc2 = tpl.linear(serial=s1, style="column"), tpl.linear(serial=s2, style="row")
     assert fc1.layout == tpl.activation and fc2.layout == tpl.after(fc1) and tpl.after(fc2) == tpl.activation
     y = fc2(fc1(tpl.shard_input(x_full)))
-    assert_close(tpl.gather_output(y).detach(), s2(s1(x_full)).detach(), "factory-chained pair", SCALE)
+    assert_close(tpl.gather_output(y).detach(), s2(s1(x_full)).detach(), "factory-chained pair", GRID_SCALE)
     other = layouts.ActivationLayout("2.5d" if tpl.mode != "2.5d" else "2d", ("tp_row",), "tp_col")
     m = error_of(type(fc1).from_serial, s1, mesh, layout=other)
     assert f"got a layout for tp_mode={other.mode!r}" in m and "Pass the output_layout" in m, m
@@ -83,7 +84,7 @@ def check_mlp_training(case):
         (y_p * g).sum().backward()
         # Adam normalises each element by its own gradient history, so in fp32 an element with a
         # gradient near zero can take a visibly different step; compare later steps more loosely
-        scale = SCALE if step == 0 or dtype == torch.float64 else 50 * SCALE
+        scale = GRID_SCALE if step == 0 or dtype == torch.float64 else 50 * GRID_SCALE
         assert_close_conditioned(y_p.detach(), y_s.detach(), y_e.detach(), f"step {step} output", scale)
         assert_close_conditioned(xp.grad, xs.grad, xe.grad, f"step {step} input grad", scale)
         check_grads_match(par, serial, mesh, f"step {step}", scale)

@@ -15,8 +15,9 @@ from torch import nn
 from shardzoo.layers import layouts
 from shardzoo.testing import assert_close, run_on_ranks
 from shardzoo.testing.grid import BATCH_PARTS, DTYPES, classes, hidden_parts_of, mesh_of, world_of
-from shardzoo.testing.serial_twin import (SCALE, check_grads_match, check_state_matches, compare_module, data_seed,
-                                          perturbed, randn)
+from shardzoo.testing.dtypes import GRID_SCALE
+from shardzoo.testing.serial_twin import (check_grads_match, check_state_matches, compare_module, data_seed, perturbed,
+                                          randn)
 from shardzoo.testing.tied_classifier import check_checkpoint_round_trip, check_tied_classifier
 
 SUFFIX = {"2d": "2D", "2.5d": "2p5D", "3d": "3D"}
@@ -226,8 +227,8 @@ def check_lm(case):
     w = randn(dseed + 1, loss.shape, loss.dtype)  # weights every per-token loss differently
     (loss * w).sum().backward()
     (loss_p * w).sum().backward()
-    assert_close(head_p.gather_output(logits_p.detach()), logits.detach(), "logits", SCALE)
-    assert_close(loss_p.detach(), loss.detach(), f"loss ({reduction})", SCALE)
+    assert_close(head_p.gather_output(logits_p.detach()), logits.detach(), "logits", GRID_SCALE)
+    assert_close(loss_p.detach(), loss.detach(), f"loss ({reduction})", GRID_SCALE)
     check_grads_match(emb_p, emb, mesh, "embedding")
     if not case["tied"]:
         check_grads_match(head_p, head, mesh, "head")

@@ -18,10 +18,12 @@ from shardzoo.layers.patch_embedding_2d import serial_patch_embedding
 from shardzoo.layers.tensor_layout import LAYOUTS, layout_of
 from shardzoo.testing import assert_close, run_on_ranks
 from shardzoo.testing.pools import cached_mesh
-from shardzoo.testing.serial_twin import SCALE, check_grads_match, perturbed, randn
+from shardzoo.testing.dtypes import GRID_SCALE
+from shardzoo.testing.meshes import with_world
+from shardzoo.testing.serial_twin import check_grads_match, perturbed, randn
 
-MESHES = {"1d": (dict(tp=4, tp_mode="1d"), 4), "2d": (dict(tp=4, tp_mode="2d"), 4),
-          "2.5d": (dict(tp=8, tp_mode="2.5d", tp_depth=2), 8), "3d": (dict(tp=8, tp_mode="3d"), 8)}
+MESHES = {"1d": with_world(tp=4, tp_mode="1d"), "2d": with_world(tp=4, tp_mode="2d"),
+          "2.5d": with_world(tp=8, tp_mode="2.5d", tp_depth=2), "3d": with_world(tp=8, tp_mode="3d")}
 B, S, H, V, C = 4, 3, 8, 10, 3  # V=10 pads the vocabulary on every grid; H=8 splits q^3 ways in 3D
 KINDS = ["pair", "dense", "norm", "rms_norm", "embedding", "vocab_embedding", "patch_embedding", "lm_head",
          "classifier", "first_token"]
@@ -110,11 +112,11 @@ def check_kinds(mode, seed):
         else:
             ys, y = serial(xs), leave(par(enter(xp)))
         g = randn(seed + 4, ys.shape, ys.dtype)
-        assert_close(y.detach(), ys.detach(), f"{mode} {kind} output", SCALE)
+        assert_close(y.detach(), ys.detach(), f"{mode} {kind} output", GRID_SCALE)
         (ys * g).sum().backward()
         (y * g).sum().backward()
         if float_input:
-            assert_close(xp.grad, xs.grad, f"{mode} {kind} input grad", SCALE)
+            assert_close(xp.grad, xs.grad, f"{mode} {kind} input grad", GRID_SCALE)
         if par is not None:
             check_grads_match(par, serial, mesh, f"{mode} {kind}")
     return True

@@ -10,14 +10,13 @@ import torch
 from torch import nn
 
 from shardzoo.layers import layouts
-from shardzoo.testing import run_on_ranks
+from shardzoo.testing import dtypes, run_on_ranks
 from shardzoo.layers.tensor_layout import layout_of
 from shardzoo.planner import volumes
 from shardzoo.testing.grid import BATCH_PARTS, MLPBlock, classes, mesh_of, parallel_mlp, world_of
 from shardzoo.testing.serial_twin import randn
-from shardzoo.testing.grid import DTYPES as _DTYPES
 
-DTYPES = {**_DTYPES, "bf16": torch.bfloat16}
+DTYPES = dtypes("fp32", "fp64", "bf16")
 
 
 # -- communication volume: counted bytes equal the closed forms of docs/tp_modes.md ---------

@@ -9,17 +9,18 @@ from torch import nn
 from shardzoo.layers.attention import SelfAttention, fuse_qkv
 from shardzoo.layers.shard_spec import gather_full, get_shard_spec
 from shardzoo.testing import assert_close, cached_mesh, run_on_ranks
+from shardzoo.testing.meshes import with_world
 
 # name -> (ParallelMesh kwargs, world)
 LAYOUTS = {
-    "serial": (dict(), 1),
-    "1d_tp2": (dict(tp=2), 2),
-    "1d_tp4": (dict(tp=4), 4),
-    "1d_tp2_sp2": (dict(tp=2, sp=2), 4),
-    "2d_tp4": (dict(tp=4, tp_mode="2d"), 4),
-    "2d_tp4_sp2": (dict(tp=4, tp_mode="2d", sp=2), 8),
-    "2.5d_tp8": (dict(tp=8, tp_mode="2.5d", tp_depth=2), 8),
-    "3d_tp8": (dict(tp=8, tp_mode="3d"), 8),
+    "serial": with_world(),
+    "1d_tp2": with_world(tp=2),
+    "1d_tp4": with_world(tp=4),
+    "1d_tp2_sp2": with_world(tp=2, sp=2),
+    "2d_tp4": with_world(tp=4, tp_mode="2d"),
+    "2d_tp4_sp2": with_world(tp=4, tp_mode="2d", sp=2),
+    "2.5d_tp8": with_world(tp=8, tp_mode="2.5d", tp_depth=2),
+    "3d_tp8": with_world(tp=8, tp_mode="3d"),
 }
 
 

@@ -10,14 +10,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardzoo.testing import cached_mesh, run_on_ranks
+from shardzoo.testing.meshes import with_world
 
 TINY = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=300, n_positions=16)
 LAYOUTS = {
-    "serial": (dict(), 1),
-    "1d_tp2": (dict(tp=2), 2),
-    "2d_tp4": (dict(tp=4, tp_mode="2d"), 4),
-    "pp2_2d_tp4": (dict(pp=2, tp=4, tp_mode="2d"), 8),
-    "pp2_dp2": (dict(pp=2, dp=2), 4),
+    "serial": with_world(),
+    "1d_tp2": with_world(tp=2),
+    "2d_tp4": with_world(tp=4, tp_mode="2d"),
+    "pp2_2d_tp4": with_world(pp=2, tp=4, tp_mode="2d"),
+    "pp2_dp2": with_world(pp=2, dp=2),
 }
 
 

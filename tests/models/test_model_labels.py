@@ -10,8 +10,9 @@ import torch.nn.functional as F
 from shardzoo.layers.batch_loss import shift_labels
 from shardzoo.testing import assert_close, cached_mesh, run_on_ranks
 from shardzoo.testing.hf_twins import converted, grads_vs_reference, hf_gpt2, hf_opt, shardzoo_twin
+from shardzoo.testing.meshes import with_world
 
-MESHES = {"sp2": (dict(sp=2), 2), "dp2_sp2": (dict(dp=2, sp=2), 4), "1d_tp2_sp2": (dict(tp=2, sp=2), 4)}
+MESHES = {"sp2": with_world(sp=2), "dp2_sp2": with_world(dp=2, sp=2), "1d_tp2_sp2": with_world(tp=2, sp=2)}
 
 
 def test_shift_labels_is_transformers_causal_shift():

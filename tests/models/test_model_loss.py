@@ -11,15 +11,16 @@ import torch.nn.functional as F
 from shardzoo.layers.shard_spec import gather_full, get_shard_spec
 from shardzoo.testing import assert_close, cached_mesh, run_on_ranks
 from shardzoo.testing.hf_twins import converted, grads_vs_reference, hf_gpt2, shardzoo_twin
+from shardzoo.testing.meshes import with_world
 
 MESHES = {
-    "sp2": (dict(sp=2), 2),
-    "1d_tp2_sp2": (dict(tp=2, sp=2), 4),
-    "dp2_sp2": (dict(dp=2, sp=2), 4),
-    "2d_tp4_sp2": (dict(tp=4, tp_mode="2d", sp=2), 8),
-    "3d_tp8": (dict(tp=8, tp_mode="3d"), 8),
-    "2d_tp4": (dict(tp=4, tp_mode="2d"), 4),
-    "pp2_sp2": (dict(pp=2, sp=2), 4),
+    "sp2": with_world(sp=2),
+    "1d_tp2_sp2": with_world(tp=2, sp=2),
+    "dp2_sp2": with_world(dp=2, sp=2),
+    "2d_tp4_sp2": with_world(tp=4, tp_mode="2d", sp=2),
+    "3d_tp8": with_world(tp=8, tp_mode="3d"),
+    "2d_tp4": with_world(tp=4, tp_mode="2d"),
+    "pp2_sp2": with_world(pp=2, sp=2),
 }
 BATCH, SEQ = 4, 12  # zigzag over sp=2: rank 0 holds positions 0-2 and 9-11 of every row
 

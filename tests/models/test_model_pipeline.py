@@ -8,11 +8,12 @@ import torch.nn.functional as F
 
 from shardzoo.testing import assert_close, cached_mesh, run_on_ranks
 from shardzoo.testing.hf_twins import converted, grads_vs_reference, hf_gpt2
+from shardzoo.testing.meshes import with_world
 
 LAYOUTS = {
-    "pp2_1d_tp2": (dict(pp=2, tp=2), 4),
-    "pp2_2d_tp4": (dict(pp=2, tp=4, tp_mode="2d"), 8),
-    "pp2_sp2": (dict(pp=2, sp=2), 4),
+    "pp2_1d_tp2": with_world(pp=2, tp=2),
+    "pp2_2d_tp4": with_world(pp=2, tp=4, tp_mode="2d"),
+    "pp2_sp2": with_world(pp=2, sp=2),
 }
 
 

@@ -9,19 +9,20 @@ import torch.nn.functional as F
 
 from shardzoo.testing import cached_mesh, run_on_ranks
 from shardzoo.testing.hf_twins import converted, hf_gpt2
+from shardzoo.testing.meshes import with_world
 
 STEPS, LR, CLIP = 5, 1e-2, 0.5
 LAYOUTS = {
-    "serial": (dict(), 1),
-    "1d_tp4": (dict(tp=4), 4),
-    "1d_tp2_dp2": (dict(tp=2, dp=2), 4),
-    "2d_tp4": (dict(tp=4, tp_mode="2d"), 4),
-    "2d_tp4_sp2": (dict(tp=4, tp_mode="2d", sp=2), 8),
-    "2.5d_tp8": (dict(tp=8, tp_mode="2.5d", tp_depth=2), 8),
-    "3d_tp8": (dict(tp=8, tp_mode="3d"), 8),
-    "pp2_1d_tp2": (dict(pp=2, tp=2), 4),
-    "pp2_2d_tp4": (dict(pp=2, tp=4, tp_mode="2d"), 8),
-    "pp2_sp2_dp2": (dict(pp=2, sp=2, dp=2), 8),
+    "serial": with_world(),
+    "1d_tp4": with_world(tp=4),
+    "1d_tp2_dp2": with_world(tp=2, dp=2),
+    "2d_tp4": with_world(tp=4, tp_mode="2d"),
+    "2d_tp4_sp2": with_world(tp=4, tp_mode="2d", sp=2),
+    "2.5d_tp8": with_world(tp=8, tp_mode="2.5d", tp_depth=2),
+    "3d_tp8": with_world(tp=8, tp_mode="3d"),
+    "pp2_1d_tp2": with_world(pp=2, tp=2),
+    "pp2_2d_tp4": with_world(pp=2, tp=4, tp_mode="2d"),
+    "pp2_sp2_dp2": with_world(pp=2, sp=2, dp=2),
 }
 # (layout, schedule, GPT-2 blocks): pipelined layouts run each schedule; interleaved holds two
 # stages per rank, so four blocks for pp=2

@@ -28,6 +28,7 @@ from shardzoo.planner.model import ModelShape
 from shardzoo.planner.presets import HARDWARE
 from shardzoo.testing import run_on_ranks
 from shardzoo.testing.family_configs import config_of
+from shardzoo.testing.meshes import batch_parts
 
 CHANNELS = ("counted", "ddp", "p2p", "tied")
 GRIDS = {  # world -> tp grids that fit it: (tp_mode, tp, tp_depth)
@@ -48,7 +49,7 @@ def specs(draw, world: int):
     family = draw(st.sampled_from(["gpt2", "opt", "bert", "vit"]))
     if family == "bert" and dp * sp > 1 and pp == 1:  # its unused pooler breaks DDP without find_unused_parameters
         family = "gpt2"
-    parts = {"1d": 1, "2d": 2, "2.5d": 4, "3d": 4}[mode]
+    parts = batch_parts(dict(tp=tp, tp_mode=mode, tp_depth=depth))
     micro = draw(st.sampled_from([2, 4])) if pp > 1 else 1
     return dict(family=family, layout=dict(dp=dp, pp=pp, sp=sp, tp=tp, tp_mode=mode, tp_depth=depth),
                 config=config_of(family, draw(st.integers(pp, 3)), draw(st.integers(33, 70)),
@@ -82,7 +83,7 @@ def check_exact(spec: dict) -> None:
 
 def _spec(family, world, mode, tp, depth=1, sp=1, pp=1, micro=1, ckpt=False, sp_mode="ring", dropout=0.0, zero=0):
     dp = world // (tp * sp * pp)
-    parts = {"1d": 1, "2d": 2, "2.5d": 4, "3d": 4}[mode]
+    parts = batch_parts(dict(tp=tp, tp_mode=mode, tp_depth=depth))
     return dict(family=family, layout=dict(dp=dp, pp=pp, sp=sp, tp=tp, tp_mode=mode, tp_depth=depth),
                 config=config_of(family, 2, 37, 48, dropout), micro_batches=micro, batch=dp * micro * parts, seq=8,
                 steps=2, checkpointing=ckpt, sp_mode=sp_mode, zero=zero)

@@ -8,6 +8,7 @@ import pytest
 
 import shardzoo
 from shardzoo.cli import main
+from shardzoo.comm.tp_grids import TP_GRIDS
 from shardzoo.planner import hardware
 from shardzoo.planner.api import CANDIDATE_KEYS
 from shardzoo.planner.presets import HARDWARE, MODELS, load_model
@@ -149,7 +150,7 @@ def test_each_layout_states_what_its_blocks_cost(mode, tp, depth):
     piece = costs.linear(64, 128, 32 * tp, 4, bias=False)
     assert piece.params == 64 * 128 * depth // tp
     axes = {a for call in piece.calls for a in call.axes}
-    assert axes and axes <= {"tp", "tp_row", "tp_col", "tp_dep", "tp_x", "tp_y", "tp_z"}
+    assert axes and axes <= set(TP_GRIDS[mode].sub_axes)
 
 
 @pytest.mark.parametrize("cores", [0, 2], ids=["accelerators", "time-shared-cpu"])
