@@ -11,6 +11,7 @@ their summed calls), so a plan over thousands of layouts builds each only once.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -189,13 +190,8 @@ class Pricer:
         compute in between, so they get none."""
         hw = self.hw
         strides, ranks = timing.axis_strides(**layout.mesh_kwargs()), min(layout.world, hw.devices_per_node)
-        found: list[float] = []
-
-        def chunk() -> float:  # the same for every group: found once, when first asked for
-            if not found:
-                found.append(self.longest_chunk(costs if costs is not None else self.distinct_stages(layout)))
-            return found[0]
-
+        # the same for every group: worked out once, and only if the host model asks for it
+        chunk = functools.cache(lambda: self.longest_chunk(costs if costs is not None else self.distinct_stages(layout)))
         return timing.Links(strides, hw, ranks, chunk), timing.Links(strides, hw, ranks, lambda: 0.0)
 
     def price_variants(self, layout: Layout, cost: StageCost, stage: int, checkpointing, zeros, links=None) -> dict:
