@@ -68,7 +68,7 @@ def validate_world(world: int, args, hw) -> dict:
     from shardzoo.comm.workers import WorkerPool
     from shardzoo.models import GPT2Config
     from shardzoo.planner.api import plan
-    from shardzoo.planner.measure import run_layout
+    from _measure import run_layout
     from shardzoo.planner.model import ModelShape
 
     config = dict(n_layer=args.layers, n_embd=args.hidden, n_head=args.heads, vocab_size=args.vocab,
@@ -186,7 +186,7 @@ def main(argv=None):
     ap.add_argument("--glibc-default", action="store_true",
                     help="measure RSS under glibc's default malloc, which keeps freed heap (see docs/planner.md)")
     args = ap.parse_args(argv)
-    from shardzoo.planner.hardware import calibrate
+    from shardzoo.planner.calibration import calibrate
 
     hw = calibrate(use_cache=args.cached_hardware)  # under the default allocator, as training steps are timed
     if not args.glibc_default:

@@ -53,7 +53,7 @@ class Piece:
     """Cost of one block on one rank: calls, parameter elements held, activation bytes saved
     for backward, transient bytes alive while it runs (``workspace``), and its work: matmul
     FLOPs and attention FLOPs of the forward, elementwise passes (elements read and written
-    once, forward and backward together)."""
+    once, forward and backward together) with the size of the tensor each runs over."""
 
     calls: list[Call] = field(default_factory=list)
     params: int = 0
@@ -61,13 +61,19 @@ class Piece:
     workspace: int = 0
     flops: int = 0
     attn_flops: int = 0
-    elems: int = 0
-    big_elems: int = 0  # the part of ``elems`` over tensors larger than LARGE_BYTES
+    # elementwise passes as (bytes of the tensor passed over, element passes) pairs: how fast a
+    # pass runs may depend on the tensor's size (a cache, an allocator), which the planner's
+    # host model decides
+    elementwise: tuple[tuple[int, int], ...] = ()
     tensors: int = 0  # parameter tensors held (one message each where a step sends them one by one)
     # saves a tensor for backward whose bytes another piece counts (fc2's input is ReLU's output):
     # still a save, so activation checkpointing recomputes up to and through this piece
     saves: bool = False
-    huge_elems: int = 0  # the part of ``big_elems`` over tensors of HUGE_BYTES or more
+
+    @property
+    def elems(self) -> int:
+        """Element passes of every elementwise kernel, whatever the tensor size."""
+        return sum(n for _, n in self.elementwise)
 
     @property
     def saves_any(self) -> bool:
@@ -77,26 +83,19 @@ class Piece:
     def __add__(self, other: "Piece") -> "Piece":
         return Piece(self.calls + other.calls, self.params + other.params, self.saved + other.saved,
                      max(self.workspace, other.workspace), self.flops + other.flops,
-                     self.attn_flops + other.attn_flops, self.elems + other.elems, self.big_elems + other.big_elems,
-                     self.tensors + other.tensors, self.saves or other.saves, self.huge_elems + other.huge_elems)
+                     self.attn_flops + other.attn_flops, self.elementwise + other.elementwise,
+                     self.tensors + other.tensors, self.saves or other.saves)
 
 
 # elementwise passes per element (forward + backward), as torch's CPU kernels run them (measured
 # with torch.profiler): the loss over the logits, a LayerNorm, a bias add, an embedding lookup
 LOSS_PASSES, NORM_PASSES, BIAS_PASSES, LOOKUP_PASSES = 12, 12, 2, 3
-# An elementwise operand larger than LARGE_BYTES streams from memory rather than a CPU's cache:
-# priced at the large-tensor bandwidth. One of HUGE_BYTES or more is past the largest block
-# glibc's malloc keeps in its heap, so each new one is mapped afresh and faults its pages in:
-# priced at the huge-tensor bandwidth. Accelerator presets price every size alike.
-LARGE_BYTES = 1 << 20  # a CPU core's L2 here
-HUGE_BYTES = 32 << 20  # glibc's largest mmap threshold on 64-bit hosts
 
 
 def elementwise(passes: int, n: int, e: int) -> dict:
     """Piece fields for ``passes`` elementwise passes over a tensor of ``n`` elements of ``e`` bytes."""
     total = passes * n
-    return {"elems": total, "big_elems": total if n * e > LARGE_BYTES else 0,
-            "huge_elems": total if n * e >= HUGE_BYTES else 0}
+    return {"elementwise": ((n * e, total),) if total else ()}
 
 
 def calls(phase, axes, kind, payload, p, times=1, after_save=False, counted=True) -> list[Call]:

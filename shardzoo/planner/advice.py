@@ -82,7 +82,7 @@ def run_lines(plan, cand) -> list[str]:
 def torchrun_command(plan, world: int) -> str:
     """The launch command of ``world`` ranks on the plan's hardware (nodes of its size)."""
     per_node = plan.hardware.devices_per_node
-    if plan.hardware.cores_per_node or world <= per_node:
+    if plan.hardware.host.local_only or world <= per_node:
         return f"torchrun --nproc-per-node {world} train.py"
     nodes = -(-world // per_node)
     return (f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d "

@@ -17,7 +17,8 @@ from shardzoo.comm.tp_grids import TP_GRIDS, TP_MODES
 from shardzoo.layers.block_costs import Illegal
 from shardzoo.planner.enumerate import ZERO_STAGES, Problem, Pruned, layouts
 from shardzoo.planner.evaluate import Layout, Pricer
-from shardzoo.planner.hardware import GIB, Hardware, calibrate
+from shardzoo.planner.calibration import calibrate
+from shardzoo.planner.hardware import GIB, Hardware
 from shardzoo.planner.presets import CALIBRATED, HARDWARE, load_model
 from shardzoo.planner.time import step_seconds
 
@@ -131,7 +132,7 @@ def candidates(pricer: Pricer, layout: Layout, costs, checkpointing, zeros, memo
     out = []
     for (ckpt, zero), reports in pricer.price(layout, checkpointing, zeros, costs).items():
         peak = max(r.memory.peak for r in reports)
-        seconds = step_seconds(layout, reports)
+        seconds = step_seconds(layout, reports, pricer.hw.host)
         cand = Candidate(layout.mesh_kwargs(), layout.micro_batches, ckpt, zero, max(r.param_bytes for r in reports),
                          peak, max(reports, key=lambda r: r.comm_scaled).comm_bytes, seconds, tokens / seconds,
                          peak <= memory_bytes)
@@ -149,14 +150,14 @@ def plan(model, world: int, device_memory_gib: float, global_batch: int, seq: in
     sequences of ``seq`` tokens, priced on ``hardware``; the ``top`` best (all by default).
 
     ``dtype``: "bf16" (autocast, fp32 weights; default on accelerator presets) or "fp32"
-    (default on "cpu" / "calibrate"). ``sp_mode``: attention over sp; ``schedule``: the
+    (default on "cpu" / "calibrate": the host model's ``default_dtype``). ``sp_mode``: attention over sp; ``schedule``: the
     pipeline schedule ("1f1b" or "gpipe")."""
     shape = load_model(model)
     hw = resolve_hardware(hardware, nodes, devices_per_node, world, recalibrate)
-    dtype = dtype or ("fp32" if hw.cores_per_node else "bf16")
+    dtype = dtype or hw.host.default_dtype
     _check_inputs(world, device_memory_gib, global_batch, seq, shape, sp_mode, schedule, dtype)
     e, ep = DTYPES[dtype]
-    problem = Problem(shape, world, global_batch, seq, sp_mode, e, ep, e if hw.cores_per_node else 1)
+    problem = Problem(shape, world, global_batch, seq, sp_mode, e, ep, hw.host.dropout_mask_bytes(e))
     memory_bytes = int(device_memory_gib * GIB)
     pricer = Pricer(problem, hw, schedule)
     pruned: list[Pruned] = []

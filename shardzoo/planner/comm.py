@@ -25,15 +25,18 @@ DDP_BUCKET_BYTES = 25 << 20  # torch DDP's default bucket_cap_mb
 RING_MERGE_PASSES = 6  # per ring step: the log-sum-exp merge of out and lse, the dQ / dK / dV sums
 ULYSSES_COPY_PASSES = 8  # the head / sequence regrouping copies of q, k, v and out, both ways
 
-# messages (latency terms) one call waits for in turn: the ring algorithms of the byte model, but
-# a broadcast goes down gloo's binomial tree (ceil(log2 p) rounds); the bytes stay the ring's
-_STEPS = {"all_reduce": lambda p: 2 * (p - 1), "all_gather": lambda p: p - 1, "reduce_scatter": lambda p: p - 1,
-          "all_to_all": lambda p: p - 1, "broadcast": lambda p: (p - 1).bit_length(), "reduce": lambda p: p - 1,
-          "send": lambda p: 1}
+# messages (latency terms) one call waits for in turn, as each backend runs it. The bytes stay
+# the ring model's (CommRecord) on both. NCCL runs every collective here as a ring (or a chain,
+# pipelined in chunks): a broadcast or reduce passes its data down p - 1 hops. Gloo runs the same
+# ring algorithms, except its broadcast, which goes down a binomial tree (ceil(log2 p) rounds).
+_RING_STEPS = {"all_reduce": lambda p: 2 * (p - 1), "all_gather": lambda p: p - 1, "reduce_scatter": lambda p: p - 1,
+               "all_to_all": lambda p: p - 1, "broadcast": lambda p: p - 1, "reduce": lambda p: p - 1,
+               "send": lambda p: 1}
+STEPS = {"nccl": _RING_STEPS, "gloo": _RING_STEPS | {"broadcast": lambda p: (p - 1).bit_length()}}
 
 
 _FACTORS: dict[tuple[str, int], Fraction] = {}
-_FLOAT_FACTORS: dict[tuple[str, int], tuple[float, int]] = {}
+_FLOAT_FACTORS: dict[tuple[str, int, str], tuple[float, int]] = {}
 _SCALED: dict[tuple[str, int, int], int] = {}
 
 
@@ -108,16 +111,18 @@ class Traffic:
             out += f * payload
         return out
 
-    def messages(self) -> int:
-        """Messages (latency terms) of every call, as the time model counts them."""
-        return sum(n for _, _, n in self.links())
+    def messages(self, backend: str) -> int:
+        """Messages (latency terms) of every call, as the time model counts them on ``backend``."""
+        return sum(n for _, _, n in self.links(backend))
 
-    def links(self):
-        """(axes, bytes as a float, messages) per entry, for the time model."""
+    def links(self, backend: str):
+        """(axes, bytes as a float, messages) per entry, for the time model: messages per call
+        as ``backend`` ("nccl" or "gloo", a key of ``STEPS``) runs it."""
+        steps = STEPS[backend]
         for (_, axes, kind, p, _), (payload, n) in self.sums.items():
-            f = _FLOAT_FACTORS.get((kind, p))
+            f = _FLOAT_FACTORS.get((kind, p, backend))
             if f is None:
-                f = _FLOAT_FACTORS[(kind, p)] = (float(byte_factor(kind, p)), _STEPS[kind](p))
+                f = _FLOAT_FACTORS[(kind, p, backend)] = (float(byte_factor(kind, p)), steps[kind](p))
             yield axes, f[0] * payload, f[1] * n
 
 

@@ -11,6 +11,7 @@ their summed calls), so a plan over thousands of layouts builds each only once.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -60,7 +61,7 @@ class StageReport:
     compute_seconds: float  # of micro_seconds: matmuls and memory-bound work
     comm_scaled: int  # bytes of a whole step times ``denominator``
     denominator: int
-    share: float = 1.0  # Hardware.rank_share: below 1 when ranks time-share a CPU host's cores
+    share: float = 1.0  # the host model's rank_share: below 1 when ranks time-share a CPU host's cores
     stages_alike: int = 1  # pipeline stages of this one's kind (same ends and block count), itself included
 
     @property
@@ -182,14 +183,16 @@ class Pricer:
         return one, step
 
     def links(self, layout: Layout, costs=None) -> tuple[timing.Links, timing.Links]:
-        """(per micro-batch, per step) prices of ``layout``'s groups. On a time-shared host a
-        message waits for a core while a core-mate computes (``longest_chunk``); the per-step
-        calls (gradient reduction, parameter broadcasts) follow one another with no compute in
-        between, so they wait the least."""
+        """(per micro-batch, per step) prices of ``layout``'s groups. Where the host model's
+        message latency depends on the compute between messages (a time-shared host, where a
+        message waits for a core while a core-mate computes) it gets ``longest_chunk``; the
+        per-step calls (gradient reduction, parameter broadcasts) follow one another with no
+        compute in between, so they get none."""
         hw = self.hw
         strides, ranks = timing.axis_strides(**layout.mesh_kwargs()), min(layout.world, hw.devices_per_node)
-        chunk = self.longest_chunk(costs if costs is not None else self.distinct_stages(layout))
-        return timing.Links(strides, hw, ranks, chunk), timing.Links(strides, hw, ranks, 0.0)
+        # the same for every group: worked out once, and only if the host model asks for it
+        chunk = functools.cache(lambda: self.longest_chunk(costs if costs is not None else self.distinct_stages(layout)))
+        return timing.Links(strides, hw, ranks, chunk), timing.Links(strides, hw, ranks, lambda: 0.0)
 
     def price_variants(self, layout: Layout, cost: StageCost, stage: int, checkpointing, zeros, links=None) -> dict:
         """{(checkpointing, zero): StageReport} of one rank of ``stage``; what the variants share
@@ -220,16 +223,15 @@ class Pricer:
                                                 step_s, compute, per_mb * m + step_bytes, self.denominator, share)
         return out
 
-    def longest_chunk(self, costs) -> float | None:
-        """The longest compute (seconds on a whole core) any piece of any stage runs between two
-        of its messages: its work over its messages plus one. A message between time-shared
-        ranks waits for the core its receiver shares, and the rank on that core may be in such
-        a stretch (the LM head and loss, a block's MLP) whatever the receiver itself runs.
-        None on accelerators, where no rank waits for a core."""
-        if not self.hw.cores_per_node:
-            return None
+    def longest_chunk(self, costs) -> float:
+        """The longest compute (seconds on a whole device) any piece of any stage runs between
+        two of its messages: its work over its messages plus one. A message between
+        time-shared ranks waits for the core its receiver shares, and the rank on that core may
+        be in such a stretch (the LM head and loss, a block's MLP) whatever the receiver itself
+        runs."""
         hw, e = self.hw, self.problem.e
-        return max(timing.piece_seconds(piece, hw, e) / (1 + self._summed("piece", piece, piece.calls).messages())
+        return max(timing.piece_seconds(piece, hw, e)
+                   / (1 + self._summed("piece", piece, piece.calls).messages(hw.backend))
                    for _, cost in costs for piece in (cost.first, cost.last, *cost.block))
 
     def price(self, layout: Layout, checkpointing=(False, True), zeros=(0,),

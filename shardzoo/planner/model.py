@@ -24,6 +24,14 @@ from shardzoo.planner.comm import attention_core
 NOTHING = Piece()  # what a stage without the embeddings (or the head) holds of them
 
 
+def _by_size(pairs) -> tuple[tuple[int, int], ...]:
+    """(tensor bytes, element passes) pairs summed per tensor size."""
+    out: dict[int, int] = {}
+    for size, n in pairs:
+        out[size] = out.get(size, 0) + n
+    return tuple(out.items())
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """The sizes of a model that its costs depend on, read from its config dataclass."""
@@ -96,19 +104,20 @@ class StageCost:
         return sum(p.saved for p in self.block)
 
     @cached_property
-    def block_work(self) -> tuple[int, int, int, int, int]:
-        """(matmul FLOPs, attention FLOPs, elementwise passes, of which over large tensors, of
-        which over huge ones) of one block, forward (elementwise: forward + backward)."""
+    def block_work(self) -> tuple[int, int, tuple[tuple[int, int], ...]]:
+        """(matmul FLOPs, attention FLOPs, elementwise passes as (tensor bytes, element passes)
+        pairs) of one block, forward (elementwise: forward + backward)."""
         return (sum(p.flops for p in self.block), sum(p.attn_flops for p in self.block),
-                sum(p.elems for p in self.block), sum(p.big_elems for p in self.block),
-                sum(p.huge_elems for p in self.block))
+                _by_size(w for p in self.block for w in p.elementwise))
 
     @cached_property
-    def work(self) -> tuple[int, int, int, int, int]:
+    def work(self) -> tuple[int, int, tuple[tuple[int, int], ...]]:
         """The same for the whole stage and one micro-batch."""
         ends = (self.first, self.last)
-        per_end = ((p.flops, p.attn_flops, p.elems, p.big_elems, p.huge_elems) for p in ends)
-        return tuple(self.blocks * w + sum(col) for w, col in zip(self.block_work, zip(*per_end)))
+        flops, attn, block = self.block_work
+        elementwise = [(size, self.blocks * n) for size, n in block] + [w for p in ends for w in p.elementwise]
+        return (self.blocks * flops + sum(p.flops for p in ends), self.blocks * attn + sum(p.attn_flops for p in ends),
+                _by_size(elementwise))
 
     @cached_property
     def workspace(self) -> int:

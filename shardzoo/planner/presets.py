@@ -57,7 +57,7 @@ HARDWARE: dict[str, Hardware] = {
                      flops_efficiency=0.5, source="NVIDIA H200 datasheet (SXM 141 GB HBM3e, 4.8 TB/s, 989 TFLOP/s bf16 dense, NVLink 900 "
                             "GB/s both ways); DGX H200 datasheet (8 GPUs, 8x 400 Gb/s ConnectX-7); " + _GPU_ASSUMPTIONS),
 }
-CALIBRATED = ("cpu", "calibrate")  # measured on this host (hardware.calibrate), cached
+CALIBRATED = ("cpu", "calibrate")  # this host, measured (calibration.calibrate) and cached
 
 
 def model_names() -> list[str]:

@@ -31,7 +31,7 @@ def table(candidates, start: int = 1) -> str:
 def pipeline_factor(cand, report) -> float:
     """How many micro-batch times of the slowest stage (``report``) the step's pipeline part
     lasts: m + pp - 1 for alike stages on accelerators, less where a time-shared host lends idle
-    cores (time.pipeline_seconds)."""
+    cores (the host model's pipeline_seconds)."""
     per_step = max(r.step_seconds for r in cand.reports)
     return (cand.step_seconds - per_step) / report.micro_seconds
 
@@ -51,7 +51,7 @@ def comm_by_group(plan, cand) -> list[tuple[str, float, float, str]]:
     # bytes: m micro-batches and the step's own; seconds: as the step was priced (Pricer.links)
     for traffic, times, path, links in ((one, layout.micro_batches, pipeline_factor(cand, report), per_micro_batch),
                                         (step, 1, 1, per_step)):
-        for axes, n, messages in traffic.links():
+        for axes, n, messages in traffic.links(hw.backend):
             bandwidth, latency = timing.link(axes, strides, plan.hardware)
             name = "x".join(axes)
             gb, secs, _ = groups.get(name, (0.0, 0.0, ""))

@@ -1,16 +1,17 @@
 """Step time of a layout (docs/planner.md, "Time").
 
     t_stage   = (3 * matmul FLOPs / (F * efficiency) + 3 * attention FLOPs / F_attention
-                 + elementwise passes * 2 * e / elementwise bandwidth (of small or large tensors)
+                 + elementwise passes * 2 * e / elementwise bandwidth (per tensor class)
                  + sum over groups bytes / bandwidth) / share + sum over groups messages * latency
     t_step    = (m - 1) * max over stages of t_stage + sum over stages of t_stage
                 (GPipe and 1F1B: the slowest stage's m micro-batches, one through each other
                 stage to fill and drain)
                 + per-step communication (gradient reduction, tied table) + optimizer step
 
-On a CPU host with more ranks than cores (share < 1) a rank idle in the bubble, or on a lighter
-stage, lends its core: the pipeline part is the larger of the mean stage's m micro-batches and
-the critical path at a whole core per rank (``pipeline_seconds``).
+What the host adds is its host model's (``Hardware.host``, planner/host.py): a rank's share of
+its device, the latency of a message, the pipeline part of a step, and the tensor classes of
+elementwise work with their bandwidths. With no host effects the share is 1, a message costs
+its link's latency and every tensor is of one class.
 
 Placement: ranks are numbered dp, pp, sp, tp (tp fastest; the tp sub-axes slow to fast as in
 ParallelMesh), so the tp and sp groups are the ones that stay inside a node. A group is inside a
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 from shardzoo.comm.tp_grids import tp_grid
 from shardzoo.planner.hardware import Hardware
+from shardzoo.planner.host import DEDICATED
 
 ADAM_PASSES = 12  # elementwise passes of torch's single-tensor AdamW per parameter
 
@@ -47,93 +49,73 @@ def link(axes: tuple[str, ...], strides: dict[str, tuple[int, int]], hw: Hardwar
 
 class Links:
     """Seconds of the calls of one layout, per group: bytes at the group's link bandwidth
-    (divided by ``share``: on a CPU host copies run at the rank's share of a core) plus messages
-    at the link's latency as ``Hardware.message_latency`` puts it for ``ranks_on_node`` ranks (on
-    an oversubscribed host the wait for a core, not the link, is most of a message). That wait
-    grows with the compute the receiver's core-mates run meanwhile: ``chunk`` seconds on a whole
-    core (``evaluate.Pricer.longest_chunk``)."""
+    (divided by ``share``, the rank's share of its device: on a time-shared host copies run at
+    the rank's share of a core) plus messages at the link's latency as the host model puts it
+    for ``ranks_on_node`` ranks. ``chunk``: a function giving the longest compute (seconds on a
+    whole device) a rank runs between two messages, called only by host models whose message
+    latency depends on it (``evaluate.Pricer.longest_chunk``)."""
 
     def __init__(self, strides: dict[str, tuple[int, int]], hw: Hardware, ranks_on_node: int = 1,
-                 chunk: float | None = None):
+                 chunk=lambda: None):
         self.strides, self.hw, self._cache = strides, hw, {}
-        self.share, self.ranks, self.chunk = hw.rank_share(ranks_on_node), ranks_on_node, chunk
+        self.share, self.ranks, self.chunk = hw.host.rank_share(ranks_on_node), ranks_on_node, chunk
 
     def per_group(self, axes: tuple[str, ...]) -> tuple[float, float]:
         """(seconds per byte, seconds per message) of the group spanning ``axes``."""
         lk = self._cache.get(axes)
         if lk is None:
             bandwidth, latency = link(axes, self.strides, self.hw)
-            lk = self._cache[axes] = (1 / (bandwidth * self.share), self.hw.message_latency(latency, self.ranks, self.chunk))
+            per_message = self.hw.host.message_latency(latency, self.ranks, self.chunk)
+            lk = self._cache[axes] = (1 / (bandwidth * self.share), per_message)
         return lk
 
     def seconds(self, traffic) -> float:
         """Seconds to send ``traffic`` (a comm.Traffic) at each group's link."""
         total = 0.0
-        for axes, n, messages in traffic.links():
+        for axes, n, messages in traffic.links(self.hw.backend):
             per_byte, per_message = self.per_group(axes)
             total += n * per_byte + messages * per_message
         return total
 
 
-def step_seconds(layout, reports) -> float:
+def step_seconds(layout, reports, host=DEDICATED) -> float:
     """Seconds of a training step of ``layout`` (an ``evaluate.Layout``) from its priced stages
-    (``evaluate.StageReport``s): the m micro-batches through the pipeline
-    (:func:`pipeline_seconds`), then the per-step work."""
+    (``evaluate.StageReport``s): the m micro-batches through the pipeline (the host model's
+    ``pipeline_seconds``: ``(m - 1) * max_k t_k + sum_k t_k``, the familiar ``(m + pp - 1) * t``
+    when the stages are alike), then the per-step work."""
     m, pp = layout.micro_batches, layout.pp
-    pipe = pipeline_seconds(m, pp, reports) if pp > 1 else m * max(r.micro_seconds for r in reports)
+    pipe = host.pipeline_seconds(m, pp, reports) if pp > 1 else m * max(r.micro_seconds for r in reports)
     return pipe + max(r.step_seconds for r in reports)
-
-
-def pipeline_seconds(m: int, pp: int, reports) -> float:
-    """The forward and backward of m micro-batches through pp stages (1F1B or GPipe). The
-    critical path is the slowest stage's m micro-batches plus one micro-batch through each other
-    stage (the fill and the drain): ``(m - 1) * max_k t_k + sum_k t_k``, which is the familiar
-    ``(m + pp - 1) * t`` when the stages are alike.
-
-    When the ranks time-share a CPU host's cores (``share`` < 1) a rank waiting in the bubble, or
-    on a lighter stage, leaves its core to the others. The path then runs each stage at the most
-    cores its ranks can hold (a whole core per rank, at most all the cores: ``t_k * max(share,
-    1 / pp)``), and the step is at least the work: every stage's m micro-batches at the shared
-    speed spread over all cores, ``m * mean over the pp stages of t_k``.
-
-    ``t_k`` is a stage's micro-batch time (``StageReport.micro_seconds``, at the shared speed);
-    each report stands for ``stages_alike`` stages."""
-    share = min(r.share for r in reports)
-    held = max(share, 1 / pp) if share < 1 else 1.0  # a stage's time on the cores its ranks can hold, per shared time
-    work = m * sum(r.micro_seconds * r.stages_alike for r in reports) / pp
-    alone = [r.micro_seconds * held for r in reports]
-    slowest = max(alone)
-    path = (m - 1) * slowest + sum(t * r.stages_alike for t, r in zip(alone, reports))
-    return max(work, path)
-
 
 
 def compute_seconds(cost, checkpointing: bool, hw: Hardware, e: int) -> float:
     """Seconds of one rank's work for one micro-batch of a stage (a model.StageCost): matmuls
     (backward twice the forward) at the achievable FLOP/s, attention at the kernel's FLOP/s,
-    elementwise passes at the elementwise bandwidth; checkpointing runs the blocks' forward again."""
-    flops, attn, elems, big, huge = cost.work
+    elementwise passes at the elementwise bandwidths; checkpointing runs the blocks' forward again."""
+    flops, attn, work = cost.work
     again = cost.blocks if checkpointing else 0
-    b_flops, b_attn, b_elems, b_big, b_huge = cost.block_work
+    b_flops, b_attn, b_work = cost.block_work
     matmul = (3 * flops + again * b_flops) / (hw.flops * hw.flops_efficiency)
     attention = (3 * attn + again * b_attn) / hw.attention_flops
+    classes, b_classes = hw.host.elementwise_classes(work), hw.host.elementwise_classes(b_work)
     # the recompute runs the forward half of the passes again
-    elems, big, huge = (x + again * b / 2 for x, b in ((elems, b_elems), (big, b_big), (huge, b_huge)))
+    elems, big, huge = (x + again * b / 2 for x, b in zip(classes, b_classes))
     return matmul + attention + elementwise_seconds(elems, big, huge, hw, e)
 
 
 def elementwise_seconds(elems: float, big: float, huge: float, hw: Hardware, e: int) -> float:
     """Seconds of ``elems`` elementwise passes (of which ``big`` over large tensors and of those
-    ``huge`` over huge ones), each reading and writing ``e`` bytes per element."""
+    ``huge`` over huge ones, as the host model classes them), each reading and writing ``e``
+    bytes per element."""
     small, large = elems - big, big - huge
-    return 2 * e * (small / hw.elementwise_bandwidth + large / hw.large_elementwise_bandwidth
-                    + huge / hw.huge_elementwise_bandwidth)
+    bandwidth, large_bandwidth, huge_bandwidth = hw.host.elementwise_bandwidths(hw)
+    return 2 * e * (small / bandwidth + large / large_bandwidth + huge / huge_bandwidth)
 
 
 def piece_seconds(piece, hw: Hardware, e: int) -> float:
-    """Seconds of one piece's forward and backward on a whole core (as ``compute_seconds``)."""
+    """Seconds of one piece's forward and backward on a whole device (as ``compute_seconds``)."""
     matmul = 3 * piece.flops / (hw.flops * hw.flops_efficiency) + 3 * piece.attn_flops / hw.attention_flops
-    return matmul + elementwise_seconds(piece.elems, piece.big_elems, piece.huge_elems, hw, e)
+    return matmul + elementwise_seconds(*hw.host.elementwise_classes(piece.elementwise), hw, e)
 
 
 def optimizer_seconds(param_elements: float, hw: Hardware) -> float:

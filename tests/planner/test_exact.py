@@ -5,7 +5,7 @@ planner says on every rank, channel by channel:
 
 * ``counted``: what ``shardzoo.comm.count`` counts (every shardzoo collective and ring send);
 * ``ddp``, ``p2p``, ``tied``: DDP's gradient buckets, torch pipelining's stage sends and the
-  tied-table all-reduce, which call torch.distributed directly; shardzoo.planner.measure
+  tied-table all-reduce, which call torch.distributed directly; bench/_measure.py
   counts them with a DDP comm hook and spies on the pp group (see its docstring).
 
 The sum of the channels on the worst rank is ``comm_bytes_per_rank_per_step``. ZeRO stage 1
@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from shardzoo.models.families import family_named
 from shardzoo.planner.api import plan
 from shardzoo.planner.evaluate import Layout, channel_bytes
-from shardzoo.planner.measure import run_layout
+from _measure import run_layout
 from shardzoo.planner.model import ModelShape
 from shardzoo.planner.presets import HARDWARE
 from shardzoo.testing import run_on_ranks

@@ -1,11 +1,11 @@
 """bench/plan.py's timing switch: after the peak is read, a rank's glibc keeps freed blocks up
-to 32 MiB in its heap, as its own thresholds settle by default (shardzoo.planner.measure)."""
+to 32 MiB in its heap, as its own thresholds settle by default (bench/_measure.py)."""
 
 import platform
 
 import pytest
 
-from shardzoo.planner.measure import MMAP_THRESHOLD_MAX, keep_freed_heap
+from _measure import MMAP_THRESHOLD_MAX, keep_freed_heap
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt and its thresholds are glibc's")

@@ -7,7 +7,7 @@ import pytest
 from shardzoo.models.families import family_named
 from shardzoo.planner.enumerate import Problem
 from shardzoo.planner.evaluate import Layout, Pricer
-from shardzoo.planner.measure import saved_bytes
+from _measure import saved_bytes
 from shardzoo.planner.model import ModelShape
 from shardzoo.planner.presets import HARDWARE
 from shardzoo.testing import run_on_ranks

@@ -9,8 +9,9 @@ import pytest
 import shardzoo
 from shardzoo.cli import main
 from shardzoo.comm.tp_grids import TP_GRIDS
-from shardzoo.planner import hardware
+from shardzoo.planner import calibration
 from shardzoo.planner.api import CANDIDATE_KEYS
+from shardzoo.planner.host_cpu import TimeSharedCpu
 from shardzoo.planner.presets import HARDWARE, MODELS, load_model
 from shardzoo.planner.time import axis_strides, link
 
@@ -123,20 +124,42 @@ def test_a_hugging_face_directory_is_read_for_its_family(tmp_path):
 
 def test_calibration_cache_is_reused_and_checked(tmp_path, monkeypatch):
     monkeypatch.setenv("SHARDZOO_CACHE_DIR", str(tmp_path))
-    stored = HARDWARE["a100"].to_json() | {"name": "calibrate", "cores_per_node": 2}
-    path = hardware.cache_path()
+    host = TimeSharedCpu(cores=2, shared_latency_2x=1e-3, shared_latency_4x=3e-3)
+    stored = HARDWARE["a100"].to_json() | {"name": "calibrate", "backend": "gloo", "host": host.to_json()}
+    path = calibration.cache_path()
     with open(path, "w") as f:
-        json.dump({"version": hardware.CACHE_VERSION, "hardware": stored}, f)
-    assert hardware.calibrate().to_json() == stored  # read, not measured
+        json.dump({"version": calibration.CACHE_VERSION, "hardware": stored}, f)
+    read = calibration.calibrate()  # read, not measured
+    assert read.to_json() == stored and read.host == host
     stored["intra_bandwidth"] = -1
     with open(path, "w") as f:
-        json.dump({"version": hardware.CACHE_VERSION, "hardware": stored}, f)
+        json.dump({"version": calibration.CACHE_VERSION, "hardware": stored}, f)
     with pytest.raises(ValueError, match=f"{os.path.basename(path)}: intra_bandwidth=-1 must be a positive"):
-        hardware.calibrate()
+        calibration.calibrate()
+    stored["intra_bandwidth"], stored["host"]["cores"] = 1e9, 0
+    with open(path, "w") as f:
+        json.dump({"version": calibration.CACHE_VERSION, "hardware": stored}, f)
+    with pytest.raises(ValueError, match="cores=0 must be a positive integer"):
+        calibration.calibrate()
     with open(path, "w") as f:
         f.write("{not json")
     with pytest.raises(ValueError, match="is not valid JSON"):
-        hardware.calibrate()
+        calibration.calibrate()
+
+
+def test_a_version_6_calibration_cache_is_read_as_device_and_host(tmp_path, monkeypatch):
+    """Version 6 caches held the time-shared host's fields beside the device's: the same
+    measurements, split into the Hardware and its TimeSharedCpu, with gloo's collectives."""
+    monkeypatch.setenv("SHARDZOO_CACHE_DIR", str(tmp_path))
+    flat = HARDWARE["a100"].to_json() | {"name": "calibrate", "cores_per_node": 2, "shared_latency_2x": 1e-3,
+                                          "shared_latency_4x": 3e-3, "large_elementwise_bandwidth": 5e9}
+    del flat["backend"], flat["host"]
+    with open(calibration.cache_path(), "w") as f:
+        json.dump({"version": 6, "hardware": flat}, f)
+    hw = calibration.calibrate()
+    assert hw.backend == "gloo" and hw.intra_bandwidth == flat["intra_bandwidth"]
+    assert hw.host == TimeSharedCpu(cores=2, shared_latency_2x=1e-3, shared_latency_4x=3e-3,
+                                    large_elementwise_bandwidth=5e9)
 
 
 @pytest.mark.parametrize("mode, tp, depth", [("1d", 4, 1), ("2d", 4, 1), ("2.5d", 8, 2), ("3d", 8, 1)])
@@ -163,7 +186,7 @@ def test_the_why_line_splits_the_step_it_explains(cores):
 
     from shardzoo.planner.report import why
 
-    hw = dataclasses.replace(HARDWARE["a100"], cores_per_node=cores)
+    hw = HARDWARE["a100"] if not cores else dataclasses.replace(HARDWARE["a100"], host=TimeSharedCpu(cores=cores))
     plan = shardzoo.plan("gpt2", 8, 80, 16, 256, hardware=hw, top=None)
     found = re.search(r"~([\d.e+-]+) s compute and ~([\d.e+-]+) s communication", why(plan, plan[0]))
     total, step = float(found[1]) + float(found[2]), plan[0].step_seconds

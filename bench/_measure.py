@@ -1,5 +1,5 @@
 """Run a candidate layout for real and measure it: the check of the planner's predictions
-(tests/planner, bench/plan.py).
+(tests/planner, bench/plan.py; benchmark code, which the shardzoo package does not import).
 
 ``run_layout(spec)`` runs on every rank of a world (a WorkerPool / ``shardzoo.launch``): it
 builds the model on ``ParallelMesh(**spec["layout"])``, runs training steps as a user would
@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from shardzoo.comm.accounting import CommRecord
+from shardzoo.planner.host_cpu import MMAP_THRESHOLD_BYTES
 
 
 def _rss_kib(field: str) -> int:
@@ -198,8 +199,9 @@ def run_layout(spec: dict) -> dict:
             "step_s": statistics.median(times), "peak_rss": peak_rss or _rss_kib("VmHWM") * 1024, "base_rss": base_rss}
 
 
-# glibc's mallopt parameters; the largest mmap threshold it accepts on 64-bit hosts
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX = -1, -3, 32 << 20
+# glibc's mallopt parameters; the largest mmap threshold it accepts on 64-bit hosts is the time
+# model's huge-tensor size
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX = -1, -3, MMAP_THRESHOLD_BYTES
 
 
 def keep_freed_heap() -> bool:

@@ -1,0 +1,60 @@
+"""What the machine around the devices adds to their costs: the host model's interface.
+
+The time and memory models ask the hardware's host model (``Hardware.host``) for these few
+adjustments and hold no host-specific rule of their own. :class:`DedicatedDevices`, the model of
+the accelerator presets, adds nothing: each rank owns its device, every message costs its link's
+latency, a pipeline bubble idles its ranks and elementwise work streams at one bandwidth whatever
+the tensor size. ``host_cpu.TimeSharedCpu`` (the ``cpu`` and ``calibrate`` presets) prices ranks
+that time-share a CPU host's cores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class DedicatedDevices:
+    """No host effects: one device per rank (docs/planner.md, "Host models")."""
+
+    kind = "dedicated"  # the name this model has in JSON
+    default_dtype = "bf16"  # autocast, fp32 weights
+    local_only = False  # ranks may span nodes: the launch line is torchrun's multi-node one
+
+    def dropout_mask_bytes(self, e: int) -> int:
+        """Bytes per element of a dropout mask: a bool tensor on accelerators."""
+        return 1
+
+    def rank_share(self, ranks_on_node: int) -> float:
+        """Fraction of a device's speed one rank gets."""
+        return 1.0
+
+    def message_latency(self, latency: float, ranks_on_node: int, chunk: Callable[[], float | None]) -> float:
+        """Seconds per message of a link of ``latency``; ``chunk()`` gives the longest compute
+        (seconds on a whole device) a rank runs between two messages, for models where the
+        wait depends on it."""
+        return latency
+
+    def pipeline_seconds(self, m: int, pp: int, reports) -> float:
+        """Forward and backward of m micro-batches through pp stages (``evaluate.StageReport``s,
+        each standing for ``stages_alike`` stages): the slowest stage's m micro-batches plus one
+        through each other stage, ``(m - 1) * max_k t_k + sum_k t_k``."""
+        slowest = max(r.micro_seconds for r in reports)
+        return (m - 1) * slowest + sum(r.micro_seconds * r.stages_alike for r in reports)
+
+    def elementwise_classes(self, work: tuple[tuple[int, int], ...]) -> tuple[int, int, int]:
+        """(all, over large tensors, over huge ones) of ``work``'s elementwise passes, given as
+        (tensor bytes, element passes) pairs: one class here."""
+        return sum(n for _, n in work), 0, 0
+
+    def elementwise_bandwidths(self, hw) -> tuple[float, float, float]:
+        """Bytes/s of elementwise work over small, large and huge tensors on ``hw``."""
+        bw = hw.elementwise_bandwidth
+        return bw, bw, bw
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind}
+
+
+DEDICATED = DedicatedDevices()
