@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from shardzoo.checkpoint.hf_files import HFWeights
 from shardzoo.layers.attention import SelfAttention, check_heads
 from shardzoo.layers.attention_core import local_positions
 from shardzoo.layers.mlp import MLP, activation
@@ -176,8 +177,6 @@ class BERT(StagedModel):
     def pretrained_kwargs(cls, hf_dir: str, kwargs: dict) -> dict:
         """``mlm_head`` and ``pooler`` default to whether the checkpoint holds them (``BertModel``
         files have no MLM head, ``BertForMaskedLM`` files no pooler)."""
-        from shardzoo.checkpoint.hf_files import HFWeights
-
         keys = [spec_of(cls).canonical(k) for k in HFWeights(hf_dir).entries]
         held = {"mlm_head": "cls.predictions.", "pooler": "bert.pooler."}
         return {**{arg: any(k.startswith(prefix) for k in keys) for arg, prefix in held.items()}, **kwargs}
