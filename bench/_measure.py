@@ -108,9 +108,9 @@ def count_all_reduce(totals, key, kind="all_reduce"):
 
 def build_model(spec: dict, mesh):
     """The spec's model (family, config dict) as this rank's stage, on CPU, seeded."""
-    from shardzoo.models.families import family_named
+    from shardzoo.models.spec import spec_named
 
-    fam = family_named(spec["family"])
+    fam = spec_named(spec["family"])
     stage = (mesh.pp_rank, mesh.pp_size) if mesh.pp_size > 1 else None
     return fam.model(fam.config(**spec["config"]), mesh=mesh, stage=stage, sp_mode=spec.get("sp_mode", "ring"),
                      checkpointing=spec.get("checkpointing", False), seed=spec.get("seed", 0))

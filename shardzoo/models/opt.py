@@ -21,6 +21,7 @@ from shardzoo.layers.tensor_layout import layout_of
 from shardzoo.models import common
 from shardzoo.models.config import ACTIVATION_NAMES, HFConfig
 from shardzoo.models.pipeline import StagedModel
+from shardzoo.models.spec import FamilySpec
 
 POSITION_OFFSET = 2
 
@@ -151,3 +152,15 @@ def hf_to_shardzoo(name: str, tensor: torch.Tensor, config: OPTConfig) -> list[t
 def shardzoo_to_hf(name: str, tensor: torch.Tensor, config: OPTConfig) -> list[tuple[str, torch.Tensor]]:
     """Inverse of :func:`hf_to_shardzoo`."""
     return [(name, tensor)]
+
+
+def tiny_config(layers: int = 2, vocab: int = 101, ffn: int = 64, dropout: float = 0.0, hidden: int = 32,
+                heads: int = 4) -> dict:
+    """Constructor arguments of a tiny OPT (16 positions), for tests."""
+    return dict(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads, ffn_dim=ffn,
+                vocab_size=vocab, max_position_embeddings=16, dropout=dropout, attention_dropout=dropout)
+
+
+OPT_SPEC = FamilySpec("opt", OPT, OPTConfig, model_type="opt", architecture="OPTForCausalLM", base_prefix="model.",
+                      head_prefixes=("lm_head.",), hf_to_shardzoo=hf_to_shardzoo, shardzoo_to_hf=shardzoo_to_hf,
+                      tiny_config=tiny_config)

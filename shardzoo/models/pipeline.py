@@ -30,11 +30,14 @@ from shardzoo.comm.mesh import default_device
 from shardzoo.layers import random as tp_random
 from shardzoo.layers import replicas
 from shardzoo.layers.dp_shard import local_tensor
-from shardzoo.layers.shard_spec import get_shard_spec
+from shardzoo.layers.shard_spec import ShardSpec, get_shard_spec
 from shardzoo.layers.tensor_layout import layout_of
 from shardzoo.layers.token_ids import check_token_ids
 from shardzoo.models import common
 from shardzoo.models.loss import GlobalLoss
+from shardzoo.models.meta import materialize, seeded_normal_piece
+from shardzoo.models.pretrained import config_from_dir, load_pretrained
+from shardzoo.models.spec import spec_of
 from shardzoo.parallel.data_parallel import ddp_of
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -58,13 +61,7 @@ class StagedModel(GlobalLoss, nn.Module):
         ``sp_mode=`` ... as the constructor) and filled from the Hugging Face weights there
         (``model.safetensors`` or a sharded index), each rank reading only its own slices.
         Collective: every rank calls it. See models/pretrained.py."""
-        from shardzoo.models.families import family_of
-        from shardzoo.models.pretrained import config_from_dir, load_pretrained
-
-        from shardzoo.models.meta import materialize
-
-        fam = family_of(cls)
-        config = config_from_dir(fam, hf_dir)
+        config = config_from_dir(spec_of(cls), hf_dir)
         kwargs = cls.pretrained_kwargs(hf_dir, kwargs)
         device = kwargs.pop("device", None) or "cpu"
         model = cls(config, mesh=mesh, device="meta", **kwargs)  # shapes only: no random init
@@ -155,8 +152,6 @@ class StagedModel(GlobalLoss, nn.Module):
         default ``torch.initial_seed()``, so ranks seeded alike build identical full weights).
         ``device="meta"`` leaves the model on meta (e.g. for :meth:`from_pretrained`).
         The family constructors end with this call (through :meth:`building`)."""
-        from shardzoo.models.meta import materialize
-
         device = torch.device(device) if device is not None else torch.get_default_device()
         if device.type == "meta":
             return
@@ -175,9 +170,6 @@ class StagedModel(GlobalLoss, nn.Module):
         only the rows its piece touches (``meta.seeded_normal_piece``). Matrices / tables ~
         N(0, std), biases 0, 1-D weights (LayerNorm) 1. ``names``: only these parameters
         (default all)."""
-        from shardzoo.layers.shard_spec import ShardSpec
-        from shardzoo.models.meta import seeded_normal_piece
-
         for name, p in self.named_parameters():
             if names is not None and name not in names:
                 continue

@@ -5,7 +5,7 @@
 
 Each rank reads only the slices its own parameters hold: for every local tensor the box it
 covers in the full tensor (from its ShardSpec) is mapped to the checkpoint tensor it comes from
-(``Family.canonical`` names, the family's ``shardzoo_to_hf``) and read with safetensors
+(``FamilySpec.canonical`` names, the family's ``shardzoo_to_hf``) and read with safetensors
 ``get_slice`` from the memory-mapped file. GPT-2's Conv1D weights are read transposed and its
 fused ``c_attn`` through a row map into the per-head fused ``attn.qkv`` (``hf_read_plan``).
 Vocabulary padding rows are zero. Before anything is read the ranks agree on the names: model
@@ -27,7 +27,7 @@ from shardzoo.checkpoint.jsontypes import load_json_file, obj
 from shardzoo.checkpoint.paths import resolve_in
 from shardzoo.checkpoint.sync import Ranks, describe
 from shardzoo.checkpoint.tensors import LocalTensor, fill_local, find_mesh, model_tensors
-from shardzoo.models.families import FAMILIES, Family, family_of
+from shardzoo.models.spec import FamilySpec, all_specs, family_names, spec_of
 
 class PretrainedLoadResult(NamedTuple):
     """Names not loaded."""
@@ -47,16 +47,16 @@ def _meta(shape) -> torch.Tensor:
     return torch.empty(shape, device="meta")
 
 
-def _produced(fam: Family, weights: HFWeights, config) -> dict[str, list[str]]:
+def _produced(fam: FamilySpec, weights: HFWeights, config) -> dict[str, list[str]]:
     """Checkpoint key -> the shardzoo names ``hf_to_shardzoo`` makes of it (empty: dropped)."""
-    return {key: [ours for ours, _ in fam.code.hf_to_shardzoo(fam.canonical(key), _meta(weights.shape(key)), config)]
+    return {key: [ours for ours, _ in fam.hf_to_shardzoo(fam.canonical(key), _meta(weights.shape(key)), config)]
             for key in weights.entries}
 
 
-def _plan(model, fam: Family, weights: HFWeights, local: list[LocalTensor], produced: dict[str, list[str]]):
+def _plan(model, fam: FamilySpec, weights: HFWeights, local: list[LocalTensor], produced: dict[str, list[str]]):
     """For this rank: sources of its tensors, missing names (with the checkpoint key each
     would be read from), shape problems."""
-    config, code = model.config, fam.code
+    config = model.config
     by_canonical = {fam.canonical(k): k for k in weights.entries}
     alternates: dict[str, str] = {}  # shardzoo name -> canonical key providing it under another name
     for key, names in produced.items():
@@ -67,9 +67,9 @@ def _plan(model, fam: Family, weights: HFWeights, local: list[LocalTensor], prod
         name = lt.name
         if name not in alternates and name in model.tied_names:
             name = model.tied_names[name]  # an untied copy of a tied table reads the table
-        [(hf_name, expected)] = code.shardzoo_to_hf(name, _meta(lt.global_shape), config)
+        [(hf_name, expected)] = fam.shardzoo_to_hf(name, _meta(lt.global_shape), config)
         canon = hf_name
-        transposed, row = code.hf_read_plan(name, config) if hasattr(code, "hf_read_plan") else (False, None)
+        transposed, row = fam.read_plan(name, config)
         if canon not in by_canonical:  # stored under another name (e.g. BERT's decoder.bias), as it is
             canon = alternates.get(name)
             if canon is None:
@@ -95,16 +95,16 @@ def _unexpected(produced: dict[str, list[str]], covered: set[str]) -> list[str]:
 
 
 def load_pretrained(model, hf_dir: str, *, strict: bool = True) -> PretrainedLoadResult:
-    """Fill ``model`` (a GPT2 / BERT / ViT / OPT, whole or one pipeline stage, any layout) from
+    """Fill ``model`` (of a registered family, whole or one pipeline stage, any layout) from
     the Hugging Face weights in ``hf_dir``, each rank reading only its own slices.
 
     Collective over the default process group when it is initialised (every rank calls it).
     ``strict`` raises :class:`~shardzoo.checkpoint.CheckpointError` naming every missing,
     unexpected or mis-shaped tensor; without it the mismatched names come back and those
     tensors keep their values. Shape mismatches always raise; the family's optional tensors
-    (``Family.optional_prefixes``: BERT's pooler) only come back as missing.
+    (``FamilySpec.optional_prefixes``: BERT's pooler) only come back as missing.
     """
-    fam = family_of(model)
+    fam = spec_of(model)
     mesh = find_mesh(model)
     ranks = Ranks(getattr(mesh, "timeout", None) or datetime.timedelta(minutes=10))
     what = f"loading Hugging Face weights from {hf_dir}"
@@ -159,14 +159,15 @@ def config_json(hf_dir: str) -> tuple[str, dict]:
     return path, obj(load_json_file(path), path, optional=None)
 
 
-def config_from_dir(fam: Family, hf_dir: str):
+def config_from_dir(fam: FamilySpec, hf_dir: str):
     """The family's config dataclass from ``hf_dir/config.json``, checking ``model_type`` and
     every field's type and range (errors name the file and the field)."""
     path, data = config_json(hf_dir)
     model_type = data.get("model_type")
     if model_type is not None and model_type != fam.model_type:
-        match = [f.model_class for f in FAMILIES.values() if f.model_type == model_type]
-        hint = f"load it with {match[0]}.from_pretrained" if match else f"shardzoo loads only {sorted(FAMILIES)}"
+        match = [f.model.__name__ for f in all_specs() if f.model_type == model_type]
+        hint = f"load it with {match[0]}.from_pretrained" if match else f"shardzoo loads only {family_names()}"
         named = f"model_type {model_type!r}" if match else "a model_type shardzoo does not know"
-        raise CheckpointError(f"{path} has {named}, but {fam.model_class} loads {fam.model_type!r} checkpoints; {hint}")
+        raise CheckpointError(f"{path} has {named}, but {fam.model.__name__} loads {fam.model_type!r} checkpoints; "
+                              f"{hint}")
     return fam.config.from_json(data, source=path)

@@ -25,6 +25,7 @@ from shardzoo.layers.tensor_layout import layout_of
 from shardzoo.models import common
 from shardzoo.models.config import ACTIVATION_NAMES, HFConfig
 from shardzoo.models.pipeline import StagedModel
+from shardzoo.models.spec import FamilySpec
 
 
 @dataclass
@@ -215,3 +216,17 @@ def shardzoo_to_hf(name: str, tensor: torch.Tensor, config: ViTConfig) -> list[t
     transformers version loads)."""
     renamed = common.rename_block_param(name, _LAYER, _BLOCK, to_ours=False)
     return [(renamed or name, tensor)]
+
+
+def tiny_config(layers: int = 2, vocab: int = 0, ffn: int = 64, dropout: float = 0.0, hidden: int = 32,
+                heads: int = 4) -> dict:
+    """Constructor arguments of a tiny ViT (8x8 images in 4x4 patches, 3 labels), for tests;
+    ``vocab`` is ignored (images have none)."""
+    return dict(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads, intermediate_size=ffn,
+                image_size=8, patch_size=4, num_labels=3, hidden_dropout_prob=dropout,
+                attention_probs_dropout_prob=dropout)
+
+
+VIT_SPEC = FamilySpec("vit", ViT, ViTConfig, model_type="vit", architecture="ViTForImageClassification",
+                      base_prefix="vit.", head_prefixes=("classifier.",), hf_to_shardzoo=hf_to_shardzoo,
+                      shardzoo_to_hf=shardzoo_to_hf, tiny_config=tiny_config)

@@ -79,12 +79,12 @@ def converted(hf, convert, config):
 def shardzoo_twin(family: str, hf, mesh, **kwargs):
     """(model, config): the shardzoo ``family`` model with ``hf``'s config and weights (copied in
     memory through ``hf_to_shardzoo``), in eval mode; ``kwargs`` go to the constructor."""
-    from shardzoo.models.families import family_named
+    from shardzoo.models.spec import spec_named
 
-    fam = family_named(family)
+    fam = spec_named(family)
     config = fam.config.from_json(hf.config.to_dict())
     model = fam.model(config, mesh=mesh, **kwargs).eval()
-    model.load_full_state_dict(converted(hf.state_dict(), fam.code.hf_to_shardzoo, config))
+    model.load_full_state_dict(converted(hf.state_dict(), fam.hf_to_shardzoo, config))
     return model, config
 
 
@@ -92,7 +92,7 @@ def check_causal_lm(family: str, hf, layout, case, table: str, pad_id: int | Non
     """A causal LM (GPT-2, OPT) against transformers' ``hf``: logits, the global batch's loss and
     every gradient. ``table``: the tied embedding, whose gradient an untied ``lm_head`` copy gets;
     ``pad_id``: the first row starts with padding tokens (they get no gradient, as in HF)."""
-    from shardzoo.models.families import family_named
+    from shardzoo.models.spec import spec_named
 
     mesh = mesh_of(layout)
     model, config = shardzoo_twin(family, hf, mesh, sp_mode=case.get("sp_mode", "ring"))
@@ -111,7 +111,7 @@ def check_causal_lm(family: str, hf, layout, case, table: str, pad_id: int | Non
     full_loss = F.cross_entropy(hf(ids_all[:, :-1]).logits.flatten(0, 1), ids_all[:, 1:].flatten())
     full_loss.backward()
     assert_close(loss.detach(), full_loss.detach(), f"{layout} loss")
-    grads = converted({n: p.grad for n, p in hf.named_parameters()}, family_named(family).code.hf_to_shardzoo, config)
+    grads = converted({n: p.grad for n, p in hf.named_parameters()}, spec_named(family).hf_to_shardzoo, config)
     grads.setdefault("lm_head.weight", grads[table])
     grads_vs_reference(model, mesh, grads, layout)
     return float(loss)

@@ -14,18 +14,12 @@ import torch
 
 from shardzoo import checkpoint
 from shardzoo.checkpoint.cli import add_convert_parser
-from shardzoo.models.families import FAMILIES
+from shardzoo.models.spec import family_names, spec_named
 from shardzoo.testing import assert_close, cached_mesh, run_on_ranks
 
-TINY = {
-    "gpt2": dict(n_layer=2, n_embd=32, n_head=4, vocab_size=101, n_positions=16, bos_token_id=0, eos_token_id=0),
-    "bert": dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, vocab_size=101,
-                 max_position_embeddings=16),
-    "vit": dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, image_size=8,
-                patch_size=2, num_channels=3, num_labels=5),
-    "opt": dict(num_hidden_layers=2, hidden_size=32, ffn_dim=64, num_attention_heads=4, vocab_size=101,
-                max_position_embeddings=16, word_embed_proj_dim=32),
-}
+# the families' tiny configs (FamilySpec.tiny_config: width 32, vocab 101) with the extra
+# fields their transformers configs take here
+HF_EXTRA = {"gpt2": dict(bos_token_id=0, eos_token_id=0), "opt": dict(word_embed_proj_dim=32)}
 # family -> ParallelMesh kwargs (world = product of the sizes)
 MESHES = {"gpt2": dict(tp=4, tp_mode="2d"), "bert": dict(tp=2), "vit": dict(tp=2, dp=2), "opt": dict(tp=4)}
 
@@ -42,13 +36,14 @@ def hf_model(family: str, seed: int):
 
     model_cls, config_cls = SOURCES[family]
     torch.manual_seed(seed)
-    return getattr(transformers, model_cls)(getattr(transformers, config_cls)(**TINY[family])).eval()
+    fields = spec_named(family).tiny_config() | HF_EXTRA.get(family, {})
+    return getattr(transformers, model_cls)(getattr(transformers, config_cls)(**fields)).eval()
 
 
 def save_family(family: str, config_json: dict, state: dict, ckpt: str) -> bool:
     """On every rank: the shardzoo model of ``family`` with full-size ``state`` (shardzoo
     names), saved without ``config=`` (save records the model's own config)."""
-    fam = FAMILIES[family]
+    fam = spec_named(family)
     config = fam.config.from_json(config_json)
     model = fam.model(config, mesh=cached_mesh(**MESHES[family])).eval()
     model.load_full_state_dict(state)
@@ -59,10 +54,10 @@ def save_family(family: str, config_json: dict, state: dict, ckpt: str) -> bool:
 def save_from_transformers(family: str, seed: int, ckpt: str):
     """The seeded transformers model, after saving its weights as a shardzoo checkpoint on
     the family's ranks (transformers is imported here only, not on the ranks)."""
-    fam = FAMILIES[family]
+    fam = spec_named(family)
     hf = hf_model(family, seed)
     config = fam.config.from_json(hf.config.to_dict())
-    state = {n: v for name, t in hf.state_dict().items() for n, v in fam.code.hf_to_shardzoo(name, t, config)}
+    state = {n: v for name, t in hf.state_dict().items() for n, v in fam.hf_to_shardzoo(name, t, config)}
     run_on_ranks(save_family, world(family), family, config.to_dict(), state, ckpt)
     return hf
 
@@ -91,9 +86,9 @@ def world(family: str) -> int:
     return size
 
 
-@pytest.mark.parametrize("family", sorted(TINY))
+@pytest.mark.parametrize("family", family_names())
 def test_convert_loads_in_transformers(tmp_path, family):
-    fam = FAMILIES[family]
+    fam = spec_named(family)
     ckpt, out, split = str(tmp_path / "ckpt"), str(tmp_path / "hf"), str(tmp_path / "hf-split")
     original = save_from_transformers(family, 3, ckpt)
     convert(ckpt, out)
@@ -131,7 +126,7 @@ def test_shardzoo_names_and_unknown_configs(tmp_path):
     assert "transformer.h.0.attn.qkv.weight" in raw and "lm_head.weight" not in raw
     saved = json.load(open(tmp_path / "raw" / "config.json"))
     assert saved == checkpoint.read_index(ckpt)["config"] and "model_type" not in saved
-    assert GPT2Config.from_json(saved).n_embd == TINY["gpt2"]["n_embd"]
+    assert GPT2Config.from_json(saved).n_embd == spec_named("gpt2").tiny_config()["n_embd"]
     checkpoint.export_plain(ckpt, str(tmp_path / "hf"), progress=False)
     hf = load_file(str(tmp_path / "hf" / "model.safetensors"))
     assert sorted(hf) == sorted(k for k in want if k != "lm_head.weight")
@@ -144,7 +139,7 @@ def save_own_and_given_config(own: str, other: str) -> bool:
     """On every rank: a tiny GPT-2 saved without config= and with config={"note": "mine"}."""
     from shardzoo.models.gpt2 import GPT2, GPT2Config
 
-    config = GPT2Config(**{k: v for k, v in TINY["gpt2"].items() if not k.endswith("token_id")})
+    config = GPT2Config(**spec_named("gpt2").tiny_config())
     model = GPT2(config, mesh=cached_mesh(tp=2))
     checkpoint.save(model, own)
     checkpoint.save(model, other, config={"note": "mine"})
@@ -159,7 +154,8 @@ def test_config_argument_overrides_the_models_own(tmp_path):
     own, other = str(tmp_path / "own"), str(tmp_path / "other")
     run_on_ranks(save_own_and_given_config, 2, own, other)
     assert checkpoint.read_index(own)["config_class"] == "shardzoo.models.gpt2.GPT2Config"
-    assert GPT2Config.from_json(checkpoint.read_index(own)["config"]).n_embd == TINY["gpt2"]["n_embd"]
+    tiny = spec_named("gpt2").tiny_config()
+    assert GPT2Config.from_json(checkpoint.read_index(own)["config"]).n_embd == tiny["n_embd"]
     assert checkpoint.read_index(other)["config"] == {"note": "mine"}
     assert checkpoint.read_index(other)["config_class"] is None
     parser = argparse.ArgumentParser()

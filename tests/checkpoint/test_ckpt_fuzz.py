@@ -25,7 +25,7 @@ from shardzoo import checkpoint
 from shardzoo.checkpoint import CheckpointError, export_plain
 from shardzoo.checkpoint.hf_files import HFWeights
 from shardzoo.checkpoint.safetensors_io import read_header
-from shardzoo.models.families import FAMILIES
+from shardzoo.models.spec import spec_named
 from shardzoo.models.pretrained import config_from_dir
 from shardzoo.testing import run_on_ranks
 from shardzoo.testing.checkpoint_stack import hf_load_error, load_outcome, run, save_stack, serial_stack, tiny_gpt2_export
@@ -184,7 +184,7 @@ def check_hf(files: dict[str, bytes]) -> None:
             if got is not None:
                 with safe_open(weights.path(key), framework="pt") as f:
                     assert same_bytes(got, f.get_tensor(key)), key
-        config = attempt(lambda: config_from_dir(FAMILIES["gpt2"], d), d)
+        config = attempt(lambda: config_from_dir(spec_named("gpt2"), d), d)
         assert config is None or isinstance(config.n_head, int) and not isinstance(config.n_head, bool)
 
 

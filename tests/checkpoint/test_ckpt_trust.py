@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from shardzoo import checkpoint
 from shardzoo.checkpoint import CheckpointError, export_plain
 from shardzoo.checkpoint.hf_files import HFWeights
-from shardzoo.models.families import FAMILIES
+from shardzoo.models.spec import spec_named
 from shardzoo.models.pretrained import config_from_dir
 from shardzoo.testing.checkpoint_stack import load_error, run, save_stack, serial_stack
 
@@ -274,11 +274,11 @@ def test_hf_config_fields_are_checked(tmp_path, config, needle):
     d = hf_dir(tmp_path)
     open(os.path.join(d, "config.json"), "w").write(json.dumps(config))
     with pytest.raises(CheckpointError) as info:
-        config_from_dir(FAMILIES["gpt2"], d)
+        config_from_dir(spec_named("gpt2"), d)
     assert needle in str(info.value) and os.path.join(d, "config.json") in str(info.value)
     open(os.path.join(d, "config.json"), "w").write("{not json")
     with pytest.raises(CheckpointError, match="config.json is not valid JSON"):
-        config_from_dir(FAMILIES["gpt2"], d)
+        config_from_dir(spec_named("gpt2"), d)
 
 
 def test_crafted_shard_fails_the_same_on_every_rank(tmp_path):

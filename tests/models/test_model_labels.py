@@ -50,7 +50,7 @@ TWINS = {"gpt2": (hf_gpt2, "lm_head.weight", "transformer.wte.weight", {}),
 def labels_case(family, layout, seed):
     """Each rank's ``loss(labels=)`` equals transformers' ``labels=`` loss of the global batch and
     the dp x sp averaged gradients equal its gradients; ``loss(target)`` stays unshifted."""
-    from shardzoo.models.families import family_named
+    from shardzoo.models.spec import spec_named
 
     build, head, table, kwargs = TWINS[family]
     mesh = cached_mesh(**MESHES[layout][0])
@@ -61,7 +61,7 @@ def labels_case(family, layout, seed):
     labels = torch.where(torch.rand(4, 12, generator=gen) < 0.25, -100, ids)
     out = hf(input_ids=ids, labels=labels)
     out.loss.backward()
-    grads = converted({n: p.grad for n, p in hf.named_parameters()}, family_named(family).code.hf_to_shardzoo, config)
+    grads = converted({n: p.grad for n, p in hf.named_parameters()}, spec_named(family).hf_to_shardzoo, config)
     grads.setdefault(head, grads[table])
     mine = labels.chunk(mesh.dp_size)[mesh.dp_rank]  # this replica's full [B, S] labels
     logits = model(model.shard_input(ids.chunk(mesh.dp_size)[mesh.dp_rank]))

@@ -93,7 +93,7 @@ def test_issue_case_gpt2_sp2_equals_transformers(tmp_path):
 def causal_case(family, layout, seed):
     """Each rank's loss equals transformers' loss of the global batch; the gradients averaged
     over dp x sp equal its gradients."""
-    from shardzoo.models.families import family_named
+    from shardzoo.models.spec import spec_named
     from shardzoo.testing.hf_twins import hf_opt
 
     mesh = cached_mesh(**MESHES[layout][0])
@@ -101,7 +101,7 @@ def causal_case(family, layout, seed):
     table = "transformer.wte.weight" if family == "gpt2" else "model.decoder.embed_tokens.weight"
     model, config = shardzoo_twin(family, hf, mesh)
     ids, labels, targets = causal_batch(seed + 1, config.vocab_size)
-    ref_loss, grads = reference(hf, dict(input_ids=ids, labels=labels), family_named(family).code.hf_to_shardzoo,
+    ref_loss, grads = reference(hf, dict(input_ids=ids, labels=labels), spec_named(family).hf_to_shardzoo,
                                 config, {"lm_head.weight": table})
     ids, targets = dp_block(ids, mesh), dp_block(targets, mesh)
     loss = model.loss(model(model.shard_input(ids)), model.shard_target(targets))

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from shardzoo.models.spec import family_names
 from shardzoo.testing import assert_close, cached_mesh, run_on_ranks
 from shardzoo.testing.hf_twins import LAYOUTS
 
@@ -173,12 +174,12 @@ def _expected(hf_dir, family, config):
     """The checkpoint under shardzoo names (full size, float32), read whole with safetensors."""
     from safetensors.torch import load_file
 
-    from shardzoo.models.families import family_named
+    from shardzoo.models.spec import spec_named
 
-    fam = family_named(family)
+    fam = spec_named(family)
     out = {}
     for k, v in load_file(os.path.join(hf_dir, "model.safetensors")).items():
-        for name, t in fam.code.hf_to_shardzoo(fam.canonical(k), v.float(), config):
+        for name, t in fam.hf_to_shardzoo(fam.canonical(k), v.float(), config):
             out[name] = t
     return out
 
@@ -206,9 +207,9 @@ POOLER = ["bert.pooler.dense.bias", "bert.pooler.dense.weight"]
 
 
 def check_family(family, world, dirs, refs, inputs):
-    from shardzoo.models.families import family_named
+    from shardzoo.models.spec import spec_named
 
-    cls = family_named(family).model
+    cls = spec_named(family).model
     padding = 0
     for layout in LAYOUTS_OF_WORLD[world]:
         mesh = cached_mesh(**LAYOUTS[layout][0])
@@ -231,7 +232,7 @@ def check_family(family, world, dirs, refs, inputs):
 
 
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
-@pytest.mark.parametrize("family", ["gpt2", "bert", "vit", "opt"])
+@pytest.mark.parametrize("family", family_names())
 def test_family_matches_transformers(ckpt, family, world):
     """Outputs equal transformers' in every layout of ``world``; vocabulary padding rows are zero
     (and exist wherever the vocabulary is split: 101 rows over 2, 4, 8 ranks)."""
