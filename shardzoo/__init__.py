@@ -8,7 +8,8 @@ attention), ``full_state_dict`` (gather any parallel module to serial names and 
 """
 
 from shardzoo.comm import ParallelMesh, launch
-from shardzoo.layers.shard_spec import ShardSpec, full_state_dict
+from shardzoo.layers.full_state import full_state_dict
+from shardzoo.layers.shard_spec import ShardSpec
 from shardzoo.parallel import data_parallel, gather_logits, lm_loss, parallelize, zero_optimizer
 
 __version__ = "0.1.0"

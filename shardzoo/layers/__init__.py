@@ -30,7 +30,8 @@ from shardzoo.layers.packing import cu_seqlens_from_position_ids, split_document
 from shardzoo.layers.random import ParallelDropout, RNGStreams, dropout, manual_seed, rng_streams, tp_rng
 from shardzoo.layers.ring_attention import RingAttentionFunction, ring_attention
 from shardzoo.layers.sequence import gather_padding_mask, gather_sequence, shard_padding_mask, shard_sequence
-from shardzoo.layers.shard_spec import ShardSpec, full_state_dict, gather_full, get_shard_spec, set_shard_spec
+from shardzoo.layers.full_state import full_state_dict
+from shardzoo.layers.shard_spec import ShardSpec, gather_full, get_shard_spec, set_shard_spec
 from shardzoo.layers.ulysses import ulysses_attention
 from shardzoo.layers.attention import SelfAttention  # noqa: E402  (builds on the layers above)
 from shardzoo.layers.mlp import MLP  # noqa: E402

@@ -230,44 +230,6 @@ def unwrap_ddp(module: nn.Module) -> nn.Module:
     return module.module if isinstance(module, DistributedDataParallel) else module
 
 
-def full_state_dict(module: nn.Module, *, check_replicas: bool = False) -> dict[str, torch.Tensor]:
-    """Serial-named, full-size state dict of any (parallel) module, on every rank.
-
-    Collective: every rank of each sharded parameter's group must call it. Parameters and
-    buffers without a ShardSpec are returned as they are (replicated). Sharded tensors are
-    found through ``module.mesh`` of the module that owns them. Parameters FSDP2's
-    ``fully_shard`` turned into DTensors are gathered over their dp mesh first, then over the
-    tensor-parallel axes of their spec. Raises :class:`ShardSpecError` naming the tensor when
-    a piece does not match its spec, or a sharded module's parameter has none. A DDP
-    wrapper is looked through (serial names, no ``module.`` prefix); FSDP2 modules that a
-    forward without backward left unsharded are resharded first. ``check_replicas=True``
-    first compares the copies of every replicated parameter across the ranks holding them and
-    raises :class:`~shardzoo.layers.replicas.ReplicaMismatchError` naming those that differ
-    (one checksum pass and one int64 all-reduce; layers/replicas.py)."""
-    from shardzoo.layers import replicas  # both build on this module
-    from shardzoo.layers.dp_shard import reshard_fsdp
-
-    module = unwrap_ddp(module)
-    reshard_fsdp(module)
-    if check_replicas:
-        replicas.check_replicas(module, what="full_state_dict")
-    out: dict[str, torch.Tensor] = {}
-    for mod_name, mod in module.named_modules():
-        mesh = getattr(mod, "mesh", None)
-        check_specs(mod, mod_name or type(mod).__name__)
-        for name, t in list(mod.named_parameters(recurse=False)) + list(mod.named_buffers(recurse=False)):
-            if name in getattr(mod, "_non_persistent_buffers_set", ()):
-                continue
-            key = f"{mod_name}.{name}" if mod_name else name
-            spec = get_shard_spec(mod, name)
-            if spec is not None and spec.partitioned_over and mesh is None:
-                raise ShardSpecError(f"{key} has a ShardSpec but its module {type(mod).__name__} has no .mesh; set "
-                                     f"module.mesh to the ParallelMesh the spec's axes refer to")
-            full = gather_full(local_piece(key, t, spec), spec, mesh)
-            out[key] = full.reshape(spec.serial_shape) if spec is not None and spec.serial_shape else full
-    return out
-
-
 def is_sharded(module: nn.Module) -> bool:
     """True when any parameter of ``module`` has a ShardSpec."""
     return bool(named_specs(module))

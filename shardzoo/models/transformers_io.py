@@ -30,7 +30,8 @@ from shardzoo.checkpoint.errors import CheckpointError
 from shardzoo.checkpoint.hf_files import HFWeights
 from shardzoo.checkpoint.sync import Ranks, describe
 from shardzoo.checkpoint.tensors import fill_local, model_tensors
-from shardzoo.layers.shard_spec import full_state_dict, unwrap_ddp
+from shardzoo.layers.full_state import full_state_dict
+from shardzoo.layers.shard_spec import unwrap_ddp
 from shardzoo.models.meta import materialize
 from shardzoo.models.pretrained import config_json
 from shardzoo.parallel import parallelize

@@ -131,11 +131,11 @@ def _tiny_training_rss() -> int:
     import torch
 
     from shardzoo.comm.mesh_cache import cached_mesh
-    from shardzoo.models.families import family_named
+    from shardzoo.models.spec import spec_named
     from shardzoo.parallel import data_parallel, zero_optimizer
 
     mesh = cached_mesh(dp=2, pp=1, sp=1, tp=1, tp_mode="1d", tp_depth=1)
-    fam = family_named("gpt2")
+    fam = spec_named("gpt2")
     model = fam.model(fam.config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8), mesh=mesh, seed=0)
     wrapped = data_parallel(model, mesh, zero=0)
     opt = zero_optimizer(wrapped, torch.optim.AdamW, lr=1e-4)

@@ -69,20 +69,20 @@ def load_model(model: str | ModelShape) -> ModelShape:
     ``model_type``, as ``from_pretrained``) -> ModelShape."""
     if isinstance(model, ModelShape):
         return model
-    from shardzoo.models.families import FAMILIES, family_named
+    from shardzoo.models.spec import all_specs, spec_named
 
     if model in MODELS:
         family, fields, _ = MODELS[model]
-        return ModelShape(family, family_named(family).config(**fields), model)
+        return ModelShape(family, spec_named(family).config(**fields), model)
     if os.path.isdir(model) or os.path.isfile(model):
         from shardzoo.models.config import read_json
 
         data, _ = read_json(model)
         model_type = data.get("model_type") if isinstance(data, dict) else None
-        fams = [f for f in FAMILIES.values() if f.model_type == model_type]
+        fams = [f for f in all_specs() if f.model_type == model_type]
         if not fams:
             raise ValueError(f"{model}: config.json has model_type={model_type!r}; shardzoo plans the families "
-                             f"{sorted(f.model_type for f in FAMILIES.values())}. Point to a checkpoint of one of them")
+                             f"{sorted(f.model_type for f in all_specs())}. Point to a checkpoint of one of them")
         return ModelShape(fams[0].name, fams[0].config.from_json(data), os.path.basename(os.path.normpath(model)))
     raise ValueError(f"unknown model {model!r}: not a preset ({', '.join(model_names())}) and not a directory holding "
                      f"a config.json; pass a preset name or a Hugging Face model directory")

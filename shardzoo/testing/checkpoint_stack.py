@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardzoo import checkpoint
-from shardzoo.layers.shard_spec import full_state_dict, get_shard_spec
+from shardzoo.layers.full_state import full_state_dict
+from shardzoo.layers.shard_spec import get_shard_spec
 from shardzoo.testing import cached_mesh
 from shardzoo.testing.meshes import with_world
 

@@ -22,7 +22,8 @@ import copy
 import torch
 from torch import nn
 
-from shardzoo.layers.shard_spec import full_state_dict, gather_full, get_shard_spec
+from shardzoo.layers.full_state import full_state_dict
+from shardzoo.layers.shard_spec import gather_full, get_shard_spec
 from shardzoo.testing.asserts import assert_close, assert_close_conditioned
 from shardzoo.testing.dtypes import GRID_SCALE
 

@@ -18,7 +18,8 @@ from torch import nn
 
 from shardzoo.checkpoint.tensors import model_tensors
 from shardzoo.layers.embedding_1d import Embedding1D
-from shardzoo.layers.shard_spec import full_state_dict, gather_full, get_shard_spec
+from shardzoo.layers.full_state import full_state_dict
+from shardzoo.layers.shard_spec import gather_full, get_shard_spec
 from shardzoo.layers.tensor_layout import layout_of
 from shardzoo.testing.asserts import assert_close_conditioned
 from shardzoo.testing.dtypes import GRID_SCALE, dtypes

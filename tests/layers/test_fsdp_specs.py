@@ -13,7 +13,8 @@ from torch.distributed.tensor import DTensor
 from shardzoo.layers import (ParallelLinear1D, ParallelLinear2D, ParallelLinear2p5D, ParallelLinear3D,
                              VocabParallelEmbedding1D, VocabParallelEmbedding2D, VocabParallelEmbedding2p5D,
                              VocabParallelEmbedding3D)
-from shardzoo.layers.shard_spec import ShardSpecError, full_state_dict, get_shard_spec
+from shardzoo.layers.full_state import full_state_dict
+from shardzoo.layers.shard_spec import ShardSpecError, get_shard_spec
 from shardzoo.testing import cached_mesh, run_on_ranks
 from shardzoo.testing.meshes import with_world
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from shardzoo.layers import layouts
 from shardzoo.layers.tensor_layout import layout_of
-from shardzoo.layers.shard_spec import full_state_dict
+from shardzoo.layers.full_state import full_state_dict
 from shardzoo.testing import assert_close, assert_close_conditioned, run_on_ranks
 from shardzoo.testing.grid import BATCH_PARTS, DTYPES, MLPBlock, mesh_of, parallel_mlp, world_of
 from shardzoo.testing.dtypes import GRID_SCALE

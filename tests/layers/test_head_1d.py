@@ -11,7 +11,8 @@ from torch import nn
 
 from shardzoo.layers.embedding_1d import VocabParallelEmbedding1D
 from shardzoo.layers.head_1d import Classifier1D, LMHead1D
-from shardzoo.layers.shard_spec import full_state_dict, gather_full, get_shard_spec
+from shardzoo.layers.full_state import full_state_dict
+from shardzoo.layers.shard_spec import gather_full, get_shard_spec
 from shardzoo.testing import assert_close, cached_mesh, dtypes, run_on_ranks
 from shardzoo.testing.tied_classifier import check_checkpoint_round_trip, check_tied_classifier
 

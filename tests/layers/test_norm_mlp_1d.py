@@ -11,7 +11,8 @@ from torch import nn
 
 from shardzoo.layers.linear_1d import ParallelLinear1D
 from shardzoo.layers.norm import LayerNorm1D, RMSNorm1D
-from shardzoo.layers.shard_spec import full_state_dict, gather_full, get_shard_spec
+from shardzoo.layers.full_state import full_state_dict
+from shardzoo.layers.shard_spec import gather_full, get_shard_spec
 from shardzoo.testing import assert_close, cached_mesh, dtypes, run_on_ranks
 
 DTYPES = dtypes("fp32", "fp64")

@@ -100,7 +100,7 @@ def test_stage_allocates_only_its_shards():
 
 def full_weights(layout, family):
     from shardzoo import models
-    from shardzoo.layers.shard_spec import full_state_dict
+    from shardzoo.layers.full_state import full_state_dict
 
     mesh = cached_mesh(**LAYOUTS[layout][0])
     configs = {"GPT2": TINY, "BERT": dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -158,7 +158,7 @@ def test_hf_names_round_trip():
 
 def full_weights_after_init(layout, family):
     from shardzoo import models
-    from shardzoo.layers.shard_spec import full_state_dict
+    from shardzoo.layers.full_state import full_state_dict
 
     mesh = cached_mesh(**LAYOUTS[layout][0])
     configs = {"GPT2": dict(config=TINY), "ViT": dict(config=dict(num_hidden_layers=2, hidden_size=64,

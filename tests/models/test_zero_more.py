@@ -95,7 +95,7 @@ def custom_model_steps(zero: int) -> dict[str, torch.Tensor] | None:
 
     import shardzoo
     from shardzoo.layers import ParallelLinear1D
-    from shardzoo.layers.shard_spec import full_state_dict
+    from shardzoo.layers.full_state import full_state_dict
     from shardzoo.testing import cached_mesh
 
     class Block(nn.Module):
