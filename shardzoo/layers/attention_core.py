@@ -32,14 +32,17 @@ def local_positions(seq_local: int, mesh, zigzag: bool, device=None) -> torch.Te
 
 def sequence_attention(q, k, v, *, mesh, causal: bool, key_padding_mask=None, softmax_scale=None,
                        sp_mode: str = "ring", dropout_p: float = 0.0, training: bool = False, head_offset: int = 0,
-                       batch_offset: int = 0, cu_seqlens=None) -> torch.Tensor:
+                       batch_offset: int = 0, cu_seqlens=None, zigzag: bool | None = None) -> torch.Tensor:
     """q, k, v: [B, h, S/P, d] (this rank's heads and sequence shard) -> [B, h, S/P, d].
 
     ``key_padding_mask``: bool [B, S/P] (True = attend), sharded like k. ``dropout_p`` applies
     in training only; ``head_offset`` / ``batch_offset``: global index of the first local head
     / batch row (they select the dropout mask). ``cu_seqlens``: packed documents (int32
     offsets over the full sequence; shards from ``shard_sequence(..., cu_seqlens=...)``), run
-    by ring attention or Ulysses also when sp = 1, since the block kernel alone has no documents."""
+    by ring attention or Ulysses also when sp = 1, since the block kernel alone has no documents.
+    ``zigzag``: the dense shard layout (None: zigzag exactly when ``causal``); non-causal
+    attention over zigzag shards (a causal model's encoder-style call) passes True, so the
+    dropout mask sees the global positions."""
     common = dict(causal=causal, key_padding_mask=key_padding_mask, softmax_scale=softmax_scale)
     if dropout_p > 0.0 and training:
         common.update(dropout_p=dropout_p, dropout_seed=draw_dropout_seed(), head_offset=head_offset,
@@ -48,6 +51,8 @@ def sequence_attention(q, k, v, *, mesh, causal: bool, key_padding_mask=None, so
         common.update(cu_seqlens=cu_seqlens)
     elif mesh.sp_size == 1:
         return flash_attention(q, k, v, **common)
+    elif zigzag is not None:
+        common.update(zigzag=zigzag)
     if sp_mode == "ring":
         return ring_attention(q, k, v, group=mesh.sp_group, **common)
     return ulysses_attention(q, k, v, group=mesh.sp_group, **common)

@@ -12,8 +12,7 @@ only the kv heads go round the ring.
 
 from __future__ import annotations
 
-from shardzoo.layers.attention_core import sequence_attention
-from shardzoo.layers.tensor_layout import layout_of
+from shardzoo.parallel.sdpa_mode import run_sequence_attention
 
 NAMES = {"ring": "shardzoo_ring", "ulysses": "shardzoo_ulysses"}
 _CTX = "_shardzoo_parallel"
@@ -33,19 +32,9 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
         raise ValueError(f"{type(module).__name__} uses a sliding window of {window} tokens, which shardzoo's "
                          f"sequence-parallel attention does not apply; the sequence ({seq}) must be at most the "
                          f"window, or use sp=1")
-    if state.sp_mode == "ulysses" and not _ulysses_fits(key.shape[1], mesh.sp_size):
-        rep = query.shape[1] // key.shape[1]  # Ulysses splits kv heads over sp, or copies them
-        key, value = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
-    batch_offset, head_offset = layout_of(mesh).block_offsets(state.mask_layout, query.shape[0], query.shape[1])
-    out = sequence_attention(query, key, value, mesh=mesh, causal=bool(getattr(module, "is_causal", True)),
-                             key_padding_mask=state.key_padding_mask, softmax_scale=scaling, sp_mode=state.sp_mode,
-                             dropout_p=dropout, training=module.training, head_offset=head_offset,
-                             batch_offset=batch_offset, cu_seqlens=state.cu_seqlens)
+    out = run_sequence_attention(state, query, key, value, causal=bool(getattr(module, "is_causal", True)),
+                                 softmax_scale=scaling, dropout_p=dropout, training=module.training)
     return out.transpose(1, 2).contiguous(), None
-
-
-def _ulysses_fits(kv_heads: int, sp: int) -> bool:
-    return kv_heads % sp == 0 or sp % kv_heads == 0
 
 
 def register() -> None:

@@ -8,7 +8,7 @@ extension point; the model's forward is not touched) splits them:
   causal models, so every sp rank does equal attention work);
 * ``attention_mask`` and per-row ``position_ids``: along the batch axes of the attention's
   activations (the 3D layout swaps them inside a block); under sp the padding mask goes to
-  shardzoo's attention (hf_attention.py) and the model gets none;
+  shardzoo's attention (hf_attention.py, sdpa_mode.py) and the model gets none;
 * ``position_ids`` under sp: the global positions of this rank's tokens, so RoPE and learned
   positions see where each token really is;
 * ``labels`` (transformers models): shifted over the whole sequence first when the model is
@@ -92,7 +92,7 @@ def _split_inputs(state: Parallelized, args: tuple, kwargs: dict):
                              f"of shape {tuple(mask.shape)}. Pass the 2-d mask; the model builds the rest")
         local = state.shard(mask, state.mask_layout)
         state.key_padding_mask = local.bool()
-        kwargs["attention_mask"] = None if (state.hf and state.mesh.sp_size > 1) else local
+        kwargs["attention_mask"] = None if state.mesh.sp_size > 1 else local
     positions = kwargs.get("position_ids")
     if positions is not None:
         kwargs["position_ids"] = state.shard(positions, state.mask_layout)

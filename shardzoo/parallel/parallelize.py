@@ -5,7 +5,9 @@ Every planned module is rebuilt by the mesh's layout object from the serial modu
 layer is written twice. The model's own forward code then runs unchanged on this rank's blocks:
 the heads a rank holds are whole, the head counts attention code reads are made local
 (heads.py), inputs are split on the way in and the loss is the global token mean (inputs.py),
-and sequence parallelism goes through transformers' ``AttentionInterface`` (hf_attention.py).
+and sequence parallelism goes through transformers' ``AttentionInterface`` (hf_attention.py)
+or, for a module of one's own, through its ``F.scaled_dot_product_attention`` calls
+(sdpa_mode.py).
 Everything is checked before any weight moves: a plan entry whose module has the wrong type,
 an uncovered module holding weights, head counts the layout cannot split.
 """
@@ -20,8 +22,9 @@ from torch import nn
 from shardzoo.layers.attention_core import SP_MODES
 from shardzoo.layers.tensor_layout import layout_of
 from shardzoo.parallel import heads as head_counts
-from shardzoo.parallel import hf_model, inputs, linears
+from shardzoo.parallel import hf_model, inputs, linears, sdpa_mode
 from shardzoo.parallel.plan import check_plan, is_norm, style_of
+from shardzoo.parallel.positions import build_position_embedding
 from shardzoo.parallel.replicated import sum_grads_over
 
 _STATE = "_shardzoo_parallel"
@@ -37,7 +40,8 @@ def state_of(model: nn.Module):
     return model.__dict__.get(_STATE)
 
 
-def parallelize(model: nn.Module, mesh, plan: dict[str, str] | None = None, *, sp_mode: str = "ring") -> nn.Module:
+def parallelize(model: nn.Module, mesh, plan: dict[str, str] | None = None, *, sp_mode: str = "ring",
+                causal: bool | None = None) -> nn.Module:
     """Split ``model`` over ``mesh``'s tp layout (1d, 2d, 2.5d, 3d) and sp, in place; returns it.
 
     Args:
@@ -46,7 +50,12 @@ def parallelize(model: nn.Module, mesh, plan: dict[str, str] | None = None, *, s
         plan: {module-name pattern: style} (shardzoo/parallel/plan.py); None: the model's own
             (transformers' ``base_model_tp_plan`` + ``_tp_plan`` completed with the norms, the
             token embedding and the head, or a plan shardzoo ships for the class).
-        sp_mode: "ring" or "ulysses" attention over sp (transformers models only).
+        sp_mode: "ring" or "ulysses" attention over sp: transformers' ``AttentionInterface``, or
+            every ``F.scaled_dot_product_attention`` call of a module of one's own (sdpa_mode.py).
+        causal: whether the model is causal: its labels are shifted (``lm_loss``, transformers'
+            ``labels=``) and its sp shards are zigzag. None: a transformers ``*ForCausalLM``
+            / ``*LMHeadModel`` is; a module of one's own is unless its ``is_causal`` attribute
+            is False.
 
     Afterwards ``model(input_ids=[B, S], attention_mask=[B, S], labels=[B, S], ...)`` takes the
     full tensors of this dp replica on every tp and sp rank; ``out.loss`` is the global token
@@ -62,10 +71,7 @@ def parallelize(model: nn.Module, mesh, plan: dict[str, str] | None = None, *, s
                          f"Use pp=1 (pipelines of a parallelized transformers model are not built yet: "
                          f"docs/parallelize.md, 'Limits')")
     hf = hf_model.is_transformers_model(model)
-    if mesh.sp_size > 1 and not hf:
-        raise ValueError(f"parallelize: sequence parallelism (sp={mesh.sp_size}) reaches attention through "
-                         f"transformers' AttentionInterface, which {type(model).__name__} does not use; use sp=1 for "
-                         f"a module of your own")
+    causal = _is_causal(model, hf) if causal is None else bool(causal)
     if plan is None:
         plan = hf_model.default_plan(model)
         if plan is None:
@@ -75,21 +81,41 @@ def parallelize(model: nn.Module, mesh, plan: dict[str, str] | None = None, *, s
     tpl = layout_of(mesh)
     planned = _planned_modules(model, plan)
     _refuse_uncovered(model, planned, tpl)
+    _refuse_hf_positions(model, planned, hf, mesh)
     attention = head_counts.attention_modules(model, planned, tpl, hf_model.config_heads(model))
-    built = _build(model, planned, tpl, attention)  # nothing in the model has changed so far
+    built = _build(model, planned, tpl, attention, zigzag=causal)  # nothing in the model has changed so far
     for name, new in built.items():
         model.set_submodule(name, new)
     for name, (module, style, _) in planned.items():
         if style == "replicate_sum":
             sum_grads_over(module, mesh.tp_group)
-    state = inputs.Parallelized(model, mesh, sp_mode, hf, causal=hf_model.is_causal_lm(model) if hf else True,
-                                head=_find(planned, "lm_head"), embedding=_find(planned, "vocab_embedding"))
+    state = inputs.Parallelized(model, mesh, sp_mode, hf, causal=causal, head=_find(planned, "lm_head"),
+                                embedding=_find(planned, "vocab_embedding"))
     model.__dict__[_STATE] = state
     if hf:
         hf_model.install(model, state)  # loss function, sp attention (before the attention configs are copied)
+    elif mesh.sp_size > 1:
+        sdpa_mode.install(model, state)  # its pre-hook first: the mode is entered before the inputs are split
     head_counts.make_local(attention)
     inputs.install(model, state)
     return model
+
+
+def _is_causal(model: nn.Module, hf: bool) -> bool:
+    if hf:
+        return hf_model.is_causal_lm(model)
+    flag = getattr(model, "is_causal", None)
+    return flag if isinstance(flag, bool) else True
+
+
+def _refuse_hf_positions(model: nn.Module, planned: dict, hf: bool, mesh) -> None:
+    """A transformers model under sp gets global ``position_ids`` from the input hook, which a
+    'position_embedding' would map a second time."""
+    names = [n for n, (_, s, _) in planned.items() if s == "position_embedding"]
+    if hf and mesh.sp_size > 1 and names:
+        raise ValueError(f"{names[0]} is planned 'position_embedding', but {type(model).__name__} is a transformers "
+                         f"model, whose position_ids the input hook already makes global under sp; plan it "
+                         f"'embedding'")
 
 
 def _find(planned: dict, style: str) -> str | None:
@@ -127,7 +153,8 @@ def _check_kind(name: str, module: nn.Module, style: str, pattern: str) -> None:
             raise ValueError(f"plan entry {pattern!r} makes {name} ({type(module).__name__}) a {style!r} block, which "
                              f"needs an nn.Linear or a Conv1D; change the style or the pattern")
         return
-    want = {"lm_head": nn.Linear, "vocab_embedding": nn.Embedding, "embedding": nn.Embedding}.get(style)
+    want = {"lm_head": nn.Linear, "vocab_embedding": nn.Embedding, "embedding": nn.Embedding,
+            "position_embedding": nn.Embedding}.get(style)
     if want is not None and not isinstance(module, want):
         raise ValueError(f"plan entry {pattern!r} makes {name} ({type(module).__name__}) a {style!r} block, which "
                          f"needs an nn.{want.__name__}; change the style or the pattern")
@@ -151,9 +178,10 @@ def _refuse_uncovered(model: nn.Module, planned: dict, tpl) -> None:
                              f"'embedding' ..., or 'replicate' to keep it whole on every rank")
 
 
-def _build(model: nn.Module, planned: dict, tpl, attention) -> dict[str, nn.Module]:
+def _build(model: nn.Module, planned: dict, tpl, attention, zigzag: bool) -> dict[str, nn.Module]:
     """The parallel module for every planned module (embeddings first: a tied head needs them),
-    on the device of the serial module (the meta device while ``from_pretrained`` builds)."""
+    on the device of the serial module (the meta device while ``from_pretrained`` builds).
+    ``zigzag``: the sp shards are zigzag (a causal model), for 'position_embedding'."""
     built: dict[str, nn.Module] = {}
     order = sorted(planned, key=lambda n: planned[n][1] != "vocab_embedding")
     for name in order:
@@ -168,6 +196,8 @@ def _build(model: nn.Module, planned: dict, tpl, attention) -> dict[str, nn.Modu
             built[name] = _norm(name, module, tpl)
         elif style == "vocab_embedding":
             built[name] = tpl.vocab_embedding(serial=module, device=module.weight.device)
+        elif style == "position_embedding":
+            built[name] = build_position_embedding(module, tpl, zigzag)
         else:
             built[name] = tpl.embedding(serial=module, device=module.weight.device)
     return built

@@ -5,18 +5,20 @@ when it matches the whole name or a tail of it that starts after a dot, so trans
 model plans (``layers.*.self_attn.q_proj``) match ``model.layers.0.self_attn.q_proj`` of the
 causal-LM wrapper; the longest matching pattern wins (the fewest wildcards among equals). Styles (docs/parallelize.md):
 
-================= ==================================================================
-column            first of a pair (nn.Linear): output features split over the head axis
-row               second of a pair: input features split, output in the block's layout
-norm              LayerNorm / RMSNorm over the hidden size, in the layout's split
-vocab_embedding   token table split along the vocabulary (and the hidden in the grids)
-embedding         small table (positions) whose output follows the activation layout
-lm_head           vocabulary-parallel output projection (tied to the token table if the
-                  model ties them)
-replicate         the module stays whole on every rank
-packed_column     a column layer whose output packs equal parts (GPT-2's q|k|v c_attn,
-                  a fused gate|up): each part split like a column layer's
-================= ==================================================================
+================== ==================================================================
+column             first of a pair (nn.Linear): output features split over the head axis
+row                second of a pair: input features split, output in the block's layout
+norm               LayerNorm / RMSNorm over the hidden size, in the layout's split
+vocab_embedding    token table split along the vocabulary (and the hidden in the grids)
+embedding          small table (positions) whose output follows the activation layout
+position_embedding an nn.Embedding indexed by token positions 0..S-1 computed from the
+                   local length: under sp each index becomes this rank's global position
+lm_head            vocabulary-parallel output projection (tied to the token table if the
+                   model ties them)
+replicate          the module stays whole on every rank
+packed_column      a column layer whose output packs equal parts (GPT-2's q|k|v c_attn,
+                   a fused gate|up): each part split like a column layer's
+================== ==================================================================
 
 Linear styles take an ``nn.Linear`` or transformers' ``Conv1D`` (weight stored [in, out]).
 
@@ -32,8 +34,8 @@ import fnmatch
 
 from torch import nn
 
-STYLES = ("column", "row", "norm", "vocab_embedding", "embedding", "lm_head", "replicate", "replicate_sum",
-          "packed_column")
+STYLES = ("column", "row", "norm", "vocab_embedding", "embedding", "position_embedding", "lm_head", "replicate",
+          "replicate_sum", "packed_column")
 
 ALIASES = {
     "colwise": "column", "local_colwise": "column", "colwise_rep": "column", "packed_colwise": "packed_column",

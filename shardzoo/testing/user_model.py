@@ -1,5 +1,12 @@
 """A small transformer written as a user would (plain ``nn.Linear``, ``nn.LayerNorm``,
-``nn.Embedding``, SDPA), its plan, and the check that ``parallelize`` splits it exactly."""
+``nn.Embedding``, SDPA), its plan, and the check that ``parallelize`` splits it exactly.
+
+How such a model takes padding so that it runs serial and parallelized alike: its forward takes
+an optional ``attention_mask`` [b, s] (1 = attend) and, when one is given, calls SDPA with
+the causal-and-padding ``attn_mask`` it builds; when none is given, ``is_causal=True``. Under
+sp the parallelized model hands the mask to shardzoo's attention and calls the forward with
+``attention_mask=None``, so SDPA sees no ``attn_mask``, which it could not split.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +20,7 @@ from shardzoo.testing.asserts import assert_close_conditioned
 from shardzoo.testing.pools import cached_mesh
 
 PLAN = {
-    "embed": "vocab_embedding", "pos": "embedding", "blocks.*.ln_*": "norm",
+    "embed": "vocab_embedding", "pos": "position_embedding", "blocks.*.ln_*": "norm",
     "blocks.*.attn.q": "column", "blocks.*.attn.k": "column", "blocks.*.attn.v": "column", "blocks.*.attn.o": "row",
     "blocks.*.fc1": "column", "blocks.*.fc2": "row", "ln_f": "norm", "head": "lm_head",
 }
@@ -25,10 +32,10 @@ class Attention(nn.Module):
         self.num_heads, self.head_dim = num_heads, hidden // num_heads
         self.q, self.k, self.v, self.o = (nn.Linear(hidden, hidden) for _ in range(4))
 
-    def forward(self, x):  # [b, s, h] -> [b, s, h]
+    def forward(self, x, mask=None):  # [b, s, h], bool [b, 1, s, s] or None -> [b, s, h]
         b, s, _ = x.shape
         q, k, v = (p(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, heads, s, d]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)  # [b, heads, s, d]
         return self.o(y.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
 
 
@@ -39,13 +46,13 @@ class Block(nn.Module):
         self.attn = Attention(hidden, num_heads)
         self.fc1, self.fc2 = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
 
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x, mask=None):
+        x = x + self.attn(self.ln_1(x), mask)
         return x + self.fc2(F.gelu(self.fc1(self.ln_2(x))))
 
 
 class TinyLM(nn.Module):
-    """ids [b, s] -> logits [b, s, vocab]."""
+    """ids [b, s] (and an optional padding mask [b, s], 1 = attend) -> logits [b, s, vocab]."""
 
     def __init__(self, vocab: int = 64, hidden: int = 32, num_heads: int = 4, layers: int = 2, seq: int = 16):
         super().__init__()
@@ -53,17 +60,23 @@ class TinyLM(nn.Module):
         self.blocks = nn.ModuleList(Block(hidden, num_heads) for _ in range(layers))
         self.ln_f, self.head = nn.LayerNorm(hidden), nn.Linear(hidden, vocab, bias=False)
 
-    def forward(self, input_ids):
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+    def forward(self, input_ids, attention_mask=None):
+        s = input_ids.shape[1]
+        positions = torch.arange(s, device=input_ids.device)[None]
         x = self.embed(input_ids) + self.pos(positions)
+        mask = None
+        if attention_mask is not None:  # causal and padding; under sp the attention applies it
+            causal = torch.ones(s, s, dtype=torch.bool, device=input_ids.device).tril()
+            mask = causal & attention_mask.bool()[:, None, None, :]
         for block in self.blocks:
-            x = block(x)
+            x = block(x, mask)
         return self.head(self.ln_f(x))
 
 
-def check_user_model(mesh_kwargs: dict) -> float:
+def check_user_model(mesh_kwargs: dict, sp_mode: str = "ring", padded: bool = False) -> float:
     """On every rank: a TinyLM parallelized with :data:`PLAN` equals its serial twin (loss,
-    logits, every parameter after one SGD step). Returns the largest parameter difference."""
+    logits, every parameter after one SGD step); ``padded``: rows padded on the right, the
+    padding mask passed as ``attention_mask``. Returns the largest parameter difference."""
     import shardzoo
 
     torch.manual_seed(0)
@@ -72,9 +85,14 @@ def check_user_model(mesh_kwargs: dict) -> float:
     ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
     labels = ids.clone()
     labels[0, -3:] = -100
+    mask = None
+    if padded:
+        mask = torch.ones(4, 16, dtype=torch.long)
+        mask[1, -5:], mask[3, -9:] = 0, 0
+        labels[mask == 0] = -100
 
     def serial_step(model):
-        logits = model(ids)
+        logits = model(ids, mask)
         loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
         loss.backward()
         with torch.no_grad():
@@ -84,8 +102,10 @@ def check_user_model(mesh_kwargs: dict) -> float:
 
     (logits_s, loss_s), (logits_x, loss_x) = serial_step(serial), serial_step(exact)
     mesh = cached_mesh(**mesh_kwargs)
-    shardzoo.parallelize(parallel, mesh, PLAN)
-    logits = parallel(input_ids=ids)
+    shardzoo.parallelize(parallel, mesh, PLAN, sp_mode=sp_mode)
+    # sp ranks hold other tokens of the same rows: DDP averages their gradients
+    wrapped = shardzoo.data_parallel(parallel, mesh) if mesh.sp_size > 1 else parallel
+    logits = wrapped(input_ids=ids, attention_mask=mask)
     loss = shardzoo.lm_loss(parallel, logits, labels)
     loss.backward()
     with torch.no_grad():
