@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from shardzoo.testing import cached_mesh, run_on_ranks
-from shardzoo.testing.user_model import PLAN, TinyLM
+from shardzoo.testing.user_model import PLAN, Attention, TinyLM
 
 
 class OnePlusRMSNorm(nn.Module):
@@ -85,12 +85,72 @@ def test_tp_that_fits_neither_heads_nor_kv_heads_is_refused():
         assert word in message, f"{word!r} missing from: {message}"
 
 
-def _sp_refusal():
+class MaskedAttention(Attention):
+    """Builds its own causal mask tensor for SDPA, which sp cannot split."""
+
+    def forward(self, x, mask=None):
+        s = x.shape[1]
+        return super().forward(x, torch.ones(s, s, dtype=torch.bool, device=x.device).tril())
+
+
+class ManualAttention(Attention):
+    """softmax(q k^T) v written out: no SDPA call for sp to reach."""
+
+    def forward(self, x, mask=None):
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
+        causal = torch.ones(s, s, dtype=torch.bool).tril()
+        w = (q @ k.transpose(-1, -2) / self.head_dim ** 0.5).masked_fill(~causal, float("-inf")).softmax(-1)
+        return self.o((w @ v).transpose(1, 2).reshape(b, s, -1))
+
+
+def _sdpa_refusal(edit: str):
+    from torch.overrides import _get_current_function_mode
+
     import shardzoo
 
-    with pytest.raises(ValueError, match="sequence parallelism .* AttentionInterface"):
-        shardzoo.parallelize(TinyLM(), cached_mesh(sp=2), PLAN)
+    torch.manual_seed(0)
+    model = TinyLM()
+    for block in model.blocks:
+        block.attn.__class__ = {"attn-mask": MaskedAttention, "no-sdpa": ManualAttention}.get(edit, Attention)
+    shardzoo.parallelize(model, cached_mesh(sp=2), PLAN, causal=edit != "not-causal")
+    ids = torch.randint(0, 64, (2, 16))
+    with pytest.raises((ValueError, RuntimeError)) as err:
+        model(input_ids=ids)
+    assert _get_current_function_mode() is None, "the sdpa mode stayed entered after a failed forward"
+    return str(err.value)
 
 
-def test_sequence_parallel_module_of_ones_own_is_refused():
-    run_on_ranks(_sp_refusal, 2)
+@pytest.mark.parametrize("edit, words", [
+    ("attn-mask", ["TinyLM under sp=2", "attn_mask", "attention_mask= of the parallelized model"]),
+    ("no-sdpa", ["TinyLM", "without calling torch.nn.functional.scaled_dot_product_attention", "sp=1"]),
+    ("not-causal", ["causal scaled_dot_product_attention", "causal=True"]),
+])
+def test_sequence_parallel_module_of_ones_own_refuses_what_it_cannot_split(edit, words):
+    message = run_on_ranks(_sdpa_refusal, 2, edit)[0]
+    for word in words:
+        assert word in message, f"{word!r} missing from: {message}"
+
+
+def _mode_as_context():
+    import torch.nn.functional as F
+
+    import shardzoo
+    from shardzoo.parallel.sdpa_mode import sdpa_mode_of
+
+    torch.manual_seed(0)
+    model = shardzoo.parallelize(TinyLM(), cached_mesh(sp=2), PLAN)
+    ids = torch.randint(0, 64, (2, 16))
+    plain = model(input_ids=ids)
+    mode = sdpa_mode_of(model)
+    q = torch.randn(2, 4, 8, 8)
+    with mode:  # a recompute outside the forward: the model's own forward nests inside it
+        again = model(input_ids=ids)
+        F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        assert mode.calls == 3, mode.calls  # two blocks, then the call above
+    assert torch.equal(plain, again)
+    assert mode.depth == 0
+
+
+def test_sequence_parallel_mode_is_a_reentrant_context():
+    run_on_ranks(_mode_as_context, 2)
