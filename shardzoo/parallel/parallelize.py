@@ -23,7 +23,7 @@ from shardzoo.layers.attention_core import SP_MODES
 from shardzoo.layers.tensor_layout import layout_of
 from shardzoo.parallel import heads as head_counts
 from shardzoo.parallel import hf_model, inputs, linears, sdpa_mode
-from shardzoo.parallel.plan import check_plan, is_norm, style_of
+from shardzoo.parallel.plan import check_plan, is_norm, matches, style_of
 from shardzoo.parallel.positions import build_position_embedding
 from shardzoo.parallel.replicated import sum_grads_over
 
@@ -136,7 +136,8 @@ def _planned_modules(model: nn.Module, plan: dict[str, str]) -> dict[str, tuple[
         style, pattern = found
         _check_kind(name, module, style, pattern)
         planned[name] = (module, style, pattern)
-    unused = [p for p in plan if not any(pat == p for _, _, pat in planned.values())]
+    names = [name for name, _ in model.named_modules() if name]
+    unused = [p for p in plan if not any(matches(p, name) for name in names)]  # overridden everywhere is fine
     if unused:
         raise ValueError(f"plan entries {unused} match no module of {type(model).__name__}; fix the pattern (module "
                          f"names look like {_example_names(model)})")

@@ -154,3 +154,23 @@ def _mode_as_context():
 
 def test_sequence_parallel_mode_is_a_reentrant_context():
     run_on_ranks(_mode_as_context, 2)
+
+
+def _hf_position_refusal():
+    import shardzoo
+    from shardzoo.parallel.hf_model import default_plan
+    from shardzoo.testing.hf_parallel import tiny_causal_lm
+
+    model = tiny_causal_lm("gpt2")
+    plan = {**default_plan(model), "transformer.wpe": "position_embedding"}
+    with pytest.raises(ValueError) as err:
+        shardzoo.parallelize(model, cached_mesh(sp=2), plan)
+    return str(err.value)
+
+
+def test_position_embedding_style_on_a_transformers_model_under_sp_is_refused():
+    """transformers models get global position_ids from the input hook: a second mapping is refused.
+    (The default plan's 'wpe', overridden by the longer 'transformer.wpe', is not an unused entry.)"""
+    pytest.importorskip("transformers", reason="builds a transformers GPT-2")
+    message = run_on_ranks(_hf_position_refusal, 2)[0]
+    assert "transformer.wpe" in message and "plan it 'embedding'" in message, message
