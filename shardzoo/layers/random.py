@@ -29,7 +29,7 @@ thread: forks of two meshes' streams nest through the same generator, and a reco
 autograd runs on its own thread while the forward thread waits inside a fork nests as well.
 Forks must close in the reverse order they opened; one closing early (two threads forking at
 once, interleaved generators) raises. Activation checkpointing that recomputes a forked block
-saves ``streams.get_states()`` before the block and replays from them (models/pipeline.py,
+saves ``streams.get_states()`` before the block and replays from them (layers/recompute.py,
 ``stream_contexts``), as it does for torch's own state. docs/tp1d.md has the rules.
 """
 

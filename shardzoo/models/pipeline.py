@@ -27,9 +27,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from shardzoo.comm.mesh import default_device
-from shardzoo.layers import random as tp_random
 from shardzoo.layers import replicas
 from shardzoo.layers.dp_shard import local_tensor
+from shardzoo.layers.recompute import stream_contexts
 from shardzoo.layers.shard_spec import ShardSpec, get_shard_spec
 from shardzoo.layers.tensor_layout import layout_of
 from shardzoo.layers.token_ids import check_token_ids
@@ -181,32 +181,6 @@ class StagedModel(GlobalLoss, nn.Module):
             else:
                 piece = seeded_normal_piece(seed, key, spec, std)
             p.copy_(piece)
-
-
-def stream_contexts(mesh):
-    """(forward, recompute) context managers for ``torch.utils.checkpoint``'s ``context_fn``:
-    the forward one saves the mesh's dropout streams (layers/random.py), the recompute one
-    replays from those states and then puts back the states it found, so the recomputed block
-    draws the same dropout masks (Megatron's ``CheckpointFunction`` does the same with its
-    tracker) and later draws are unaffected."""
-    saved = {}
-
-    @contextlib.contextmanager
-    def forward():
-        saved.update(tp_random.rng_streams(mesh).get_states())
-        yield
-
-    @contextlib.contextmanager
-    def recompute():
-        streams = tp_random.rng_streams(mesh)
-        current = streams.get_states()
-        streams.set_states(saved)
-        try:
-            yield
-        finally:
-            streams.set_states(current)
-
-    return forward(), recompute()
 
 
 def build_schedule(stages: list[tuple[int, nn.Module]], mesh, *, n_microbatches: int, schedule: str = "1f1b",

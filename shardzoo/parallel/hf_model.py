@@ -85,8 +85,9 @@ def default_plan(model: nn.Module) -> dict[str, str] | None:
 
 def complete_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     """``plan`` plus what a transformers plan leaves replicated but a layout splits: the input
-    embedding ('vocab_embedding'), the output embedding ('lm_head') and every LayerNorm /
-    RMSNorm over the hidden size ('norm'); entries the plan has already win."""
+    embedding ('vocab_embedding'), the output embedding ('lm_head'), every LayerNorm /
+    RMSNorm over the hidden size ('norm') and every nn.Dropout ('dropout': the layout's masks);
+    entries the plan has already win."""
     names = {id(m): n for n, m in model.named_modules()}
     extra: dict[str, str] = {}
     inp = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
@@ -100,6 +101,8 @@ def complete_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
         weight = getattr(module, "weight", None)
         if is_norm(module) and weight is not None and weight.shape[0] == hidden:
             extra[name] = "norm"
+        elif isinstance(module, nn.Dropout):
+            extra[name] = "dropout"
     complete = dict(plan)
     for name, style in extra.items():
         found = style_of(plan, name)

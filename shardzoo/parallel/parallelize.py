@@ -21,8 +21,10 @@ from torch import nn
 
 from shardzoo.layers.attention_core import SP_MODES
 from shardzoo.layers.tensor_layout import layout_of
+from shardzoo.parallel import checkpointing as block_checkpointing
 from shardzoo.parallel import heads as head_counts
 from shardzoo.parallel import hf_model, inputs, linears, sdpa_mode
+from shardzoo.parallel.dropouts import build_dropout, is_dropout
 from shardzoo.parallel.plan import check_plan, is_norm, matches, style_of
 from shardzoo.parallel.positions import build_position_embedding
 from shardzoo.parallel.replicated import sum_grads_over
@@ -41,7 +43,7 @@ def state_of(model: nn.Module):
 
 
 def parallelize(model: nn.Module, mesh, plan: dict[str, str] | None = None, *, sp_mode: str = "ring",
-                causal: bool | None = None) -> nn.Module:
+                causal: bool | None = None, checkpointing: bool = False) -> nn.Module:
     """Split ``model`` over ``mesh``'s tp layout (1d, 2d, 2.5d, 3d) and sp, in place; returns it.
 
     Args:
@@ -56,6 +58,9 @@ def parallelize(model: nn.Module, mesh, plan: dict[str, str] | None = None, *, s
             ``labels=``) and its sp shards are zigzag. None: a transformers ``*ForCausalLM``
             / ``*LMHeadModel`` is; a module of one's own is unless its ``is_causal`` attribute
             is False.
+        checkpointing: recompute each block in backward (activation checkpointing): every
+            child of the model's lists of repeated blocks (checkpointing.py), under
+            ``torch.utils.checkpoint`` with the SDPA mode and the dropout streams replayed.
 
     Afterwards ``model(input_ids=[B, S], attention_mask=[B, S], labels=[B, S], ...)`` takes the
     full tensors of this dp replica on every tp and sp rank; ``out.loss`` is the global token
@@ -81,6 +86,7 @@ def parallelize(model: nn.Module, mesh, plan: dict[str, str] | None = None, *, s
     tpl = layout_of(mesh)
     planned = _planned_modules(model, plan)
     _refuse_uncovered(model, planned, tpl)
+    blocks = block_checkpointing.block_names(model) if checkpointing else []
     _refuse_hf_positions(model, planned, hf, mesh)
     attention = head_counts.attention_modules(model, planned, tpl, hf_model.config_heads(model))
     built = _build(model, planned, tpl, attention, zigzag=causal)  # nothing in the model has changed so far
@@ -98,6 +104,8 @@ def parallelize(model: nn.Module, mesh, plan: dict[str, str] | None = None, *, s
         sdpa_mode.install(model, state)  # its pre-hook first: the mode is entered before the inputs are split
     head_counts.make_local(attention)
     inputs.install(model, state)
+    for name in blocks:
+        block_checkpointing.install(model.get_submodule(name), model, state)
     return model
 
 
@@ -159,6 +167,9 @@ def _check_kind(name: str, module: nn.Module, style: str, pattern: str) -> None:
     if want is not None and not isinstance(module, want):
         raise ValueError(f"plan entry {pattern!r} makes {name} ({type(module).__name__}) a {style!r} block, which "
                          f"needs an nn.{want.__name__}; change the style or the pattern")
+    if style == "dropout" and not isinstance(module, nn.Dropout):
+        raise ValueError(f"plan entry {pattern!r} makes {name} ({type(module).__name__}) a 'dropout', which needs an "
+                         f"nn.Dropout (elementwise); change the style or the pattern")
     if style == "norm" and not is_norm(module):
         raise ValueError(f"plan entry {pattern!r} makes {name} ({type(module).__name__}) a 'norm', which needs a "
                          f"LayerNorm or RMSNorm; change the style or the pattern")
@@ -166,17 +177,33 @@ def _check_kind(name: str, module: nn.Module, style: str, pattern: str) -> None:
 
 def _refuse_uncovered(model: nn.Module, planned: dict, tpl) -> None:
     """Every Linear, Conv1D, Embedding or norm (and, in the grid layouts, any module holding
-    weights) must be covered by the plan: its input is split by the layout."""
+    weights) must be covered by the plan: its input is split by the layout. With tp > 1 so
+    must every dropout module with p > 0 (_refuse_dropout)."""
     covered = tuple(f"{n}." for n in planned)
     for name, module in model.named_modules():
         if not name or name in planned or name.startswith(covered):
             continue
+        _refuse_dropout(name, module, tpl)
         holds_weights = next(module.parameters(recurse=False), None) is not None
         if is_weighted_kind(module) or (holds_weights and tpl.mode != "1d"):
             kind = type(module).__name__
             raise ValueError(f"{name} ({kind}) is not in the plan, and the {tpl.mode} layout splits the activations "
                              f"it reads; add it to the plan: plan[{name!r}] = 'column' / 'row' / 'norm' / "
                              f"'embedding' ..., or 'replicate' to keep it whole on every rank")
+
+
+def _refuse_dropout(name: str, module: nn.Module, tpl) -> None:
+    """torch's own dropout draws from each rank's generator with nothing keeping the tp ranks'
+    draws equal, so a replicated activation could get other masks on other tp ranks and the
+    replicas drift apart without an error. A p = 0 dropout draws nothing and is left alone."""
+    if tpl.mesh.tp_size == 1 or not is_dropout(module) or getattr(module, "p", 0.0) == 0.0:
+        return
+    kind = type(module).__name__
+    fix = (f"plan it \"dropout\": plan[{name!r}] = 'dropout' (the layout's dropout: one mask on every tp rank where "
+           f"the activation is replicated)") if isinstance(module, nn.Dropout) else \
+        f"replace it by an nn.Dropout planned 'dropout', or plan it 'replicate' to keep torch's own draws"
+    raise ValueError(f"{name} ({kind}, p={module.p}) is not in the plan; under tp={tpl.mesh.tp_size} its masks are "
+                     f"drawn by each rank alone and can differ between tp ranks holding the same activation; {fix}")
 
 
 def _build(model: nn.Module, planned: dict, tpl, attention, zigzag: bool) -> dict[str, nn.Module]:
@@ -199,6 +226,8 @@ def _build(model: nn.Module, planned: dict, tpl, attention, zigzag: bool) -> dic
             built[name] = tpl.vocab_embedding(serial=module, device=module.weight.device)
         elif style == "position_embedding":
             built[name] = build_position_embedding(module, tpl, zigzag)
+        elif style == "dropout":
+            built[name] = build_dropout(module, tpl.mesh)
         else:
             built[name] = tpl.embedding(serial=module, device=module.weight.device)
     return built

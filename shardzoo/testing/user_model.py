@@ -23,6 +23,7 @@ PLAN = {
     "embed": "vocab_embedding", "pos": "position_embedding", "blocks.*.ln_*": "norm",
     "blocks.*.attn.q": "column", "blocks.*.attn.k": "column", "blocks.*.attn.v": "column", "blocks.*.attn.o": "row",
     "blocks.*.fc1": "column", "blocks.*.fc2": "row", "ln_f": "norm", "head": "lm_head",
+    "drop": "dropout",  # the embedding's and every block's (a pattern matches from a dot on)
 }
 
 
@@ -40,30 +41,34 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, hidden: int, num_heads: int):
+    def __init__(self, hidden: int, num_heads: int, dropout: float = 0.0):
         super().__init__()
         self.ln_1, self.ln_2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
         self.attn = Attention(hidden, num_heads)
         self.fc1, self.fc2 = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+        self.drop = nn.Dropout(dropout)  # on each residual branch, as GPT-2's resid_pdrop
 
     def forward(self, x, mask=None):
-        x = x + self.attn(self.ln_1(x), mask)
-        return x + self.fc2(F.gelu(self.fc1(self.ln_2(x))))
+        x = x + self.drop(self.attn(self.ln_1(x), mask))
+        return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln_2(x)))))
 
 
 class TinyLM(nn.Module):
-    """ids [b, s] (and an optional padding mask [b, s], 1 = attend) -> logits [b, s, vocab]."""
+    """ids [b, s] (and an optional padding mask [b, s], 1 = attend) -> logits [b, s, vocab];
+    ``dropout``: p of the dropout after the embeddings and on each residual branch."""
 
-    def __init__(self, vocab: int = 64, hidden: int = 32, num_heads: int = 4, layers: int = 2, seq: int = 16):
+    def __init__(self, vocab: int = 64, hidden: int = 32, num_heads: int = 4, layers: int = 2, seq: int = 16,
+                 dropout: float = 0.0):
         super().__init__()
         self.embed, self.pos = nn.Embedding(vocab, hidden), nn.Embedding(seq, hidden)
-        self.blocks = nn.ModuleList(Block(hidden, num_heads) for _ in range(layers))
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(hidden, num_heads, dropout) for _ in range(layers))
         self.ln_f, self.head = nn.LayerNorm(hidden), nn.Linear(hidden, vocab, bias=False)
 
     def forward(self, input_ids, attention_mask=None):
         s = input_ids.shape[1]
         positions = torch.arange(s, device=input_ids.device)[None]
-        x = self.embed(input_ids) + self.pos(positions)
+        x = self.drop(self.embed(input_ids) + self.pos(positions))
         mask = None
         if attention_mask is not None:  # causal and padding; under sp the attention applies it
             causal = torch.ones(s, s, dtype=torch.bool, device=input_ids.device).tril()

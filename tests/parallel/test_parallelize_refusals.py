@@ -40,6 +40,10 @@ def _refusal(mesh_kwargs, edit: str):
         model.blocks[0].attn.num_heads_total = 4
     elif edit == "heads":  # 4 heads on 8 parts
         pass
+    elif edit == "dropout-uncovered":
+        model, plan = TinyLM(dropout=0.1), {p: s for p, s in PLAN.items() if s != "dropout"}
+    elif edit == "dropout-wrong-kind":
+        plan["blocks.*.fc1"] = "dropout"
     before = copy.deepcopy(model.state_dict())
     with pytest.raises(ValueError) as err:
         shardzoo.parallelize(model, cached_mesh(**mesh_kwargs), plan)
@@ -58,6 +62,8 @@ def _refusal(mesh_kwargs, edit: str):
     ("odd-norm", dict(tp=2), 2, ["ln_f", "OnePlusRMSNorm", "plain RMSNorm"]),
     ("unknown-head-count", dict(tp=2), 2, ["blocks.0.attn.num_heads_total", "head count"]),
     ("heads", dict(tp=8), 8, ["4 heads", "4 kv heads", "head parts that work: [1, 2, 4]"]),
+    ("dropout-uncovered", dict(tp=2), 2, ["drop (Dropout, p=0.1)", "not in the plan", 'plan it "dropout"']),
+    ("dropout-wrong-kind", dict(tp=2), 2, ["blocks.0.fc1", "'dropout'", "nn.Dropout"]),
 ])
 def test_refused_before_any_weight_moves(edit, mesh_kwargs, world, words):
     message = run_on_ranks(_refusal, world, mesh_kwargs, edit)[0]

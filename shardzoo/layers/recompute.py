@@ -1,0 +1,38 @@
+"""What an activation-checkpoint recompute must replay besides torch's own RNG state.
+
+``torch.utils.checkpoint`` saves and restores torch's default generator around a recompute,
+but not the mesh's tp dropout stream (layers/random.py), which a block draws from inside
+``fork("tp")``; :func:`stream_contexts` saves and replays it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from shardzoo.layers import random as tp_random
+
+
+def stream_contexts(mesh):
+    """(forward, recompute) context managers for ``torch.utils.checkpoint``'s ``context_fn``:
+    the forward one saves the mesh's dropout streams (layers/random.py), the recompute one
+    replays from those states and then puts back the states it found, so the recomputed block
+    draws the same dropout masks (Megatron's ``CheckpointFunction`` does the same with its
+    tracker) and later draws are unaffected."""
+    saved = {}
+
+    @contextlib.contextmanager
+    def forward():
+        saved.update(tp_random.rng_streams(mesh).get_states())
+        yield
+
+    @contextlib.contextmanager
+    def recompute():
+        streams = tp_random.rng_streams(mesh)
+        current = streams.get_states()
+        streams.set_states(saved)
+        try:
+            yield
+        finally:
+            streams.set_states(current)
+
+    return forward(), recompute()
