@@ -10,7 +10,7 @@
     errors = run_on_ranks(check, 4, 0)
 """
 
-from shardzoo.testing.asserts import TOLERANCES, assert_close, assert_close_conditioned, tolerance
+from shardzoo.testing.asserts import TOLERANCES, assert_close, assert_close_conditioned, error_messages, tolerance
 from shardzoo.testing.dtypes import DTYPES, dtypes
 from shardzoo.testing.pools import cached_mesh, close_pools, get_pool, run_on_ranks
 

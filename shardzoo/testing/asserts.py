@@ -40,3 +40,16 @@ def assert_close_conditioned(actual: torch.Tensor, expected: torch.Tensor, exact
             f"{err.flatten()[i].item():.3g} > {allowed.flatten()[i].item():.3g} (atol {atol * scale:g}, rtol "
             f"{rtol * scale:g}, plus {slack:g} x the serial {expected.dtype} error against float64, "
             f"{(expected.double() - exact.double()).abs().flatten()[i].item():.3g})")
+
+
+def error_messages(calls, error: type[Exception] = ValueError) -> list[str | None]:
+    """The message of the ``error`` each zero-argument call raises, or None for a call that
+    returns (so a test can assert both which calls were refused and what each refusal says)."""
+    messages: list[str | None] = []
+    for call in calls:
+        try:
+            call()
+            messages.append(None)
+        except error as e:
+            messages.append(str(e))
+    return messages

@@ -14,7 +14,7 @@ from shardzoo.layers.packing import cu_seqlens_from_position_ids, split_document
 from shardzoo.layers.ring_attention import ring_attention
 from shardzoo.layers.sequence import gather_sequence, shard_sequence
 from shardzoo.layers.ulysses import ulysses_attention
-from shardzoo.testing import cached_mesh, run_on_ranks
+from shardzoo.testing import cached_mesh, error_messages, run_on_ranks
 from shardzoo.testing.packed_attention import (compare_packed, long_tailed_lengths, offsets, packed_inputs,
                                                parallel_grads, serial_grads)
 
@@ -165,19 +165,12 @@ def test_position_ids_are_accepted_as_packed_format(mode):
 def bad_packed_calls():
     group = cached_mesh(sp=2).sp_group
     q = torch.randn(1, 2, 4, 8)
-    messages = []
-    for call in (
+    return error_messages((
         lambda: ring_attention(q, q, q, group=group, cu_seqlens=torch.tensor([0, 8])),  # int64
         lambda: ring_attention(q, q, q, group=group, cu_seqlens=torch.tensor([0, 3, 3, 8], dtype=torch.int32)),
         lambda: ring_attention(q, q, q, group=group, cu_seqlens=torch.tensor([0, 5], dtype=torch.int32)),
         lambda: ring_attention(q, q[:, :1].expand(1, 3, 4, 8), q[:, :1].expand(1, 3, 4, 8), group=group),
-    ):
-        try:
-            call()
-            messages.append(None)
-        except ValueError as e:
-            messages.append(str(e))
-    return messages
+    ))
 
 
 def test_bad_packed_arguments_raise_clear_errors():

@@ -14,7 +14,7 @@ from shardzoo.layers.sequence import (
     to_zigzag_order,
     zigzag_chunk_order,
 )
-from shardzoo.testing import cached_mesh, run_on_ranks
+from shardzoo.testing import cached_mesh, error_messages, run_on_ranks
 
 
 def test_zigzag_chunk_order_pairs_early_and_late_chunks():
@@ -64,18 +64,11 @@ def test_shard_and_gather_sequence(world, chunks, dim, zigzag, seed):
 
 def shard_uneven():
     group = cached_mesh(sp=2).sp_group
-    messages = []
-    for call in (
+    return error_messages((
         lambda: shard_sequence(torch.zeros(1, 6), group, 1, zigzag=True),
         lambda: shard_padding_mask(torch.ones(1, 5, dtype=torch.bool), group),
         lambda: gather_sequence(torch.zeros(1, 3), group, 1, zigzag=True),
-    ):
-        try:
-            call()
-            messages.append(None)
-        except ValueError as e:
-            messages.append(str(e))
-    return messages
+    ))
 
 
 def test_uneven_sequence_raises_clear_error():
