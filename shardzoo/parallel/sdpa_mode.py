@@ -28,7 +28,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode, _get_current_function_mode, _pop_mode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode
 
 from shardzoo.layers.attention_core import sequence_attention
 from shardzoo.layers.shard_spec import unwrap_ddp
@@ -111,7 +111,7 @@ class SequenceParallelSDPA(TorchFunctionMode):
             if _get_current_function_mode() is not self:
                 raise RuntimeError(f"{self.owner}: another torch function mode was left entered inside its forward; "
                                    f"leave every mode a forward enters")
-            _pop_mode()
+            super().__exit__(exc_type, exc_val, exc_tb)
 
 
 def _enter(mode: SequenceParallelSDPA) -> None:
