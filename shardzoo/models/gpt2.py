@@ -1,15 +1,16 @@
-"""GPT-2 (causal LM) on any layout, whole or as one pipeline stage.
+"""GPT-2 (causal LM) as a plain torch model with its plan; models/planned.py builds and splits it
+(the constructor's layout arguments and the usage are in docs/models.md):
 
-    mesh = ParallelMesh(tp=4, tp_mode="2d", sp=2)
-    model = GPT2(GPT2Config(n_layer=2, n_embd=64, n_head=4), mesh=mesh)
+    model = GPT2(GPT2Config(n_layer=2, n_embd=64, n_head=4), ...)
     ids = model.shard_input(ids_full)                 # [B, S] -> [b, s]
     logits = model(ids)                               # [b, s, V_local]
     loss = model.loss(logits, model.shard_target(targets_full))
     full = model.gather_output(logits)                # [B, S, V]
 
-Parameter names follow ``GPT2LMHeadModel`` except inside blocks: ``attn.qkv`` (per-head fused,
-see layers/attention.py), ``attn.out_proj``, ``mlp.fc1``, ``mlp.fc2``, all in nn.Linear's
-[out, in] layout (``hf_to_shardzoo`` converts from Conv1D's [in, out]).
+Parameter names follow ``GPT2LMHeadModel`` except inside blocks: ``attn.qkv`` (rows grouped per
+head: head, q|k|v, head_dim, so a column split keeps heads whole), ``attn.out_proj``,
+``mlp.fc1``, ``mlp.fc2``, all in nn.Linear's [out, in] layout (``hf_to_shardzoo`` converts
+from Conv1D's [in, out]).
 """
 
 from __future__ import annotations
@@ -17,15 +18,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+from einops import rearrange
 from torch import nn
 
-from shardzoo.layers.attention import SelfAttention, check_heads, fuse_qkv, split_qkv
-from shardzoo.layers.attention_core import local_positions
-from shardzoo.layers.mlp import MLP
-from shardzoo.layers.tensor_layout import layout_of
-from shardzoo.models import common
-from shardzoo.models.config import ACTIVATION_NAMES, HFConfig
-from shardzoo.models.pipeline import StagedModel
+from shardzoo.models.config import ACTIVATION_NAMES, HFConfig, activation
+from shardzoo.models.masks import sdpa_mask
+from shardzoo.models.planned import PlannedModel
 from shardzoo.models.spec import FamilySpec
 
 
@@ -53,84 +52,106 @@ class GPT2Config(HFConfig):
                  "add_cross_attention": (False,)}
 
 
-class GPT2Block(nn.Module):
-    """Pre-LN block: x + attn(ln_1(x)), then + mlp(ln_2(x)). [b, s, H_l] -> same."""
+class GPT2Attention(nn.Module):
+    """Causal self-attention, q, k and v from one projection. [b, s, H] -> [b, s, H]."""
 
-    def __init__(self, config: GPT2Config, mesh, sp_mode: str, device=None):
+    def __init__(self, config: GPT2Config):
         super().__init__()
-        h, eps, tpl = config.n_embd, config.layer_norm_epsilon, layout_of(mesh)
-        self.mesh, self.resid_pdrop = mesh, config.resid_pdrop
-        self.ln_1 = tpl.norm(h, eps, device=device)
-        self.attn = SelfAttention(h, config.n_head, mesh=mesh, causal=True, attn_dropout=config.attn_pdrop,
-                                  sp_mode=sp_mode, device=device)
-        self.ln_2 = tpl.norm(h, eps, device=device)
-        self.mlp = MLP(h, config.n_inner or 4 * h, mesh=mesh, act=config.activation_function, device=device)
+        h = config.n_embd
+        self.n_head, self.head_dim, self.attn_pdrop = config.n_head, h // config.n_head, config.attn_pdrop
+        self.qkv = nn.Linear(h, 3 * h)
+        self.out_proj = nn.Linear(h, h)
 
     def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self._drop(self.attn(self.ln_1(x), key_padding_mask))
-        return x + self._drop(self.mlp(self.ln_2(x)))
+        q, k, v = rearrange(self.qkv(x), "b s (h three d) -> three b h s d", three=3, d=self.head_dim)
+        mask = sdpa_mask(key_padding_mask, causal=True)  # None: no padding
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           dropout_p=self.attn_pdrop if self.training else 0.0)  # [b, h, s, d]
+        return self.out_proj(rearrange(y, "b h s d -> b s (h d)"))
 
-    def _drop(self, x: torch.Tensor) -> torch.Tensor:
-        return layout_of(self.mesh).dropout(x, self.resid_pdrop, self.training)
+
+class GPT2MLP(nn.Module):
+    """fc2(act(fc1(x))): [b, s, H] -> [b, s, H]."""
+
+    def __init__(self, config: GPT2Config):
+        super().__init__()
+        h = config.n_embd
+        self.fc1 = nn.Linear(h, config.n_inner or 4 * h)
+        self.fc2 = nn.Linear(config.n_inner or 4 * h, h)
+        self.act = activation(config.activation_function)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
 
 
-class GPT2(StagedModel):
-    """GPT-2 LM head model on ``mesh``; ``stage=(k, n)`` / ``stage_layers`` build one pipeline stage.
+class GPT2Block(nn.Module):
+    """Pre-LN block: x + drop(attn(ln_1(x))), then + drop(mlp(ln_2(x))). [b, s, H] -> same."""
 
-    Args:
-        config: GPT2Config. mesh: ParallelMesh (tp in any mode, sp, dp, pp).
-        stage, stage_layers: pipeline stage (models/common.stage_blocks); None: whole model.
-        sp_mode: "ring" or "ulysses" attention over sp. checkpointing: recompute each block
-            in backward (activation checkpointing).
-        device: of the parameters.
+    def __init__(self, config: GPT2Config):
+        super().__init__()
+        h, eps = config.n_embd, config.layer_norm_epsilon
+        self.ln_1 = nn.LayerNorm(h, eps=eps)
+        self.attn = GPT2Attention(config)
+        self.ln_2 = nn.LayerNorm(h, eps=eps)
+        self.mlp = GPT2MLP(config)
+        self.drop = nn.Dropout(config.resid_pdrop)
 
-    Forward (stage inputs / outputs, b = local batch rows, s = S/sp tokens):
-        first stage: ids [b, s] -> ...; other stages: hidden [b, s, H_l] -> ...;
-        last stage: ... -> vocab-parallel logits [b, s, V_local]; others: hidden [b, s, H_l].
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln_1(x), key_padding_mask))
+        return x + self.drop(self.mlp(self.ln_2(x)))
+
+
+GPT2_PLAN = {
+    "transformer.wte": "vocab_embedding", "transformer.wpe": "position_embedding", "transformer.drop": "dropout",
+    "ln_1": "norm", "ln_2": "norm", "transformer.ln_f": "norm", "drop": "dropout",
+    "attn.qkv": "head_fused_column", "attn.out_proj": "row", "mlp.fc1": "column", "mlp.fc2": "row",
+    "lm_head": "lm_head",
+}
+
+
+class GPT2(PlannedModel):
+    """GPT-2 LM head model (one pipeline stage of it with ``stage=``); arguments: models/planned.py.
+
+    Forward (b = batch rows, s = tokens of this stage's input):
+        first stage: ids [b, s] -> ...; other stages: hidden [b, s, H] -> ...;
+        last stage: ... -> logits [b, s, V]; others: hidden [b, s, H].
     """
 
     family = "GPT2"
     causal = True
+    plan = GPT2_PLAN
+    layers_field, positions_field = "n_layer", "n_positions"
 
-    def __init__(self, config: GPT2Config, *, mesh, stage=None, stage_layers=None, sp_mode: str = "ring",
-                 checkpointing: bool = False, device=None, seed: int | None = None):
-        super().__init__()
-        with self.building(device, seed) as device:  # meta: shapes only, then this rank's shards
-            check_heads("GPT2", config.n_embd, config.n_head, mesh, sp_mode)
-            self.config, self.mesh, self.checkpointing = config, mesh, checkpointing
-            self.tied_names = {"lm_head.weight": "transformer.wte.weight"} if config.tie_word_embeddings else {}
-            tpl = layout_of(mesh)
-            self.layout = tpl.activation
-            blocks, self.is_first, self.is_last = common.stage_blocks("GPT2", config.n_layer, stage, stage_layers)
-            h = config.n_embd
-            self.transformer = nn.Module()
-            if self.is_first:
-                self.transformer.wte = tpl.vocab_embedding(config.vocab_size, h, device=device)
-                self.transformer.wpe = tpl.embedding(config.n_positions, h, device=device)
-            self.transformer.h = nn.ModuleDict({str(i): GPT2Block(config, mesh, sp_mode, device) for i in blocks})
-            if self.is_last:
-                self.transformer.ln_f = tpl.norm(h, config.layer_norm_epsilon, device=device)
-                tie = self.transformer.wte if self.is_first and config.tie_word_embeddings else None
-                self.lm_head = tpl.lm_head(h, config.vocab_size, bias=False, tie_to=tie, device=device)
-                self.target_layout = tpl.after(self.lm_head)
+    @staticmethod
+    def attention_shape(config: GPT2Config) -> tuple[int, int]:
+        return config.n_embd, config.n_head
+
+    def build(self, config: GPT2Config, blocks: range) -> None:
+        h = config.n_embd
+        tie = config.tie_word_embeddings
+        self.tied_names = {"lm_head.weight": "transformer.wte.weight"} if tie else {}
+        self.transformer = nn.Module()
+        if self.is_first:
+            self.transformer.wte = nn.Embedding(config.vocab_size, h)
+            self.transformer.wpe = nn.Embedding(config.n_positions, h)
+            self.transformer.drop = nn.Dropout(config.embd_pdrop)
+        self.transformer.h = nn.ModuleDict({str(i): GPT2Block(config) for i in blocks})
+        if self.is_last:
+            self.transformer.ln_f = nn.LayerNorm(h, eps=config.layer_norm_epsilon)
+            self.lm_head = nn.Linear(h, config.vocab_size, bias=False)
+            if tie and self.is_first:
+                self.lm_head.weight = self.transformer.wte.weight
 
     def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """ids [b, s] (first stage) or hidden [b, s, H_l] -> hidden, or logits [b, s, V_local] (last)."""
+        """ids [b, s] (first stage) or hidden [b, s, H] -> hidden, or logits [b, s, V] (last)."""
         if self.is_first:
-            x = self.embed(x)
+            positions = torch.arange(x.shape[1], device=x.device)  # [s]
+            x = self.transformer.drop(self.transformer.wte(x) + self.transformer.wpe(positions[None]))
         for block in self.transformer.h.values():
-            x = self.run_block(block, x, key_padding_mask)
+            x = block(x, key_padding_mask)
         if self.is_last:
             x = self.lm_head(self.transformer.ln_f(x))
         return x
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [b, s] -> token + position embeddings [b, s, H_l] (dropout embd_pdrop)."""
-        seq = ids.shape[1] * self.mesh.sp_size
-        common.check_seq_len("GPT2", seq, self.config.n_positions, "n_positions")
-        positions = local_positions(ids.shape[1], self.mesh, zigzag=True, device=ids.device)
-        x = self.transformer.wte(ids) + self.transformer.wpe(positions[None])
-        return self.tpl.dropout(x, self.config.embd_pdrop, self.training)
 
 
 # -- Hugging Face names ------------------------------------------------------------------------
@@ -146,7 +167,8 @@ def hf_to_shardzoo(name: str, tensor: torch.Tensor, config: GPT2Config) -> list[
         return []
     if ".attn.c_attn." in name:
         t = tensor.t() if name.endswith("weight") else tensor
-        return [(name.replace("attn.c_attn", "attn.qkv"), fuse_qkv(*t.chunk(3, 0), config.n_head).contiguous())]
+        fused = rearrange(t, "(three h d) ... -> (h three d) ...", three=3, h=config.n_head)  # per head
+        return [(name.replace("attn.c_attn", "attn.qkv"), fused.contiguous())]
     for hf, ours in _CONV1D.items():
         if f".{hf}." in name:
             t = tensor.t() if name.endswith("weight") else tensor
@@ -175,7 +197,7 @@ def hf_read_plan(name: str, config: GPT2Config) -> tuple[bool, object]:
 def shardzoo_to_hf(name: str, tensor: torch.Tensor, config: GPT2Config) -> list[tuple[str, torch.Tensor]]:
     """Inverse of :func:`hf_to_shardzoo` for one shardzoo entry (full size)."""
     if ".attn.qkv." in name:
-        t = torch.cat(split_qkv(tensor, config.n_head), 0)
+        t = rearrange(tensor, "(h three d) ... -> (three h d) ...", three=3, h=config.n_head)  # [q; k; v]
         return [(name.replace("attn.qkv", "attn.c_attn"), (t.t() if name.endswith("weight") else t).contiguous())]
     for hf, ours in _CONV1D.items():
         if f".{ours}." in name:

@@ -33,6 +33,7 @@ HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
 KV_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head")
 WIDTH_ATTRS = ("embed_dim", "hidden_size", "all_head_size", "split_size", "inner_dim")
 GROUP_ATTRS = ("num_key_value_groups", "num_kv_groups")
+COLUMN_STYLES = ("column", "packed_column", "head_fused_column")
 _MARKERS = HEAD_ATTRS + GROUP_ATTRS + ("head_dim",)
 
 
@@ -85,7 +86,7 @@ def attention_modules(model: nn.Module, planned: dict, tpl, config_heads) -> dic
     found: dict[str, Attention] = {}
     for name, module in model.named_modules():
         children = {f"{name}.{c}" if name else c: m for c, m in module.named_children()}
-        columns = {n: m for n, m in children.items() if n in planned and planned[n][1] in ("column", "packed_column")}
+        columns = {n: m for n, m in children.items() if n in planned and planned[n][1] in COLUMN_STYLES}
         if not columns or not _looks_like_attention(module):
             continue
         heads = _int_attr(module, HEAD_ATTRS) or (config_heads[0] if config_heads else None)
@@ -100,6 +101,8 @@ def attention_modules(model: nn.Module, planned: dict, tpl, config_heads) -> dic
         _check_attributes(spec)
         for n, m in columns.items():
             out = _out_features(m)
+            if planned[n][1] == "head_fused_column" and out % (heads * head_dim) == 0:
+                continue  # each head's parts sit together: a contiguous split keeps heads whole
             if planned[n][1] == "packed_column" and out % (heads * head_dim) == 0 and out > heads * head_dim:
                 spec.packed[n] = out // (heads * head_dim)
                 continue

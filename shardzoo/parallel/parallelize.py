@@ -82,19 +82,9 @@ def parallelize(model: nn.Module, mesh, plan: dict[str, str] | None = None, *, s
         if plan is None:
             raise ValueError(f"{type(model).__name__} has no tensor-parallel plan of its own; pass "
                              f"plan={{'<module pattern>': 'column' | 'row' | 'norm' | ...}} (docs/parallelize.md)")
-    plan = check_plan(plan)
-    tpl = layout_of(mesh)
-    planned = _planned_modules(model, plan)
-    _refuse_uncovered(model, planned, tpl)
-    blocks = block_checkpointing.block_names(model) if checkpointing else []
-    _refuse_hf_positions(model, planned, hf, mesh)
-    attention = head_counts.attention_modules(model, planned, tpl, hf_model.config_heads(model))
-    built = _build(model, planned, tpl, attention, zigzag=causal)  # nothing in the model has changed so far
-    for name, new in built.items():
-        model.set_submodule(name, new)
-    for name, (module, style, _) in planned.items():
-        if style == "replicate_sum":
-            sum_grads_over(module, mesh.tp_group)
+    planned, attention = split_modules(model, mesh, plan, causal=causal, checkpointing=checkpointing,
+                                       config_heads=hf_model.config_heads(model),
+                                       check=lambda planned: _refuse_hf_positions(model, planned, hf, mesh))
     state = inputs.Parallelized(model, mesh, sp_mode, hf, causal=causal, head=_find(planned, "lm_head"),
                                 embedding=_find(planned, "vocab_embedding"))
     model.__dict__[_STATE] = state
@@ -104,9 +94,42 @@ def parallelize(model: nn.Module, mesh, plan: dict[str, str] | None = None, *, s
         sdpa_mode.install(model, state)  # its pre-hook first: the mode is entered before the inputs are split
     head_counts.make_local(attention)
     inputs.install(model, state)
-    for name in blocks:
-        block_checkpointing.install(model.get_submodule(name), model, state)
+    install_checkpointing(model, state, checkpointing)
     return model
+
+
+def split_modules(model: nn.Module, mesh, plan: dict[str, str], *, causal: bool, checkpointing: bool = False,
+                  config_heads=None, check=None, partial: bool = False) -> tuple[dict, dict]:
+    """Replace every module ``plan`` covers by the mesh's layout block, in place, after checking
+    all of them (nothing changes when a check fails); the engine step both ``parallelize`` and
+    the model families' stage builder (models/pipeline.py) take. ``check(planned)``: a further
+    check before anything moves. ``partial``: the model is one pipeline stage of a model the plan
+    describes, so entries matching no module here are fine. Returns ({name: (serial module, style, pattern)}, the
+    attention modules (heads.py), whose head counts the caller makes local once its hooks
+    that read the global counts are installed)."""
+    plan = check_plan(plan)
+    tpl = layout_of(mesh)
+    planned = _planned_modules(model, plan, partial)
+    _refuse_uncovered(model, planned, tpl)
+    if checkpointing:
+        block_checkpointing.block_names(model)  # raises when there are no blocks
+    if check is not None:
+        check(planned)
+    attention = head_counts.attention_modules(model, planned, tpl, config_heads)
+    built = _build(model, planned, tpl, attention, zigzag=causal)  # nothing in the model has changed so far
+    for name, new in built.items():
+        model.set_submodule(name, new)
+    for name, (module, style, _) in planned.items():
+        if style == "replicate_sum":
+            sum_grads_over(module, mesh.tp_group)
+    return planned, attention
+
+
+def install_checkpointing(model: nn.Module, state, checkpointing: bool) -> None:
+    """Recompute each block of ``model`` in backward when ``checkpointing`` (checkpointing.py)."""
+    if checkpointing:
+        for name in block_checkpointing.block_names(model):
+            block_checkpointing.install(model.get_submodule(name), model, state)
 
 
 def _is_causal(model: nn.Module, hf: bool) -> bool:
@@ -131,7 +154,8 @@ def _find(planned: dict, style: str) -> str | None:
     return names[0] if len(names) == 1 else None
 
 
-def _planned_modules(model: nn.Module, plan: dict[str, str]) -> dict[str, tuple[nn.Module, str, str]]:
+def _planned_modules(model: nn.Module, plan: dict[str, str],
+                     partial: bool = False) -> dict[str, tuple[nn.Module, str, str]]:
     """{qualified name: (module, style, pattern)} of every module a plan entry covers, the
     type of each checked against its style."""
     planned = {}
@@ -146,7 +170,7 @@ def _planned_modules(model: nn.Module, plan: dict[str, str]) -> dict[str, tuple[
         planned[name] = (module, style, pattern)
     names = [name for name, _ in model.named_modules() if name]
     unused = [p for p in plan if not any(matches(p, name) for name in names)]  # overridden everywhere is fine
-    if unused:
+    if unused and not partial:
         raise ValueError(f"plan entries {unused} match no module of {type(model).__name__}; fix the pattern (module "
                          f"names look like {_example_names(model)})")
     return planned
@@ -157,7 +181,7 @@ def _example_names(model: nn.Module) -> list[str]:
 
 
 def _check_kind(name: str, module: nn.Module, style: str, pattern: str) -> None:
-    if style in ("column", "row", "packed_column"):
+    if style in ("column", "row", "packed_column", "head_fused_column"):
         if not (isinstance(module, nn.Linear) or linears.is_conv1d(module)):
             raise ValueError(f"plan entry {pattern!r} makes {name} ({type(module).__name__}) a {style!r} block, which "
                              f"needs an nn.Linear or a Conv1D; change the style or the pattern")
@@ -218,7 +242,7 @@ def _build(model: nn.Module, planned: dict, tpl, attention, zigzag: bool) -> dic
             continue
         if style == "lm_head":
             built[name] = _lm_head(name, module, planned, built, tpl)
-        elif style in ("column", "row", "packed_column"):
+        elif style in ("column", "row", "packed_column", "head_fused_column"):
             built[name] = _linear(name, module, style, tpl, attention)
         elif style == "norm":
             built[name] = _norm(name, module, tpl)
@@ -235,6 +259,8 @@ def _build(model: nn.Module, planned: dict, tpl, attention, zigzag: bool) -> dic
 
 def _linear(name: str, module: nn.Module, style: str, tpl, attention) -> nn.Module:
     owner = next((a for a in attention.values() if name in a.kv_projections or name in a.packed), None)
+    if style == "head_fused_column":  # whole heads in every contiguous split: a column layer
+        return linears.build_linear(module, "column", tpl)
     if style == "packed_column":
         return linears.build_packed(module, owner.packed[name] if owner is not None else 2, tpl)
     if owner is not None and name in owner.kv_projections and owner.replicated_kv:

@@ -90,7 +90,7 @@ class SequenceParallelSDPA(TorchFunctionMode):
         if key.shape[1] != query.shape[1] and not enable_gqa:
             raise ValueError(f"{who}: q has {query.shape[1]} heads and k {key.shape[1]}; pass enable_gqa=True "
                              f"to scaled_dot_product_attention for grouped-query attention")
-        if is_causal and not state.zigzag:
+        if is_causal and state.mesh.sp_size > 1 and not state.zigzag:
             raise ValueError(f"{who}: a causal scaled_dot_product_attention call, but the model was parallelized "
                              f"as not causal (contiguous sequence shards); pass parallelize(..., causal=True)")
         return run_sequence_attention(state, query, key, value, causal=bool(is_causal), softmax_scale=scale,
@@ -122,7 +122,7 @@ def _leave(mode: SequenceParallelSDPA, output) -> None:
     outermost = mode.depth == 1
     mode.__exit__()
     # ``output`` is None when the forward raised (torch calls always_call hooks then too)
-    if outermost and output is not None and mode.calls == 0:
+    if outermost and output is not None and mode.calls == 0 and mode.state.mesh.sp_size > 1:
         raise RuntimeError(f"{mode.owner} ran a forward under sequence parallelism (sp={mode.state.mesh.sp_size}) "
                            f"without calling torch.nn.functional.scaled_dot_product_attention, so its attention saw "
                            f"this rank's sequence shard only. Call F.scaled_dot_product_attention in the attention "

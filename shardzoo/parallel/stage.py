@@ -1,0 +1,54 @@
+"""The engine step of shardzoo's own model families: one pipeline stage of a plain model split by
+its plan, taking this rank's shards of its inputs.
+
+``parallelize`` takes a whole model and the full tensors of a dp replica (its input hook splits
+them); a family stage is given its token shards by the family's ``shard_input`` / ``shard_mask``
+and may be one of several pipeline stages. So the stage builder takes the same module step
+(``split_modules``) and adds only:
+
+* the SDPA mode at every sp, sp = 1 included: every ``F.scaled_dot_product_attention`` call
+  runs shardzoo's attention core (sdpa_mode.py), whose dropout mask is a function of the global
+  batch row and head, so a stage drops what its serial twin drops in every layout;
+* a forward pre-hook that takes the padding mask argument (``key_padding_mask``, this rank's
+  [b, s] shard) out of the call into the mode's state: the plain forward gets None and calls
+  SDPA without a mask tensor, and the attention core applies the mask to keys on every rank;
+* activation checkpointing of the stage's blocks (checkpointing.py).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from shardzoo.parallel import heads as head_counts
+from shardzoo.parallel import sdpa_mode
+from shardzoo.parallel.inputs import Parallelized
+from shardzoo.parallel.parallelize import install_checkpointing, split_modules
+
+MASK_ARG = "key_padding_mask"
+
+
+def split_stage(model: nn.Module, mesh, plan: dict[str, str], *, sp_mode: str, causal: bool,
+                checkpointing: bool = False) -> Parallelized:
+    """Split plain stage ``model`` over ``mesh`` (any tp layout, sp, pp) by ``plan``, in place.
+
+    ``model.forward(x, key_padding_mask=None, ...)`` then takes this rank's shards: x [b, s]
+    ids or [b, s, H_l] hidden, the mask bool [b, s] (True = attend) as its second positional
+    argument or by name. Entries of ``plan`` for modules another stage holds are skipped. Returns the stage's state (its mesh, sp mode, current mask)."""
+    planned, attention = split_modules(model, mesh, plan, causal=causal, checkpointing=checkpointing,
+                                       partial=True)
+    state = Parallelized(model, mesh, sp_mode, hf=False, causal=causal, head=None, embedding=None)
+    sdpa_mode.install(model, state)  # entered before the mask hook runs, left after the forward
+    model.register_forward_pre_hook(lambda m, a, k: _take_mask(state, a, k), with_kwargs=True)
+    head_counts.make_local(attention)
+    install_checkpointing(model, state, checkpointing)
+    return state
+
+
+def _take_mask(state: Parallelized, args: tuple, kwargs: dict):
+    """Move the padding mask from the forward's arguments to ``state`` (module doc)."""
+    args, kwargs = list(args), dict(kwargs)
+    if len(args) > 1:
+        state.key_padding_mask, args[1] = args[1], None
+    else:
+        state.key_padding_mask = kwargs.pop(MASK_ARG, None)
+    return tuple(args), kwargs
