@@ -24,6 +24,7 @@ from shardzoo.layers.tensor_layout import layout_of
 from shardzoo.parallel import checkpointing as block_checkpointing
 from shardzoo.parallel import heads as head_counts
 from shardzoo.parallel import hf_model, inputs, linears, sdpa_mode
+from shardzoo.parallel.dense import build_dense
 from shardzoo.parallel.dropouts import build_dropout, is_dropout
 from shardzoo.parallel.plan import check_plan, is_norm, matches, style_of
 from shardzoo.parallel.positions import build_position_embedding
@@ -181,7 +182,7 @@ def _example_names(model: nn.Module) -> list[str]:
 
 
 def _check_kind(name: str, module: nn.Module, style: str, pattern: str) -> None:
-    if style in ("column", "row", "packed_column", "head_fused_column"):
+    if style in ("column", "row", "packed_column", "head_fused_column", "dense"):
         if not (isinstance(module, nn.Linear) or linears.is_conv1d(module)):
             raise ValueError(f"plan entry {pattern!r} makes {name} ({type(module).__name__}) a {style!r} block, which "
                              f"needs an nn.Linear or a Conv1D; change the style or the pattern")
@@ -252,6 +253,8 @@ def _build(model: nn.Module, planned: dict, tpl, attention, zigzag: bool) -> dic
             built[name] = build_position_embedding(module, tpl, zigzag)
         elif style == "dropout":
             built[name] = build_dropout(module, tpl.mesh)
+        elif style == "dense":
+            built[name] = build_dense(module, tpl)
         else:
             built[name] = tpl.embedding(serial=module, device=module.weight.device)
     return built

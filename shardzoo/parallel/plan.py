@@ -21,6 +21,8 @@ packed_column      a column layer whose output packs equal parts (GPT-2's q|k|v 
 head_fused_column  a column layer whose output rows are grouped by head, each head's
                    parts together (Megatron's fused QKV: head, q|k|v, head_dim), so
                    any contiguous split holds whole heads: split as a column layer
+dense              an nn.Linear whose output stays in the layout of its input (a pooler, an
+                   MLM transform, a projection between widths): replicated in 1d
 dropout            an nn.Dropout drawing its mask through the layout (the same mask on
                    every tp rank where the activation is replicated, per rank where split)
 ================== ==================================================================
@@ -40,7 +42,7 @@ import fnmatch
 from torch import nn
 
 STYLES = ("column", "row", "norm", "vocab_embedding", "embedding", "position_embedding", "lm_head", "replicate",
-          "replicate_sum", "packed_column", "head_fused_column", "dropout")
+          "replicate_sum", "packed_column", "head_fused_column", "dense", "dropout")
 
 ALIASES = {
     "colwise": "column", "local_colwise": "column", "colwise_rep": "column", "packed_colwise": "packed_column",

@@ -55,14 +55,16 @@ class Block(nn.Module):
 
 class TinyLM(nn.Module):
     """ids [b, s] (and an optional padding mask [b, s], 1 = attend) -> logits [b, s, vocab];
-    ``dropout``: p of the dropout after the embeddings and on each residual branch."""
+    ``dropout``: p of the dropout after the embeddings and on each residual branch; ``dense``: a
+    projection ``proj`` [h -> h] before the final norm (planned 'dense')."""
 
     def __init__(self, vocab: int = 64, hidden: int = 32, num_heads: int = 4, layers: int = 2, seq: int = 16,
-                 dropout: float = 0.0):
+                 dropout: float = 0.0, dense: bool = False):
         super().__init__()
         self.embed, self.pos = nn.Embedding(vocab, hidden), nn.Embedding(seq, hidden)
         self.drop = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(Block(hidden, num_heads, dropout) for _ in range(layers))
+        self.proj = nn.Linear(hidden, hidden) if dense else None
         self.ln_f, self.head = nn.LayerNorm(hidden), nn.Linear(hidden, vocab, bias=False)
 
     def forward(self, input_ids, attention_mask=None):
@@ -75,17 +77,20 @@ class TinyLM(nn.Module):
             mask = causal & attention_mask.bool()[:, None, None, :]
         for block in self.blocks:
             x = block(x, mask)
+        if self.proj is not None:
+            x = torch.tanh(self.proj(x))
         return self.head(self.ln_f(x))
 
 
-def check_user_model(mesh_kwargs: dict, sp_mode: str = "ring", padded: bool = False) -> float:
+def check_user_model(mesh_kwargs: dict, sp_mode: str = "ring", padded: bool = False, dense: bool = False) -> float:
     """On every rank: a TinyLM parallelized with :data:`PLAN` equals its serial twin (loss,
     logits, every parameter after one SGD step); ``padded``: rows padded on the right, the
-    padding mask passed as ``attention_mask``. Returns the largest parameter difference."""
+    padding mask passed as ``attention_mask``; ``dense``: with the 'dense' projection. Returns
+    the largest parameter difference."""
     import shardzoo
 
     torch.manual_seed(0)
-    serial = TinyLM()
+    serial = TinyLM(dense=dense)
     exact, parallel = copy.deepcopy(serial).double(), copy.deepcopy(serial)
     ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
     labels = ids.clone()
@@ -107,7 +112,7 @@ def check_user_model(mesh_kwargs: dict, sp_mode: str = "ring", padded: bool = Fa
 
     (logits_s, loss_s), (logits_x, loss_x) = serial_step(serial), serial_step(exact)
     mesh = cached_mesh(**mesh_kwargs)
-    shardzoo.parallelize(parallel, mesh, PLAN, sp_mode=sp_mode)
+    shardzoo.parallelize(parallel, mesh, {**PLAN, "proj": "dense"} if dense else PLAN, sp_mode=sp_mode)
     # sp ranks hold other tokens of the same rows: DDP averages their gradients
     wrapped = shardzoo.data_parallel(parallel, mesh) if mesh.sp_size > 1 else parallel
     logits = wrapped(input_ids=ids, attention_mask=mask)

@@ -36,3 +36,10 @@ def test_user_model_equals_serial(layout):
 def test_user_model_with_sequence_parallel_sdpa_equals_serial(case):
     (mesh_kwargs, world), sp_mode, padded = SEQUENCE_PARALLEL[case]
     run_on_ranks(check_user_model, world, mesh_kwargs, sp_mode, padded)
+
+
+@pytest.mark.parametrize("layout", ["1d-tp4", "2d", "3d"])
+def test_user_model_with_a_dense_projection_equals_serial(layout):
+    """'dense': the projection's output stays in the activation layout (3d moves it back)."""
+    mesh_kwargs, world = LAYOUTS[layout]
+    run_on_ranks(check_user_model, world, mesh_kwargs, "ring", False, True)
