@@ -26,6 +26,7 @@ from shardzoo.parallel import heads as head_counts
 from shardzoo.parallel import hf_model, inputs, linears, sdpa_mode
 from shardzoo.parallel.dense import build_dense
 from shardzoo.parallel.dropouts import build_dropout, is_dropout
+from shardzoo.parallel.first_token import install_first_token
 from shardzoo.parallel.plan import check_plan, is_norm, matches, style_of
 from shardzoo.parallel.positions import build_position_embedding
 from shardzoo.parallel.replicated import sum_grads_over
@@ -123,6 +124,8 @@ def split_modules(model: nn.Module, mesh, plan: dict[str, str], *, causal: bool,
     for name, (module, style, _) in planned.items():
         if style == "replicate_sum":
             sum_grads_over(module, mesh.tp_group)
+        elif style == "first_token":
+            install_first_token(module, tpl)
     return planned, attention
 
 
@@ -204,7 +207,7 @@ def _refuse_uncovered(model: nn.Module, planned: dict, tpl) -> None:
     """Every Linear, Conv1D, Embedding or norm (and, in the grid layouts, any module holding
     weights) must be covered by the plan: its input is split by the layout. With tp > 1 so
     must every dropout module with p > 0 (_refuse_dropout)."""
-    covered = tuple(f"{n}." for n in planned)
+    covered = tuple(f"{n}." for n, (_, style, _) in planned.items() if style != "first_token")  # its children too
     for name, module in model.named_modules():
         if not name or name in planned or name.startswith(covered):
             continue
@@ -239,7 +242,7 @@ def _build(model: nn.Module, planned: dict, tpl, attention, zigzag: bool) -> dic
     order = sorted(planned, key=lambda n: planned[n][1] != "vocab_embedding")
     for name in order:
         module, style, _ = planned[name]
-        if style in ("replicate", "replicate_sum"):
+        if style in ("replicate", "replicate_sum", "first_token"):  # kept; a hook at most
             continue
         if style == "lm_head":
             built[name] = _lm_head(name, module, planned, built, tpl)

@@ -23,6 +23,9 @@ head_fused_column  a column layer whose output rows are grouped by head, each he
                    any contiguous split holds whole heads: split as a column layer
 dense              an nn.Linear whose output stays in the layout of its input (a pooler, an
                    MLM transform, a projection between widths): replicated in 1d
+first_token        a module reading token 0 of its input (a pooler's ``x[:, 0]``): under
+                   sp it gets the global token 0 as [b, 1, ...]; its children are planned
+                   as any others
 dropout            an nn.Dropout drawing its mask through the layout (the same mask on
                    every tp rank where the activation is replicated, per rank where split)
 ================== ==================================================================
@@ -42,7 +45,7 @@ import fnmatch
 from torch import nn
 
 STYLES = ("column", "row", "norm", "vocab_embedding", "embedding", "position_embedding", "lm_head", "replicate",
-          "replicate_sum", "packed_column", "head_fused_column", "dense", "dropout")
+          "replicate_sum", "packed_column", "head_fused_column", "dense", "first_token", "dropout")
 
 ALIASES = {
     "colwise": "column", "local_colwise": "column", "colwise_rep": "column", "packed_colwise": "packed_column",
