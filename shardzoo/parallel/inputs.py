@@ -5,7 +5,9 @@ full tensors of this dp replica on every tp and sp rank. A forward pre-hook (tor
 extension point; the model's forward is not touched) splits them:
 
 * ``input_ids``: along the batch axes of the layout's activations, then along sp (zigzag for
-  causal models, so every sp rank does equal attention work);
+  causal models, so every sp rank does equal attention work); a floating-point 4-d first
+  input (pixels [B, C, H, W]) along the batch axes only: its 'patch_embedding' makes the
+  sequence and splits it;
 * ``attention_mask`` and per-row ``position_ids``: along the batch axes of the attention's
   activations (the 3D layout swaps them inside a block); under sp the padding mask goes to
   shardzoo's attention (hf_attention.py, sdpa_mode.py) and the model gets none;
@@ -118,6 +120,8 @@ def _packed_documents(state: Parallelized, positions, mask) -> torch.Tensor | No
 
 
 def _ids(state: Parallelized, ids: torch.Tensor) -> torch.Tensor:
+    if torch.is_floating_point(ids) and ids.dim() == 4:  # pixels [B, C, H, W]: the embedding makes the sequence
+        return layout_of(state.mesh).shard_batch(ids, state.input_layout)
     if ids.dim() != 2:
         raise ValueError(f"a parallelized model takes input_ids [batch, seq] of this dp replica; got shape "
                          f"{tuple(ids.shape)}")

@@ -24,9 +24,11 @@ from shardzoo.layers.tensor_layout import layout_of
 from shardzoo.parallel import checkpointing as block_checkpointing
 from shardzoo.parallel import heads as head_counts
 from shardzoo.parallel import hf_model, inputs, linears, sdpa_mode
+from shardzoo.parallel.classifier import build_classifier
 from shardzoo.parallel.dense import build_dense
 from shardzoo.parallel.dropouts import build_dropout, is_dropout
 from shardzoo.parallel.first_token import install_first_token
+from shardzoo.parallel.patches import build_patch_embedding, check_patch_embedding
 from shardzoo.parallel.plan import check_plan, is_norm, matches, style_of
 from shardzoo.parallel.positions import build_position_embedding
 from shardzoo.parallel.replicated import sum_grads_over
@@ -190,7 +192,9 @@ def _check_kind(name: str, module: nn.Module, style: str, pattern: str) -> None:
             raise ValueError(f"plan entry {pattern!r} makes {name} ({type(module).__name__}) a {style!r} block, which "
                              f"needs an nn.Linear or a Conv1D; change the style or the pattern")
         return
-    want = {"lm_head": nn.Linear, "vocab_embedding": nn.Embedding, "embedding": nn.Embedding,
+    if style == "patch_embedding":
+        return check_patch_embedding(name, module, pattern)
+    want = {"lm_head": nn.Linear, "classifier": nn.Linear, "vocab_embedding": nn.Embedding, "embedding": nn.Embedding,
             "position_embedding": nn.Embedding}.get(style)
     if want is not None and not isinstance(module, want):
         raise ValueError(f"plan entry {pattern!r} makes {name} ({type(module).__name__}) a {style!r} block, which "
@@ -258,6 +262,10 @@ def _build(model: nn.Module, planned: dict, tpl, attention, zigzag: bool) -> dic
             built[name] = build_dropout(module, tpl.mesh)
         elif style == "dense":
             built[name] = build_dense(module, tpl)
+        elif style == "patch_embedding":
+            built[name] = build_patch_embedding(module, tpl, model, zigzag)
+        elif style == "classifier":
+            built[name] = build_classifier(module, tpl)
         else:
             built[name] = tpl.embedding(serial=module, device=module.weight.device)
     return built

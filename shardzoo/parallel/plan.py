@@ -28,6 +28,10 @@ first_token        a module reading token 0 of its input (a pooler's ``x[:, 0]``
                    as any others
 dropout            an nn.Dropout drawing its mask through the layout (the same mask on
                    every tp rank where the activation is replicated, per rank where split)
+patch_embedding    a ViTEmbeddings-like module (conv patches, cls token, positions) making
+                   the T tokens itself: under sp its output is this rank's chunk of them
+                   padded to a multiple of sp, the padding masked out of attention
+classifier         an nn.Linear onto a few classes: full logits in every rank's batch rows
 ================== ==================================================================
 
 Linear styles take an ``nn.Linear`` or transformers' ``Conv1D`` (weight stored [in, out]).
@@ -45,7 +49,8 @@ import fnmatch
 from torch import nn
 
 STYLES = ("column", "row", "norm", "vocab_embedding", "embedding", "position_embedding", "lm_head", "replicate",
-          "replicate_sum", "packed_column", "head_fused_column", "dense", "first_token", "dropout")
+          "replicate_sum", "packed_column", "head_fused_column", "dense", "first_token", "dropout",
+          "patch_embedding", "classifier")
 
 ALIASES = {
     "colwise": "column", "local_colwise": "column", "colwise_rep": "column", "packed_colwise": "packed_column",
