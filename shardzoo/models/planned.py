@@ -19,10 +19,14 @@ from __future__ import annotations
 
 import torch
 
+import torch.nn.functional as F
+
+from shardzoo.layers import replicas
 from shardzoo.layers.attention import check_heads
 from shardzoo.layers.tensor_layout import layout_of
 from shardzoo.models import common
 from shardzoo.models.pipeline import StagedModel
+from shardzoo.parallel.patches import mask_padding
 from shardzoo.parallel.stage import split_stage
 
 
@@ -39,11 +43,15 @@ class PlannedModel(StagedModel):
 
     Subclasses set ``family``, ``causal``, ``plan``, ``layers_field`` (the config field
     counting blocks) and ``positions_field`` (the learned position table's size, or None), and
-    define ``build``, ``forward`` and ``attention_shape``."""
+    define ``build``, ``forward`` and ``attention_shape``. A model whose embedding makes the
+    sequence from another input (a ViT's pixels, planned 'patch_embedding') defines
+    ``own_sequence_length``; one whose head reads one token per sequence (a classifier on the
+    cls token, planned 'first_token') sets ``pooled_head``."""
 
     plan: dict[str, str] = {}
     layers_field = "num_hidden_layers"
     positions_field: str | None = "max_position_embeddings"
+    pooled_head = False  # True: outputs and targets [B], one per sequence, the same on every sp rank
 
     def __init__(self, config, *, mesh, stage=None, stage_layers=None, sp_mode: str = "ring",
                  checkpointing: bool = False, device=None, seed: int | None = None):
@@ -57,6 +65,11 @@ class PlannedModel(StagedModel):
             self.build(config, blocks)
         self.stage_state = split_stage(self, mesh, self.plan, sp_mode=sp_mode, causal=self.causal,
                                        checkpointing=checkpointing)
+        tokens = self.own_sequence_length(config)
+        if tokens is not None and mesh.sp_size > 1 and not self.is_first:
+            # the first stage's 'patch_embedding' masks the sequence padding; the others do it here
+            state = self.stage_state
+            self.register_forward_pre_hook(lambda m, a: mask_padding(state, tokens, a[0].shape[0], a[0].device))
         tpl = layout_of(mesh)
         self.layout = tpl.activation
         if self.is_last and self.head_name is not None:
@@ -68,13 +81,54 @@ class PlannedModel(StagedModel):
         """(hidden size, attention heads) of ``config``."""
         return config.hidden_size, config.num_attention_heads
 
+    @staticmethod
+    def own_sequence_length(config) -> int | None:
+        """Tokens of the sequence the first stage's embedding makes from the input (a ViT: cls +
+        patches), padded over sp to a multiple of sp (the padding masked out of attention on
+        every stage); None: the input is the token sequence."""
+        return None
+
     def build(self, config, blocks: range) -> None:
         raise NotImplementedError
 
     def shard_input(self, ids_full: torch.Tensor) -> torch.Tensor:
         """Token ids [B, S] -> this rank's [b, s] (batch as the tp layout, sequence over sp);
-        raises when S exceeds the learned position table."""
+        raises when S exceeds the learned position table. A model making its own sequence
+        takes its input (pixels [B, C, img, img]) split along the batch only, the same on every
+        tp and sp rank of a dp replica (checked with ``SHARDZOO_DEBUG=1``)."""
+        if self.own_sequence_length(self.config) is not None:
+            if replicas.debug_mode():
+                replicas.check_same_input(ids_full, self.mesh, f"{type(self).__name__}.shard_input")
+            return self.tpl.shard_batch(ids_full, self.layout)
         if self.positions_field is not None and ids_full.dim() == 2:
             common.check_seq_len(self.family, ids_full.shape[1], getattr(self.config, self.positions_field),
                                  self.positions_field)
         return super().shard_input(ids_full)
+
+    def gather_output(self, y_local: torch.Tensor) -> torch.Tensor:
+        """This stage's output -> the full tensor on every rank (pipeline.StagedModel); hidden
+        states of a model making its own sequence lose the sp padding: [B, T, H]."""
+        y = super().gather_output(y_local)
+        tokens = self.own_sequence_length(self.config)
+        if tokens is None or (self.is_last and self.head_name is not None):
+            return y
+        return y[:, :tokens]
+
+    @property
+    def target_axes(self) -> tuple[str, ...]:
+        """dp, sp and the head's batch axes (loss.GlobalLoss); a pooled head's targets are the
+        same on every sp rank (its token is broadcast over sp), so not split over sp."""
+        if self.pooled_head:
+            return ("dp",) + tuple(getattr(self.target_layout, "batch_axes", ()))
+        return super().target_axes
+
+    def per_target_loss(self, logits: torch.Tensor, target: torch.Tensor, ignore_index: int,
+                        label_smoothing: float) -> torch.Tensor:
+        """Per-target cross entropy shaped like ``target``: the head's own (vocabulary-parallel)
+        loss, or for a head with full logits [b, ..., C] (a 'classifier') torch's."""
+        head = self.get_submodule(self.head_name)
+        if hasattr(head, "loss"):
+            return super().per_target_loss(logits, target, ignore_index, label_smoothing)
+        losses = F.cross_entropy(logits.flatten(0, -2), target.flatten(), ignore_index=ignore_index,
+                                 label_smoothing=label_smoothing, reduction="none")
+        return losses.view(target.shape)

@@ -1,30 +1,34 @@
-"""ViT image classification on any layout, whole or as one pipeline stage.
+"""ViT image classification as a plain torch model with its plan; models/planned.py builds and
+splits it (the constructor's layout arguments and the usage are in docs/models.md):
 
-Pixels are split along the batch like the activations; the N+1 tokens (cls + patches) are
-made on every sp rank, padded to a multiple of sp (padding masked out of attention) and each
-sp rank keeps its contiguous chunk; the cls token (sp rank 0) is broadcast over sp for the
-classifier. Parameter names follow ``ViTForImageClassification`` except inside blocks
-(``vit.encoder.layer.{i}``): ``attention.q_proj`` / ``k_proj`` / ``v_proj`` / ``out_proj``,
-``mlp.fc1`` / ``mlp.fc2`` (``hf_to_shardzoo``).
+    model = ViT(ViTConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4), ...)
+    pixels = model.shard_input(pixels_full)          # [B, C, img, img] -> [b, C, img, img]
+    logits = model(pixels)                           # [b, num_labels]
+    loss = model.loss(logits, model.shard_target(labels_full))
+    full = model.gather_output(logits)               # [B, num_labels]
+
+The plan splits it: the embeddings ('patch_embedding') make the N+1 tokens (cls + patches) and,
+under sequence parallelism, keep this rank's chunk of them padded to a multiple of the ranks,
+the padding masked out of attention; the classifier's ``x[:, 0]`` ('first_token') reads the
+cls token wherever it lives. Parameter names follow ``ViTForImageClassification`` except inside
+blocks (``vit.encoder.layer.{i}``): ``attention.q_proj`` / ``k_proj`` / ``v_proj`` /
+``out_proj``, ``mlp.fc1`` / ``mlp.fc2`` (``hf_to_shardzoo``).
 """
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from torch import nn
 
-from shardzoo.layers import replicas
-from shardzoo.layers.attention import SelfAttention, check_heads
-from shardzoo.layers.mlp import MLP
-from shardzoo.layers.tensor_layout import layout_of
 from shardzoo.models import common
-from shardzoo.models.config import ACTIVATION_NAMES, HFConfig
-from shardzoo.models.pipeline import StagedModel
+from shardzoo.models.config import ACTIVATION_NAMES, HFConfig, activation
+from shardzoo.models.masks import sdpa_mask
+from shardzoo.models.planned import PlannedModel
 from shardzoo.models.spec import FamilySpec
 
 
@@ -63,130 +67,132 @@ class ViTConfig(HFConfig):
 
 
 class ViTEmbeddings(nn.Module):
-    """cat(cls, patches) + positions, the serial twin every layout's patch embedding is cut
-    from: pixels [B, C, img, img] -> [B, N+1, H]."""
+    """cat(cls, patches) + positions, then dropout (Hugging Face's ``ViTEmbeddings`` without mask
+    token or interpolation): pixels [b, C, img, img] -> [b, N+1, H]."""
 
-    def __init__(self, config: ViTConfig, device=None):
+    def __init__(self, config: ViTConfig):
         super().__init__()
-        h, n = config.hidden_size, config.num_tokens
-        self.cls_token = nn.Parameter(torch.randn(1, 1, h, device=device))
+        h, p = config.hidden_size, config.patch_size
+        self.cls_token = nn.Parameter(torch.randn(1, 1, h))
         self.patch_embeddings = nn.Module()
-        self.patch_embeddings.projection = nn.Conv2d(config.num_channels, h, config.patch_size,
-                                                     stride=config.patch_size, device=device)
-        self.position_embeddings = nn.Parameter(torch.randn(1, n, h, device=device))
+        self.patch_embeddings.projection = nn.Conv2d(config.num_channels, h, p, stride=p)
+        self.position_embeddings = nn.Parameter(torch.randn(1, config.num_tokens, h))
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        patches = self.patch_embeddings.projection(pixels).flatten(2).transpose(1, 2)
-        return torch.cat([self.cls_token.expand(patches.shape[0], -1, -1), patches], 1) + self.position_embeddings
+        patches = self.patch_embeddings.projection(pixels).flatten(2).transpose(1, 2)  # [b, N, H]
+        cls = self.cls_token.expand(patches.shape[0], -1, -1)  # [b, 1, H]
+        return self.dropout(torch.cat([cls, patches], 1) + self.position_embeddings)  # [b, N+1, H]
+
+
+class ViTAttention(nn.Module):
+    """Bidirectional self-attention with separate q, k, v projections. [b, s, H] -> [b, s, H]."""
+
+    def __init__(self, config: ViTConfig):
+        super().__init__()
+        h, bias = config.hidden_size, config.qkv_bias
+        self.num_heads, self.head_dim = config.num_attention_heads, h // config.num_attention_heads
+        self.attn_pdrop = config.attention_probs_dropout_prob
+        # qkv_bias covers out_proj too, as shardzoo's ViT always had (its checkpoints' names)
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(h, h, bias=bias) for _ in range(4))
+
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        q, k, v = (rearrange(p(x), "b s (h d) -> b h s d", d=self.head_dim) for p in (self.q_proj, self.k_proj,
+                                                                                      self.v_proj))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask(key_padding_mask, causal=False),
+                                           dropout_p=self.attn_pdrop if self.training else 0.0)  # [b, h, s, d]
+        return self.out_proj(rearrange(y, "b h s d -> b s (h d)"))
+
+
+class ViTMLP(nn.Module):
+    """fc2(act(fc1(x))): [b, s, H] -> [b, s, H]."""
+
+    def __init__(self, config: ViTConfig):
+        super().__init__()
+        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.act = activation(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
 
 
 class ViTLayer(nn.Module):
-    """Pre-LN block: x + attn(layernorm_before(x)), then + mlp(layernorm_after(x))."""
+    """Pre-LN block: x + drop(attn(layernorm_before(x))), then + drop(mlp(layernorm_after(x))).
+    [b, s, H] -> same."""
 
-    def __init__(self, config: ViTConfig, mesh, sp_mode: str, device=None):
+    def __init__(self, config: ViTConfig):
         super().__init__()
-        h, eps, tpl = config.hidden_size, config.layer_norm_eps, layout_of(mesh)
-        self.mesh, self.p = mesh, config.hidden_dropout_prob
-        self.layernorm_before = tpl.norm(h, eps, device=device)
-        self.attention = SelfAttention(h, config.num_attention_heads, mesh=mesh, causal=False, bias=config.qkv_bias,
-                                       attn_dropout=config.attention_probs_dropout_prob, sp_mode=sp_mode,
-                                       qkv="separate", device=device)
-        self.layernorm_after = tpl.norm(h, eps, device=device)
-        self.mlp = MLP(h, config.intermediate_size, mesh=mesh, act=config.hidden_act, device=device)
+        h, eps = config.hidden_size, config.layer_norm_eps
+        self.layernorm_before = nn.LayerNorm(h, eps=eps)
+        self.attention = ViTAttention(config)
+        self.layernorm_after = nn.LayerNorm(h, eps=eps)
+        self.mlp = ViTMLP(config)
+        self.drop = nn.Dropout(config.hidden_dropout_prob)
 
     def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self._drop(self.attention(self.layernorm_before(x), key_padding_mask))
-        return x + self._drop(self.mlp(self.layernorm_after(x)))
-
-    def _drop(self, x):
-        return layout_of(self.mesh).dropout(x, self.p, self.training)
+        x = x + self.drop(self.attention(self.layernorm_before(x), key_padding_mask))
+        return x + self.drop(self.mlp(self.layernorm_after(x)))
 
 
-class ViT(StagedModel):
-    """ViT for image classification on ``mesh`` (arguments as :class:`GPT2`).
-
-    Forward: pixels [b, C, img, img] (first stage) or hidden [b, s, H_l] -> hidden, or on the
-    last stage logits [b, num_labels]; s = ceil((N+1)/sp) tokens per sp rank."""
-
-    head_name = "classifier"
-
-    def __init__(self, config: ViTConfig, *, mesh, stage=None, stage_layers=None, sp_mode: str = "ring",
-                 checkpointing: bool = False, device=None, seed: int | None = None):
-        super().__init__()
-        with self.building(device, seed) as device:  # meta: shapes only, then this rank's shards
-            check_heads("ViT", config.hidden_size, config.num_attention_heads, mesh, sp_mode)
-            self.config, self.mesh, self.checkpointing = config, mesh, checkpointing
-            tpl = layout_of(mesh)
-            self.layout = tpl.activation
-            self.tied_names = {}
-            blocks, self.is_first, self.is_last = common.stage_blocks("ViT", config.num_hidden_layers, stage,
-                                                                      stage_layers)
-            self.local_tokens = math.ceil(config.num_tokens / mesh.sp_size)
-            h = config.hidden_size
-            self.vit = nn.Module()
-            if self.is_first:
-                self.vit.embeddings = tpl.patch_embedding(config.image_size, serial=ViTEmbeddings(config),
-                                                          device=device)
-            self.vit.encoder = nn.Module()
-            self.vit.encoder.layer = nn.ModuleDict({str(i): ViTLayer(config, mesh, sp_mode, device) for i in blocks})
-            if self.is_last:
-                self.vit.layernorm = tpl.norm(h, config.layer_norm_eps, device=device)
-                self.classifier = tpl.classifier(h, config.num_labels, device=device)
-                self.target_layout = self.layout
-
-    def token_mask(self, rows: int, device=None) -> torch.Tensor | None:
-        """Bool [rows, s] key mask of this sp rank's tokens (False on the sequence padding)."""
-        if self.local_tokens * self.mesh.sp_size == self.config.num_tokens:
-            return None
-        start = self.mesh.sp_rank * self.local_tokens
-        positions = torch.arange(start, start + self.local_tokens, device=device)
-        return (positions < self.config.num_tokens)[None].expand(rows, -1)
+class FirstToken(nn.Module):
+    """The cls token: x [b, s, H] -> x[:, 0], [b, H]."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, 0]
+
+
+VIT_PLAN = {
+    "vit.embeddings": "patch_embedding",
+    "layernorm_before": "norm", "layernorm_after": "norm", "vit.layernorm": "norm", "drop": "dropout",
+    "attention.q_proj": "column", "attention.k_proj": "column", "attention.v_proj": "column",
+    "attention.out_proj": "row", "mlp.fc1": "column", "mlp.fc2": "row",
+    "cls_token_of": "first_token", "classifier": "classifier",
+}
+
+
+class ViT(PlannedModel):
+    """ViT for image classification (one pipeline stage of it with ``stage=``); arguments:
+    models/planned.py.
+
+    Forward (b = batch rows, s = tokens of this stage's input):
+        first stage: pixels [b, C, img, img] -> ...; other stages: hidden [b, s, H] -> ...;
+        last stage: ... -> logits [b, num_labels]; others: hidden [b, s, H].
+    """
+
+    family = "ViT"
+    causal = False
+    plan = VIT_PLAN
+    positions_field = None
+    head_name = "classifier"
+    tied_names: dict[str, str] = {}
+    pooled_head = True  # labels [B], one per image
+
+    @staticmethod
+    def own_sequence_length(config: ViTConfig) -> int:
+        return config.num_tokens
+
+    def build(self, config: ViTConfig, blocks: range) -> None:
+        self.vit = nn.Module()
         if self.is_first:
-            x = self.embed(x)
-        mask = self.token_mask(x.shape[0], x.device)
-        for block in self.vit.encoder.layer.values():
-            x = self.run_block(block, x, mask)
-        if not self.is_last:
-            return x
-        return self.classifier(self.tpl.first_token(self.vit.layernorm(x)))  # the cls token
-
-    def embed(self, pixels: torch.Tensor) -> torch.Tensor:
-        """pixels [b, C, img, img] -> this sp rank's tokens [b, s, H_l] (padded at the end)."""
-        x = self.vit.embeddings(pixels)
-        x = self.tpl.dropout(x, self.config.hidden_dropout_prob, self.training)
-        pad = self.local_tokens * self.mesh.sp_size - x.shape[1]
-        if pad:
-            x = F.pad(x, (0, 0, 0, pad))
-        # plain slicing: each sp rank's gradient covers its own tokens, as for token inputs
-        return x.narrow(1, self.mesh.sp_rank * self.local_tokens, self.local_tokens)
-
-    def shard_input(self, pixels_full: torch.Tensor) -> torch.Tensor:
-        """Pixels [B, C, img, img] -> this rank's batch rows [b, C, img, img]; the same on every
-        tp and sp rank of a dp replica, checked with ``SHARDZOO_DEBUG=1`` (as the token models)."""
-        if replicas.debug_mode():
-            replicas.check_same_input(pixels_full, self.mesh, f"{type(self).__name__}.shard_input")
-        return self.tpl.shard_batch(pixels_full, self.layout)
-
-    def gather_output(self, y_local: torch.Tensor) -> torch.Tensor:
-        """Logits [b, num_labels] -> [B, num_labels] (last stage); hidden states otherwise."""
+            self.vit.embeddings = ViTEmbeddings(config)
+        self.vit.encoder = nn.Module()
+        self.vit.encoder.layer = nn.ModuleDict({str(i): ViTLayer(config) for i in blocks})
         if self.is_last:
-            return self.tpl.gather_batch(y_local, self.layout)
-        y = self.tpl.gather_sequence(self.tpl.gather_hidden(y_local, self.layout), 1)
-        return y[:, : self.config.num_tokens]
+            self.vit.layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+            self.cls_token_of = FirstToken()
+            self.classifier = nn.Linear(config.hidden_size, config.num_labels)
 
-    @property
-    def target_axes(self) -> tuple[str, ...]:
-        """dp and the classifier's batch axes: every sp rank holds the logits of the same images
-        (the cls token is broadcast over sp), so the labels are not split over sp."""
-        return ("dp",) + tuple(getattr(self.target_layout, "batch_axes", ()))
-
-    def per_target_loss(self, logits: torch.Tensor, target: torch.Tensor, ignore_index: int,
-                        label_smoothing: float) -> torch.Tensor:
-        """Per-image cross entropy of logits [b, C] (full over the classes) against labels [b]."""
-        return F.cross_entropy(logits, target, ignore_index=ignore_index, label_smoothing=label_smoothing,
-                               reduction="none")
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """pixels [b, C, img, img] (first stage) or hidden [b, s, H] -> hidden, or logits
+        [b, num_labels] (last)."""
+        if self.is_first:
+            x = self.vit.embeddings(x)  # [b, N+1, H]
+        for block in self.vit.encoder.layer.values():
+            x = block(x, key_padding_mask)
+        if self.is_last:
+            x = self.classifier(self.cls_token_of(self.vit.layernorm(x)))  # [b, num_labels]
+        return x
 
 
 # checkpoint-file names (all transformers versions) -> shardzoo; transformers >= 5 names its
