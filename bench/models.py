@@ -16,6 +16,7 @@ pipeline the stages only wait. Reported: the mean over ranks.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -135,9 +136,20 @@ def main():
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--max-world", type=int, default=8)
+    p.add_argument("--only", help="run this one layout and print its step time (bench/models_vs.py)")
+    p.add_argument("--json", help="with --only: write the layout's result to this file")
     args = p.parse_args()
     from shardzoo import launch
 
+    if args.only is not None:
+        if args.only not in LAYOUTS:
+            raise SystemExit(f"--only {args.only!r} is not a layout of this benchmark: {', '.join(LAYOUTS)}")
+        result = launch(run_layout, world(LAYOUTS[args.only]), LAYOUTS[args.only], args)[0]
+        print(f"{args.only}: step {result['step_s'] * 1e3:.1f} ms")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({args.only: result}, f)
+        return
     layouts = {n: k for n, k in LAYOUTS.items() if world(k) <= args.max_world}
     results = {}
     for name, kwargs in layouts.items():

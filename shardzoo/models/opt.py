@@ -1,10 +1,14 @@
-"""OPT (causal LM) on any layout, whole or as one pipeline stage; pre- or post-LayerNorm blocks
-(``do_layer_norm_before``, False in opt-350m) and ``project_in`` / ``project_out`` when
-``word_embed_proj_dim != hidden_size``.
+"""OPT (causal LM) as a plain torch model with its plan; models/planned.py builds and splits it
+(the constructor's layout arguments and the usage are in docs/models.md, as for GPT-2):
 
-Parameter names are those of ``OPTForCausalLM`` (``model.decoder.layers.{i}.self_attn.q_proj``
-...). Positions are ``arange(S) + 2`` (OPT's learned-position offset), i.e. right padding or
-none; HF derives positions from the attention mask, which differs for left-padded batches.
+    model = OPT(OPTConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4), ...)
+    logits = model(model.shard_input(ids_full))       # [b, s, V_local]
+
+Pre- or post-LayerNorm blocks (``do_layer_norm_before``, False in opt-350m) and
+``project_in`` / ``project_out`` when ``word_embed_proj_dim != hidden_size``. Parameter names
+are those of ``OPTForCausalLM`` (``model.decoder.layers.{i}.self_attn.q_proj`` ...).
+Positions are ``arange(S) + 2`` (OPT's learned-position offset), i.e. right padding or none;
+transformers derives them from the attention mask, which differs for left-padded batches.
 """
 
 from __future__ import annotations
@@ -12,15 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+from einops import rearrange
 from torch import nn
 
-from shardzoo.layers.attention import SelfAttention, check_heads
-from shardzoo.layers.attention_core import local_positions
-from shardzoo.layers.mlp import activation
-from shardzoo.layers.tensor_layout import layout_of
-from shardzoo.models import common
-from shardzoo.models.config import ACTIVATION_NAMES, HFConfig
-from shardzoo.models.pipeline import StagedModel
+from shardzoo.models.config import ACTIVATION_NAMES, HFConfig, activation
+from shardzoo.models.masks import sdpa_mask
+from shardzoo.models.planned import PlannedModel
 from shardzoo.models.spec import FamilySpec
 
 POSITION_OFFSET = 2
@@ -54,92 +56,124 @@ class OPTConfig(HFConfig):
         return self.word_embed_proj_dim or self.hidden_size
 
 
-class OPTDecoderLayer(nn.Module):
-    """x + attn(ln(x)) / ln(x + attn(x)) per ``do_layer_norm_before``, then the same for the MLP."""
+class OPTLearnedPositionalEmbedding(nn.Embedding):
+    """Learned positions whose first ``offset`` rows are unused (OPT's 2): positions [..., s]
+    (0..S-1) -> rows ``positions + offset``, [..., s, H]. The plan's ``position_embedding``
+    style reads ``offset`` (shardzoo/parallel/positions.py)."""
 
-    def __init__(self, config: OPTConfig, mesh, sp_mode: str, device=None):
+    def __init__(self, num_positions: int, embedding_dim: int, offset: int = POSITION_OFFSET):
+        super().__init__(num_positions + offset, embedding_dim)
+        self.offset = offset
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        return super().forward(positions + self.offset)
+
+
+class OPTAttention(nn.Module):
+    """Causal self-attention with separate q, k, v projections. [b, s, H] -> [b, s, H]."""
+
+    def __init__(self, config: OPTConfig):
         super().__init__()
-        h, tpl = config.hidden_size, layout_of(mesh)
-        self.mesh, self.pre_norm, self.p = mesh, config.do_layer_norm_before, config.dropout
-        self.act = activation(config.activation_function)
-        affine, bias = config.layer_norm_elementwise_affine, config.enable_bias
-        self.self_attn = SelfAttention(h, config.num_attention_heads, mesh=mesh, causal=True, bias=bias,
-                                       attn_dropout=config.attention_dropout, sp_mode=sp_mode, qkv="separate",
-                                       device=device)
-        self.self_attn_layer_norm = tpl.norm(h, elementwise_affine=affine, device=device)
-        self.fc1 = tpl.linear(h, config.ffn_dim, bias, style="column", device=device)
-        self.fc2 = tpl.linear(config.ffn_dim, h, bias, style="row", device=device)
-        self.final_layer_norm = tpl.norm(h, elementwise_affine=affine, device=device)
+        h, bias = config.hidden_size, config.enable_bias
+        self.num_heads, self.head_dim = config.num_attention_heads, h // config.num_attention_heads
+        self.attention_dropout = config.attention_dropout
+        self.q_proj = nn.Linear(h, h, bias=bias)
+        self.k_proj = nn.Linear(h, h, bias=bias)
+        self.v_proj = nn.Linear(h, h, bias=bias)
+        self.out_proj = nn.Linear(h, h, bias=bias)
 
     def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """[b, s, H_l] -> same."""
+        q, k, v = (rearrange(p(x), "b s (h d) -> b h s d", d=self.head_dim)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        mask = sdpa_mask(key_padding_mask, causal=True)  # None: no padding
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           dropout_p=self.attention_dropout if self.training else 0.0)  # [b, h, s, d]
+        return self.out_proj(rearrange(y, "b h s d -> b s (h d)"))
+
+
+class OPTDecoderLayer(nn.Module):
+    """Pre-LN (``do_layer_norm_before``): x + drop(attn(ln(x))), then x + drop(fc2(relu(fc1(ln(x)))));
+    post-LN: ln(x + drop(attn(x))), then ln(x + drop(fc2(relu(fc1(x))))). [b, s, H] -> same."""
+
+    def __init__(self, config: OPTConfig):
+        super().__init__()
+        h, affine = config.hidden_size, config.layer_norm_elementwise_affine
+        self.pre_norm = config.do_layer_norm_before
+        self.self_attn = OPTAttention(config)
+        self.self_attn_layer_norm = nn.LayerNorm(h, elementwise_affine=affine)
+        self.fc1 = nn.Linear(h, config.ffn_dim, bias=config.enable_bias)
+        self.fc2 = nn.Linear(config.ffn_dim, h, bias=config.enable_bias)
+        self.final_layer_norm = nn.LayerNorm(h, elementwise_affine=affine)
+        self.act = activation(config.activation_function)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         h = self.self_attn_layer_norm(x) if self.pre_norm else x
-        x = x + self._drop(self.self_attn(h, key_padding_mask))
+        x = x + self.dropout(self.self_attn(h, key_padding_mask))
         if not self.pre_norm:
             x = self.self_attn_layer_norm(x)
         h = self.final_layer_norm(x) if self.pre_norm else x
-        x = x + self._drop(self.fc2(self.act(self.fc1(h))))
+        x = x + self.dropout(self.fc2(self.act(self.fc1(h))))
         return x if self.pre_norm else self.final_layer_norm(x)
 
-    def _drop(self, x):
-        return layout_of(self.mesh).dropout(x, self.p, self.training)
+
+OPT_PLAN = {
+    "embed_tokens": "vocab_embedding", "embed_positions": "position_embedding", "project_in": "dense",
+    "dropout": "dropout", "self_attn_layer_norm": "norm", "final_layer_norm": "norm",
+    "self_attn.q_proj": "column", "self_attn.k_proj": "column", "self_attn.v_proj": "column",
+    "self_attn.out_proj": "row", "fc1": "column", "fc2": "row", "project_out": "dense", "lm_head": "lm_head",
+}
 
 
-class OPT(StagedModel):
-    """OPT causal LM on ``mesh`` (arguments and stage inputs / outputs as :class:`GPT2`)."""
+class OPT(PlannedModel):
+    """OPT causal LM (one pipeline stage of it with ``stage=``); arguments: models/planned.py.
 
+    Forward (b = batch rows, s = tokens of this stage's input):
+        first stage: ids [b, s] -> ...; other stages: hidden [b, s, H] -> ...;
+        last stage: ... -> logits [b, s, V]; others: hidden [b, s, H].
+    """
+
+    family = "OPT"
     causal = True
+    plan = OPT_PLAN
 
-    def __init__(self, config: OPTConfig, *, mesh, stage=None, stage_layers=None, sp_mode: str = "ring",
-                 checkpointing: bool = False, device=None, seed: int | None = None):
-        super().__init__()
-        with self.building(device, seed) as device:  # meta: shapes only, then this rank's shards
-            check_heads("OPT", config.hidden_size, config.num_attention_heads, mesh, sp_mode)
-            self.config, self.mesh, self.checkpointing = config, mesh, checkpointing
-            tpl = layout_of(mesh)
-            self.layout = tpl.activation
-            tied = {"lm_head.weight": "model.decoder.embed_tokens.weight"}
-            self.tied_names = tied if config.tie_word_embeddings else {}
-            blocks, self.is_first, self.is_last = common.stage_blocks("OPT", config.num_hidden_layers, stage,
-                                                                      stage_layers)
-            h, e = config.hidden_size, config.embed_dim
-            self.model = nn.Module()
-            self.model.decoder = dec = nn.Module()
-            if self.is_first:
-                dec.embed_tokens = tpl.vocab_embedding(config.vocab_size, e, config.pad_token_id, device=device)
-                dec.embed_positions = tpl.embedding(config.max_position_embeddings + POSITION_OFFSET, h, device=device)
-                if e != h:
-                    dec.project_in = tpl.dense(e, h, bias=False, device=device)
-            dec.layers = nn.ModuleDict({str(i): OPTDecoderLayer(config, mesh, sp_mode, device) for i in blocks})
-            if self.is_last:
-                if config.do_layer_norm_before and not config._remove_final_layer_norm:
-                    dec.final_layer_norm = tpl.norm(h, elementwise_affine=config.layer_norm_elementwise_affine,
-                                                    device=device)
-                if e != h:
-                    dec.project_out = tpl.dense(h, e, bias=False, device=device)
-                tie = dec.embed_tokens if self.is_first and config.tie_word_embeddings else None
-                self.lm_head = tpl.lm_head(e, config.vocab_size, bias=False, tie_to=tie, device=device)
-                self.target_layout = tpl.after(self.lm_head)
+    def build(self, config: OPTConfig, blocks: range) -> None:
+        h, e, tie = config.hidden_size, config.embed_dim, config.tie_word_embeddings
+        self.tied_names = {"lm_head.weight": "model.decoder.embed_tokens.weight"} if tie else {}
+        self.model = nn.Module()
+        self.model.decoder = dec = nn.Module()
+        if self.is_first:
+            dec.embed_tokens = nn.Embedding(config.vocab_size, e, padding_idx=config.pad_token_id)
+            dec.embed_positions = OPTLearnedPositionalEmbedding(config.max_position_embeddings, h)
+            if e != h:
+                dec.project_in = nn.Linear(e, h, bias=False)
+            dec.dropout = nn.Dropout(config.dropout)
+        dec.layers = nn.ModuleDict({str(i): OPTDecoderLayer(config) for i in blocks})
+        if self.is_last:
+            if config.do_layer_norm_before and not config._remove_final_layer_norm:
+                dec.final_layer_norm = nn.LayerNorm(h, elementwise_affine=config.layer_norm_elementwise_affine)
+            if e != h:
+                dec.project_out = nn.Linear(h, e, bias=False)
+            self.lm_head = nn.Linear(e, config.vocab_size, bias=False)
+            if tie and self.is_first:
+                self.lm_head.weight = dec.embed_tokens.weight
 
     def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """ids [b, s] (first stage) or hidden [b, s, H_l] -> hidden, or logits [b, s, V_local] (last)."""
+        """ids [b, s] (first stage) or hidden [b, s, H] -> hidden, or logits [b, s, V] (last)."""
         dec = self.model.decoder
         if self.is_first:
-            common.check_seq_len("OPT", x.shape[1] * self.mesh.sp_size, self.config.max_position_embeddings,
-                                 "max_position_embeddings")
-            positions = local_positions(x.shape[1], self.mesh, zigzag=True, device=x.device) + POSITION_OFFSET
-            emb = dec.embed_tokens(x)
+            positions = torch.arange(x.shape[1], device=x.device)  # [s]; the table adds OPT's offset
+            emb = dec.embed_tokens(x)  # [b, s, E]
             if hasattr(dec, "project_in"):
-                emb = self.tpl.run_dense(dec.project_in, emb)
-            x = emb + dec.embed_positions(positions[None])
-            x = self.tpl.dropout(x, self.config.dropout, self.training)
+                emb = dec.project_in(emb)  # [b, s, H]
+            x = dec.dropout(emb + dec.embed_positions(positions[None]))
         for block in dec.layers.values():
-            x = self.run_block(block, x, key_padding_mask)
+            x = block(x, key_padding_mask)
         if self.is_last:
             if hasattr(dec, "final_layer_norm"):
                 x = dec.final_layer_norm(x)
             if hasattr(dec, "project_out"):
-                x = self.tpl.run_dense(dec.project_out, x)
+                x = dec.project_out(x)  # [b, s, E]
             x = self.lm_head(x)
         return x
 

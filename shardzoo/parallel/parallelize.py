@@ -257,7 +257,7 @@ def _build(model: nn.Module, planned: dict, tpl, attention, zigzag: bool) -> dic
         elif style == "vocab_embedding":
             built[name] = tpl.vocab_embedding(serial=module, device=module.weight.device)
         elif style == "position_embedding":
-            built[name] = build_position_embedding(module, tpl, zigzag)
+            built[name] = build_position_embedding(module, tpl, zigzag, name)
         elif style == "dropout":
             built[name] = build_dropout(module, tpl.mesh)
         elif style == "dense":
@@ -305,6 +305,8 @@ def _norm(name: str, module: nn.Module, tpl) -> nn.Module:
 def _check_plain(name: str, module: nn.Module) -> None:
     """Raise unless ``module`` equals its plain norm on a random input (with random weights
     when ``module`` is on the meta device: the formula is what is checked)."""
+    if type(module) in (nn.LayerNorm, nn.RMSNorm):  # torch's own, affine or not: plain by definition
+        return
     if any(p.is_meta for p in module.parameters()):
         module = copy.deepcopy(module).to_empty(device="cpu")
         with torch.no_grad():

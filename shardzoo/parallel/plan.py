@@ -13,6 +13,7 @@ vocab_embedding    token table split along the vocabulary (and the hidden in the
 embedding          small table (positions) whose output follows the activation layout
 position_embedding an nn.Embedding indexed by token positions 0..S-1 computed from the
                    local length: under sp each index becomes this rank's global position
+                   (plus the table's ``offset`` attribute, OPT's row of position 0)
 lm_head            vocabulary-parallel output projection (tied to the token table if the
                    model ties them)
 replicate          the module stays whole on every rank
