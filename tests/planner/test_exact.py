@@ -123,3 +123,50 @@ def test_opt_grid_checkpointing_recomputes_fc2(mode, depth):
     spec["config"] = config_of("opt", 1, 33, 32, 0.0)
     spec["batch"] = 2 * depth
     check_exact(spec)
+
+
+# -- a transformers model priced by walking its modules (planner/walk.py) ----------------------
+def tiny_llama(kv_heads: int = 2, bias: bool = False) -> dict:
+    """LlamaConfig fields of a tiny grouped-query Llama: 8 heads of 8 features, 2 blocks."""
+    return dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=kv_heads, intermediate_size=96,
+                num_hidden_layers=2, vocab_size=101, max_position_embeddings=64, attention_bias=bias,
+                tie_word_embeddings=False)
+
+
+def _hf_spec(world, mode, tp, sp=1, ckpt=False, sp_mode="ring", zero=0, config=None):
+    dp = world // (tp * sp)
+    parts = batch_parts(dict(tp=tp, tp_mode=mode, tp_depth=1))
+    return dict(hf=dict(model_type="llama", config=config or tiny_llama()),
+                layout=dict(dp=dp, pp=1, sp=sp, tp=tp, tp_mode=mode, tp_depth=1), micro_batches=1,
+                batch=dp * parts, seq=8, steps=2, checkpointing=ckpt, sp_mode=sp_mode, zero=zero)
+
+
+def check_hf_exact(spec: dict, directory) -> None:
+    """The model's config written as ``save_pretrained`` writes it and planned from that
+    directory, as ``shardzoo plan DIR`` plans it; every rank's channels and parameter bytes of a
+    measured step (bench/_measure.py, ``spec["hf"]``) equal the plan's."""
+    from transformers import AutoConfig
+
+    AutoConfig.for_model(spec["hf"]["model_type"], **spec["hf"]["config"]).save_pretrained(directory)
+    layout, zero = Layout(**spec["layout"]), spec["zero"]
+    planned = plan(str(directory), layout.world, 1e6, spec["batch"], spec["seq"], hardware=HARDWARE["a100"],
+                   dtype="fp32", sp_mode=spec["sp_mode"], zero_stages=(zero,), tp_modes=(layout.tp_mode,))
+    cand = next(c for c in planned if c.layout == layout.mesh_kwargs() and c.activation_checkpointing == spec["checkpointing"])
+    (stage,) = planned.pricer.stages(layout)
+    want = channel_bytes(*planned.pricer.traffic(stage, layout, 0, spec["checkpointing"], zero), 1)
+    measured = run_on_ranks(run_layout, layout.world, spec)
+    for rank, got in enumerate(measured):
+        for k in CHANNELS:
+            assert got[k] == want[k], f"rank {rank} {k}: sent {got[k]}, planned {want[k]} ({spec})"
+        assert got["param_bytes"] == stage.params * 4 == cand.param_bytes_per_rank, f"rank {rank} ({spec})"
+    assert cand.comm_bytes_per_rank_per_step == max(sum((got[k] for k in CHANNELS), Fraction(0)) for got in measured)
+
+
+@pytest.mark.parametrize("spec", [
+    _hf_spec(4, "1d", 4, ckpt=True),  # 4 head parts, 2 kv heads: each kv head repeated on 2 ranks
+    _hf_spec(4, "1d", 2, sp=2, sp_mode="ulysses", zero=1),  # one kv head per tp rank, sent to both sp ranks
+    _hf_spec(4, "1d", 2, sp=2, ckpt=True, config=tiny_llama(bias=True)),  # ring: the kv heads go round
+    _hf_spec(4, "2d", 4, config=tiny_llama(kv_heads=1, bias=True)),  # 2 head parts, 1 kv head (and its bias) repeated
+], ids=["1d-tp4-gqa-ckpt", "1d-ulysses-zero1", "1d-ring-ckpt-bias", "2d-mqa-bias"])
+def test_exact_for_a_walked_transformers_llama(spec, tmp_path):
+    check_hf_exact(spec, tmp_path)
