@@ -79,11 +79,20 @@ class _OnePart:
 
 
 def planned_modules(model: nn.Module, plan: dict[str, str]) -> dict[str, tuple[nn.Module, str, str]]:
-    """{name: (module, style, pattern)} of every module a plan entry covers (plan.style_of, the
-    longest pattern winning), as parallelize finds them."""
+    """{name: (module, style, pattern)} of every module a plan entry covers, as parallelize
+    finds them (plan.style_of: the longest pattern wins). A completed plan names every norm of
+    a deep model, so the patterns without wildcards are looked up by each tail of the name (a
+    plain pattern matches exactly the names it equals or ends with after a dot) and only the
+    others go through fnmatch."""
+    plain = {p for p in plan if not any(ch in p for ch in "*?[")}
+    wild = {p: s for p, s in plan.items() if p not in plain}
     out = {}
     for name, module in model.named_modules():
-        found = style_of(plan, name) if name else None
+        if not name:
+            continue
+        parts = name.split(".")
+        tails = {".".join(parts[i:]) for i in range(len(parts))} & plain
+        found = style_of({p: plan[p] for p in tails} | wild, name)
         if found is not None:
             out[name] = (module, found[0], found[1])
     return out

@@ -31,6 +31,7 @@ from shardzoo.testing.family_configs import config_of
 from shardzoo.testing.meshes import batch_parts
 
 CHANNELS = ("counted", "ddp", "p2p", "tied")
+FAMILY_TYPES = ("gpt2", "opt", "bert", "vit")  # shardzoo plan DIR prices these by the family's formulas
 GRIDS = {  # world -> tp grids that fit it: (tp_mode, tp, tp_depth)
     2: [("1d", 1, 1), ("1d", 2, 1)],
     4: [("1d", 2, 1), ("1d", 4, 1), ("2d", 4, 1)],
@@ -133,23 +134,32 @@ def tiny_llama(kv_heads: int = 2, bias: bool = False) -> dict:
                 tie_word_embeddings=False)
 
 
-def _hf_spec(world, mode, tp, sp=1, ckpt=False, sp_mode="ring", zero=0, config=None):
+# a tiny transformers GPT-2: tied table, packed q|k|v Conv1D, learned positions, dropout 0.1
+TINY_GPT2 = dict(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=64, bos_token_id=0, eos_token_id=0)
+
+
+def _hf_spec(world, mode, tp, sp=1, ckpt=False, sp_mode="ring", zero=0, config=None, model_type="llama"):
     dp = world // (tp * sp)
     parts = batch_parts(dict(tp=tp, tp_mode=mode, tp_depth=1))
-    return dict(hf=dict(model_type="llama", config=config or tiny_llama()),
+    return dict(hf=dict(model_type=model_type, config=config or tiny_llama()),
                 layout=dict(dp=dp, pp=1, sp=sp, tp=tp, tp_mode=mode, tp_depth=1), micro_batches=1,
                 batch=dp * parts, seq=8, steps=2, checkpointing=ckpt, sp_mode=sp_mode, zero=zero)
 
 
 def check_hf_exact(spec: dict, directory) -> None:
     """The model's config written as ``save_pretrained`` writes it and planned from that
-    directory, as ``shardzoo plan DIR`` plans it; every rank's channels and parameter bytes of a
-    measured step (bench/_measure.py, ``spec["hf"]``) equal the plan's."""
-    from transformers import AutoConfig
+    directory, as ``shardzoo plan DIR`` plans it (a family's model_type: the model built from
+    it, walked); every rank's channels and parameter bytes of a measured step
+    (bench/_measure.py, ``spec["hf"]``) equal the plan's."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    AutoConfig.for_model(spec["hf"]["model_type"], **spec["hf"]["config"]).save_pretrained(directory)
+    config = AutoConfig.for_model(spec["hf"]["model_type"], **spec["hf"]["config"])
+    config.save_pretrained(directory)
     layout, zero = Layout(**spec["layout"]), spec["zero"]
-    planned = plan(str(directory), layout.world, 1e6, spec["batch"], spec["seq"], hardware=HARDWARE["a100"],
+    with torch.device("meta"):  # a family's model_type: its directory would go to the family's formulas
+        model = AutoModelForCausalLM.from_config(config)
+    planned = plan(str(directory) if spec["hf"]["model_type"] not in FAMILY_TYPES else model, layout.world, 1e6, spec["batch"], spec["seq"], hardware=HARDWARE["a100"],
                    dtype="fp32", sp_mode=spec["sp_mode"], zero_stages=(zero,), tp_modes=(layout.tp_mode,))
     cand = next(c for c in planned if c.layout == layout.mesh_kwargs() and c.activation_checkpointing == spec["checkpointing"])
     (stage,) = planned.pricer.stages(layout)
@@ -167,6 +177,7 @@ def check_hf_exact(spec: dict, directory) -> None:
     _hf_spec(4, "1d", 2, sp=2, sp_mode="ulysses", zero=1),  # one kv head per tp rank, sent to both sp ranks
     _hf_spec(4, "1d", 2, sp=2, ckpt=True, config=tiny_llama(bias=True)),  # ring: the kv heads go round
     _hf_spec(4, "2d", 4, config=tiny_llama(kv_heads=1, bias=True)),  # 2 head parts, 1 kv head (and its bias) repeated
-], ids=["1d-tp4-gqa-ckpt", "1d-ulysses-zero1", "1d-ring-ckpt-bias", "2d-mqa-bias"])
+    _hf_spec(4, "2d", 4, ckpt=True, config=TINY_GPT2, model_type="gpt2"),
+], ids=["1d-tp4-gqa-ckpt", "1d-ulysses-zero1", "1d-ring-ckpt-bias", "2d-mqa-bias", "gpt2-2d-ckpt"])
 def test_exact_for_a_walked_transformers_llama(spec, tmp_path):
     check_hf_exact(spec, tmp_path)
