@@ -258,18 +258,27 @@ def saved_bytes(spec: dict) -> dict:
     (the planner's activation terms, measured)."""
     from shardzoo.comm.mesh_cache import cached_mesh
 
+    from shardzoo.parallel.checkpointing import block_names
+
     mesh = cached_mesh(**spec["layout"])
-    model = build_model(spec, mesh)
+    hf = "hf" in spec
+    model = build_hf_model(spec, mesh) if hf else build_model(spec, mesh)
     model.train()
-    inputs, target = make_batch(spec, model, mesh)
+    if hf:
+        ids = hf_batch(spec, model, mesh)
+    else:
+        inputs, target = make_batch(spec, model, mesh)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     part, seen = {"now": "embed"}, {}
 
     def enter(name):
         return lambda module, args: part.__setitem__("now", name)
 
-    for name, block in model.get_submodule(_BLOCKS[spec["family"]]).items():
-        block.register_forward_pre_hook(enter(f"block{name}"))
+    names = block_names(model) if hf else [f"{_BLOCKS[spec['family']]}.{n}" for n, _ in
+                                           model.get_submodule(_BLOCKS[spec["family"]]).named_children()]
+    for i, name in enumerate(names):
+        block = model.get_submodule(name)
+        block.register_forward_pre_hook(enter(f"block{i}"))
         block.register_forward_hook(lambda module, args, out: part.__setitem__("now", "head"))
 
     def pack(t):
@@ -279,7 +288,7 @@ def saved_bytes(spec: dict) -> dict:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model.loss(model(inputs), target)
+        loss = model(input_ids=ids, labels=ids).loss if hf else model.loss(model(inputs), target)
     out: dict = {}
     for name, n in seen.values():
         out[name] = out.get(name, 0) + n

@@ -23,6 +23,7 @@ from torch import nn
 from shardzoo.parallel import heads as head_counts
 from shardzoo.parallel import hf_model
 from shardzoo.parallel.checkpointing import block_names
+from shardzoo.parallel.parallelize import state_of
 from shardzoo.parallel.plan import check_plan, style_of
 
 # the traced batch: two rows of three tokens, so an input's leading dim tells a batch of rows
@@ -101,6 +102,9 @@ def planned_modules(model: nn.Module, plan: dict[str, str]) -> dict[str, tuple[n
 def walk_model(model: nn.Module, plan: dict[str, str] | None = None) -> Walk:
     """Read ``model`` (any module ``parallelize`` takes, best built on the meta device) and its
     ``plan`` (None: the model's default plan, as parallelize takes it) for pricing."""
+    if state_of(model) is not None:
+        raise ValueError(f"{type(model).__name__} is parallelized already; the planner prices the serial model: "
+                         f"pass it before shardzoo.parallelize (built on the meta device, it holds no weights)")
     given = plan is not None
     if plan is None:
         plan = hf_model.default_plan(model)
