@@ -18,7 +18,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 from shardzoo.comm.accounting import CommRecord
-from shardzoo.layers.block_costs import Call, Piece, calls, elementwise
+from shardzoo.layers.block_costs import ID_BYTES, Call, Piece, calls, elementwise
 
 DP_AXES = ("dp", "sp")  # data_parallel reduces gradients over the dp x sp group
 DDP_BUCKET_BYTES = 25 << 20  # torch DDP's default bucket_cap_mb
@@ -157,6 +157,9 @@ def attention_core(batch, heads, seq, head_dim, e, sp, sp_mode, mask=False, caus
             out += calls("bwd", axes, "send", mask_bytes, sp, times=sp - 1)
         return Piece(out, 0, saved, **elementwise(RING_MERGE_PASSES * sp, elements, e), **work)
     sent = ulysses_kv_heads(heads, kvh, sp)
+    # the kernel runs on k and v repeated to the q heads (ulysses_attention), and fewer kv heads
+    # than sp ranks are first picked out per rank (index_select keeps its int64 index)
+    saved = 4 * q_bytes + batch * heads * seq * acc + mask_bytes + (2 * ID_BYTES * sp if sent == sp != kvh else 0)
     if sent == heads:
         out = calls("fwd", axes, "all_to_all", q_bytes, sp, times=4) + calls("bwd", axes, "all_to_all", q_bytes, sp, times=4)
     else:

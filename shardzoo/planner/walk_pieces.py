@@ -10,9 +10,10 @@ order, priced by the layout's cost object as parallelize builds it.
   parts x head_dim outputs, plus the all-reduce that sums the copies' gradients over the head
   axis (layers/replica_grads.py: one slot per distinct kv head);
 * the attention core before the attention's first 'row' projection (comm.attention_core, with
-  this rank's kv heads), RoPE on q and k, the MLP's activation (and the product of a gated MLP),
-  a residual add after each 'row' projection: no communication, so their saved bytes and
-  elementwise passes are estimates.
+  this rank's kv heads), RoPE on q and k (its cos / sin tables), the MLP's activation (and the
+  product of a gated MLP), a residual add after each 'row' projection: no communication; their
+  saved bytes follow what torch keeps on CPU (tests/planner/test_memory.py measures a Llama),
+  their elementwise passes are estimates.
 """
 
 from __future__ import annotations
@@ -137,11 +138,20 @@ def walk_parts(shape, costs, b: Batch) -> StageParts:
     batch, seq = local_batch(shape, costs, b)
     ctx = Context(shape, costs, b, batch, seq)
     walk = shape.walk
-    first = sum(_pieces(ctx, walk.pre) + _held(ctx, "pre"), Piece())
+    first = sum(_pieces(ctx, walk.pre) + _held(ctx, "pre") + rope_tables(ctx), Piece())
     block = _pieces(ctx, walk.block) + _held(ctx, "block")
     last = sum(_pieces(ctx, walk.post) + _held(ctx, "post"), Piece())
     boundary = batch * seq * (shape.hidden // costs.hidden_parts(costs.canonical)) * b.e
     return StageParts(first, block, last, last, boundary, 0)
+
+
+def rope_tables(ctx: Context) -> list[Piece]:
+    """The cos and sin tables [1, s, head_dim] a rotary module makes before the blocks, which
+    every block's RoPE reads and the first one keeps (measured)."""
+    if not ctx.shape.walk.rope or not ctx.shape.walk.attention:
+        return []
+    head_dim = next(iter(ctx.shape.walk.attention.values())).head_dim
+    return [Piece(saved=2 * ctx.seq * head_dim * ctx.b.e)]
 
 
 def _held(ctx: Context, part: str) -> list[Piece]:
@@ -184,7 +194,9 @@ def step_pieces(ctx: Context, step: Step) -> list[Piece]:
     if style == "row":
         n_in, n_out = _features(module)
         residual = Piece(**elementwise(ADD_PASSES, rows * ctx.local(n_out), e))
-        return [c.linear(n_in, n_out, rows, e, ctx.mid, style="row", bias=module.bias is not None), residual]
+        owner = ctx.shape.walk.attention.get(step.name.rpartition(".")[0])
+        return [c.linear(n_in, n_out, rows, e, ctx.mid, style="row", bias=module.bias is not None,
+                         input_saved=not (owner is not None and reads_in_place(ctx, owner))), residual]
     if style == "norm":
         return [norm(ctx, module)]
     if style == "vocab_embedding":
@@ -204,6 +216,26 @@ def step_pieces(ctx: Context, step: Step) -> list[Piece]:
     if style is None and step.width and _is_activation(module):
         return activation(ctx, step)
     return []
+
+
+def reads_in_place(ctx: Context, a) -> bool:
+    """Whether an attention's output projection reads the attention output in place, saving no
+    bytes of its own: torch's fused CPU kernel (sp = 1, no dropout on the probabilities)
+    returns its output in q's memory order, which after separate q / k / v projections is
+    already [b, s, heads, d], so the head merge is a view (measured; model.py's rule for the
+    families). Ring, Ulysses, the dropout kernel and a packed q|k|v give a fresh tensor the
+    merge copies."""
+    return ctx.b.sp == 1 and not a.packed and not (ctx.b.training and attention_dropout(a.module) > 0)
+
+
+def attention_dropout(module: nn.Module) -> float:
+    """p of the dropout on an attention module's probabilities: its ``attention_dropout``
+    (transformers' Llama family) or its ``attn_dropout`` module (GPT-2); 0 when it has none."""
+    p = vars(module).get("attention_dropout")
+    if isinstance(p, float):
+        return p
+    drop = getattr(module, "attn_dropout", None)
+    return float(getattr(drop, "p", 0.0) or 0.0)
 
 
 def column(ctx: Context, step: Step) -> Piece:
@@ -241,16 +273,19 @@ def norm(ctx: Context, module: nn.Module) -> Piece:
     if "rms" not in type(module).__name__.lower():
         return c.layer_norm(h, rows, e, lay, affine=affine, bias=getattr(module, "bias", None) is not None)
     es = stat_bytes(e)
+    # saved (measured on CPU): the input (the grids keep it in at least fp32), the row rstd,
+    # and the normalized rows the weight multiplies
     if c.mode == "1d":
-        return Piece([], h if affine else 0, rows * h * e + rows * es, tensors=int(affine),
-                     **elementwise(NORM_PASSES, rows * h, e))
+        return Piece([], h if affine else 0, rows * h * e + rows * es + (rows * h * e if affine else 0),
+                     tensors=int(affine), **elementwise(NORM_PASSES, rows * h, e))
     q = c.hidden_parts(lay)
     need(f"RMSNorm ({c.mode})", "normalized_shape", h, q, f"q={q}")
     hid = (lay.hidden_axis,)
     out = calls("fwd", hid, "all_reduce", rows * es, q) + calls("bwd", hid, "all_reduce", rows * es, q)
     if affine:
         out += calls("bwd", lay.batch_axes, "all_reduce", h // q * c.ep, c.batch_parts(lay))
-    return Piece(out, h // q if affine else 0, rows * (h // q) * e + rows * es, tensors=int(affine),
+    saved = rows * (h // q) * es + rows * es + (rows * (h // q) * e if affine else 0)
+    return Piece(out, h // q if affine else 0, saved, tensors=int(affine),
                  **elementwise(NORM_PASSES, rows * (h // q), e))
 
 
