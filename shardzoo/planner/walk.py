@@ -24,7 +24,8 @@ from shardzoo.parallel import heads as head_counts
 from shardzoo.parallel import hf_model
 from shardzoo.parallel.checkpointing import block_names
 from shardzoo.parallel.parallelize import state_of
-from shardzoo.parallel.plan import check_plan, style_of
+from shardzoo.parallel.linears import is_conv1d
+from shardzoo.parallel.plan import check_plan, is_norm, matches, style_of
 
 # the traced batch: two rows of three tokens, so an input's leading dim tells a batch of rows
 # (2) from one row broadcast over the batch (1, e.g. positions)
@@ -99,6 +100,29 @@ def planned_modules(model: nn.Module, plan: dict[str, str]) -> dict[str, tuple[n
     return out
 
 
+_KINDS = {"column": "linear", "row": "linear", "packed_column": "linear", "lm_head": nn.Linear,
+          "vocab_embedding": nn.Embedding, "embedding": nn.Embedding, "position_embedding": nn.Embedding,
+          "dropout": nn.Dropout, "norm": "norm"}
+
+
+def _check_planned(model: nn.Module, plan: dict[str, str], planned: dict) -> None:
+    """The checks parallelize makes before it builds anything: each planned module is of the
+    kind its style splits, and every plan entry matches some module."""
+    for name, (module, style, pattern) in planned.items():
+        want = _KINDS.get(style)
+        ok = (want is None or (want == "linear" and (isinstance(module, nn.Linear) or is_conv1d(module)))
+              or (want == "norm" and is_norm(module)) or (isinstance(want, type) and isinstance(module, want)))
+        if not ok:
+            raise ValueError(f"plan entry {pattern!r} makes {name} ({type(module).__name__}) a {style!r} block, which "
+                             f"it cannot be; change the style or the pattern (docs/parallelize.md, 'The plan')")
+    winners = {pattern for _, _, pattern in planned.values()}
+    names = [n for n, _ in model.named_modules() if n]
+    unused = [p for p in plan if p not in winners and not any(matches(p, n) for n in names)]
+    if unused:
+        raise ValueError(f"plan entries {unused} match no module of {type(model).__name__}; fix the pattern (module "
+                         f"names look like {names[:4]})")
+
+
 def walk_model(model: nn.Module, plan: dict[str, str] | None = None) -> Walk:
     """Read ``model`` (any module ``parallelize`` takes, best built on the meta device) and its
     ``plan`` (None: the model's default plan, as parallelize takes it) for pricing."""
@@ -113,6 +137,7 @@ def walk_model(model: nn.Module, plan: dict[str, str] | None = None) -> Walk:
                              f"({{'<module pattern>': 'column' | 'row' | 'norm' | ...}}, docs/parallelize.md)")
     plan = check_plan(plan)
     planned = planned_modules(model, plan)
+    _check_planned(model, plan, planned)
     attention = head_counts.attention_modules(model, planned, _OnePart(), hf_model.config_heads(model))
     blocks = block_names(model)
     kinds = {type(model.get_submodule(b)).__name__ for b in blocks}

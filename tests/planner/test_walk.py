@@ -98,6 +98,10 @@ def test_a_module_of_ones_own_is_walked_with_its_plan():
     assert "plan=plan" in run_lines(planned, planned[0])[2]
     with pytest.raises(ValueError, match="no tensor-parallel plan of its own"):
         shardzoo.plan(model, 4, 80, 4, 16)
+    with pytest.raises(ValueError, match="makes embed \\(Embedding\\) a 'column' block"):
+        walked_model(model, PLAN | {"embed": "column"})
+    with pytest.raises(ValueError, match=r"plan entries \['blocks.\*.mlp'\] match no module"):
+        walked_model(model, PLAN | {"blocks.*.mlp": "column"})
 
 
 def exec_walked_run_lines(lines: list[str], hf_dir: str):
