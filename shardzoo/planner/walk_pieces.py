@@ -293,7 +293,7 @@ def replicated(ctx: Context, module: nn.Module, summed: bool) -> Piece:
     """A module kept whole on every rank; 'replicate_sum' all-reduces each gradient over tp."""
     params = list(module.parameters())
     tp = tp_size(ctx.costs)
-    axes = ("tp",) if ctx.costs.mode == "1d" else tuple(ctx.costs.sizes)
+    axes = ("tp",) if ctx.costs.mode == "1d" else tuple(a for a, n in ctx.costs.sizes.items() if n > 1)
     out = [cl for p in params for cl in calls("bwd", axes, "all_reduce", p.numel() * ctx.costs.ep, tp)] if summed else []
     return Piece(out, sum(p.numel() for p in params), tensors=len(params))
 
