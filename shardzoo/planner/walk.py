@@ -23,7 +23,8 @@ from torch import nn
 from shardzoo.parallel import heads as head_counts
 from shardzoo.parallel import hf_model
 from shardzoo.parallel.checkpointing import block_names
-from shardzoo.parallel.parallelize import state_of
+from shardzoo.parallel.dropouts import is_dropout
+from shardzoo.parallel.parallelize import is_weighted_kind, state_of
 from shardzoo.parallel.linears import is_conv1d
 from shardzoo.parallel.plan import check_plan, is_norm, matches, style_of
 
@@ -238,15 +239,19 @@ def _steps(events, planned: dict) -> list[Step]:
 def _unplanned(walk: Walk) -> None:
     """Record the modules the plan leaves alone that hold weights (kept whole on every rank in
     1d, refused by the grid layouts) and the dropout modules with p > 0 (refused under tp > 1),
-    each under the part of the model it belongs to: 'pre', 'block' or 'post'."""
+    each under the part of the model it belongs to: 'pre', 'block' or 'post'. A Linear,
+    Conv1D, Embedding or norm left out is refused in every layout, as parallelize refuses it."""
     covered = tuple(f"{n}." for n in walk.planned)
     pre_names = {s.name for s in walk.pre}
     for name, module in walk.model.named_modules():
         if not name or name in walk.planned or name.startswith(covered):
             continue
-        if isinstance(module, nn.Dropout) and module.p > 0 or (type(module).__name__.lower().endswith("dropout")
-                                                              and getattr(module, "p", 0.0) > 0):
+        if is_dropout(module) and getattr(module, "p", 0.0) > 0:
             walk.dropouts.append(name)
+        if is_weighted_kind(module):
+            raise ValueError(f"{name} ({type(module).__name__}) is not in the plan, and the layouts split the "
+                             f"activations it reads; add it to the plan: plan[{name!r}] = 'column' / 'row' / 'norm' / "
+                             f"'embedding' ..., or 'replicate' to keep it whole on every rank")
         if next(module.parameters(recurse=False), None) is None:
             continue
         if any(_inside(name, b) for b in walk.blocks):

@@ -102,6 +102,8 @@ def test_a_module_of_ones_own_is_walked_with_its_plan():
         walked_model(model, PLAN | {"embed": "column"})
     with pytest.raises(ValueError, match=r"plan entries \['blocks.\*.mlp'\] match no module"):
         walked_model(model, PLAN | {"blocks.*.mlp": "column"})
+    with pytest.raises(ValueError, match=r"ln_f \(LayerNorm\) is not in the plan"):
+        walked_model(model, {k: v for k, v in PLAN.items() if k != "ln_f"})
 
 
 def exec_walked_run_lines(lines: list[str], hf_dir: str):
