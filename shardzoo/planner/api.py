@@ -115,7 +115,8 @@ def _check_inputs(world, device_memory_gib, global_batch, seq, shape, sp_mode, s
     if not device_memory_gib or device_memory_gib <= 0:
         raise ValueError(f"device_memory_gib={device_memory_gib!r} must be a positive number of GiB")
     if shape.family != "vit" and seq > shape.max_seq:
-        raise ValueError(f"--seq {seq} exceeds {shape.name or shape.family}'s {shape.max_seq} learned positions; "
+        kind = "positions (max_position_embeddings)" if shape.walked else "learned positions"
+        raise ValueError(f"--seq {seq} exceeds {shape.name or shape.family}'s {shape.max_seq} {kind}; "
                          f"plan a sequence of at most {shape.max_seq} tokens")
     if sp_mode not in ("ring", "ulysses"):
         raise ValueError(f"sp_mode={sp_mode!r} is not 'ring' or 'ulysses'")

@@ -208,7 +208,10 @@ def step_pieces(ctx: Context, step: Step) -> list[Piece]:
         table = next((m for m, s, _ in ctx.shape.walk.planned.values() if s == "vocab_embedding"), None)
         tied = table is not None and table.weight is module.weight
         vocab = module.out_features
-        return [c.lm_head(vocab, module.in_features, rows, e, ctx.lay, tied=tied), c.loss(vocab, rows, e, ctx.lay)]
+        # a transformers model's loss runs on the logits upcast to fp32 (parallel/hf_model.py, as
+        # transformers' own causal-LM loss does); the calls carry fp32 statistics either way
+        loss_e = stat_bytes(e) if ctx.shape.walk.transformers else e
+        return [c.lm_head(vocab, module.in_features, rows, e, ctx.lay, tied=tied), c.loss(vocab, rows, loss_e, ctx.lay)]
     if style == "dropout":
         return [dropout(module.p, rows * ctx.local(step.width), b)] if step.width else []
     if style in ("replicate", "replicate_sum"):

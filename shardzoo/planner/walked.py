@@ -54,7 +54,11 @@ class WalkedShape(ModelShape):
 
     @property
     def max_seq(self) -> int:
-        return _max_positions(self.config)
+        """The config's positions, and the rows of any table indexed by position (an embedding
+        whose ids are one row broadcast over the batch)."""
+        tables = [s.module.num_embeddings for s in self.walk.pre
+                  if s.style in ("embedding", "position_embedding") and s.lead == 1]
+        return min([_max_positions(self.config), *tables])
 
     @property
     def parameters(self) -> int:

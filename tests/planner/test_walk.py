@@ -96,6 +96,8 @@ def test_a_module_of_ones_own_is_walked_with_its_plan():
     serial = next(c for c in planned if c.layout["dp"] == 4 and c.zero == 0)
     assert serial.param_bytes_per_rank == 4 * sum(p.numel() for p in model.parameters())
     assert "plan=plan" in run_lines(planned, planned[0])[2]
+    with pytest.raises(ValueError, match="--seq 32 exceeds tinylm's 16 positions"):  # its position table's rows
+        shardzoo.plan(walked_model(model, PLAN, "tinylm"), 4, 80, 4, 32)
     with pytest.raises(ValueError, match="no tensor-parallel plan of its own"):
         shardzoo.plan(model, 4, 80, 4, 16)
     with pytest.raises(ValueError, match="makes embed \\(Embedding\\) a 'column' block"):
