@@ -142,9 +142,11 @@ def walk_model(model: nn.Module, plan: dict[str, str] | None = None) -> Walk:
     attention = head_counts.attention_modules(model, planned, _OnePart(), hf_model.config_heads(model))
     blocks = block_names(model)
     kinds = {type(model.get_submodule(b)).__name__ for b in blocks}
-    if len(kinds) > 1:
-        raise ValueError(f"{type(model).__name__} has blocks of {len(kinds)} classes ({sorted(kinds)}); the planner "
-                         f"prices one repeated block, so it needs blocks of one class")
+    sizes = {sum(p.numel() for p in model.get_submodule(b).parameters()) for b in blocks}
+    if len(kinds) > 1 or len(sizes) > 1:
+        raise ValueError(f"{type(model).__name__} has blocks of {len(kinds)} classes ({sorted(kinds)}) and "
+                         f"{len(sizes)} parameter counts; the planner prices one repeated block, so it needs "
+                         f"blocks of one class and size")
     hf = hf_model.is_transformers_model(model)
     flag = getattr(model, "is_causal", None)
     causal = hf_model.is_causal_lm(model) if hf else (flag if isinstance(flag, bool) else True)
