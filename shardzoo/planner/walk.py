@@ -101,6 +101,9 @@ def planned_modules(model: nn.Module, plan: dict[str, str]) -> dict[str, tuple[n
     return out
 
 
+# the plan styles whose layers walk_pieces.py prices
+PRICED_STYLES = ("column", "row", "packed_column", "norm", "vocab_embedding", "embedding", "position_embedding",
+                 "lm_head", "replicate", "replicate_sum", "dropout")
 _KINDS = {"column": "linear", "row": "linear", "packed_column": "linear", "lm_head": nn.Linear,
           "vocab_embedding": nn.Embedding, "embedding": nn.Embedding, "position_embedding": nn.Embedding,
           "dropout": nn.Dropout, "norm": "norm"}
@@ -116,6 +119,10 @@ def _check_planned(model: nn.Module, plan: dict[str, str], planned: dict) -> Non
         if not ok:
             raise ValueError(f"plan entry {pattern!r} makes {name} ({type(module).__name__}) a {style!r} block, which "
                              f"it cannot be; change the style or the pattern (docs/parallelize.md, 'The plan')")
+    unpriced = sorted({style for _, style, _ in planned.values()} - set(PRICED_STYLES))
+    if unpriced:
+        raise ValueError(f"{type(model).__name__}'s plan uses the styles {unpriced}, whose layers the planner does not "
+                         f"price; it prices {', '.join(PRICED_STYLES)}")
     winners = {pattern for _, _, pattern in planned.values()}
     names = [n for n, _ in model.named_modules() if n]
     unused = [p for p in plan if p not in winners and not any(matches(p, n) for n in names)]
