@@ -2,8 +2,11 @@
 (tests/planner, bench/plan.py; benchmark code, which the shardzoo package does not import).
 
 ``run_layout(spec)`` runs on every rank of a world (a WorkerPool / ``shardzoo.launch``): it
-builds the model on ``ParallelMesh(**spec["layout"])``, runs training steps as a user would
-(``data_parallel`` at ``spec["zero"]`` (default 0) + the model's loss, or a 1F1B pipeline schedule with ``sync_tied_grads``,
+builds the model on ``ParallelMesh(**spec["layout"])`` (a shardzoo family, or with ``spec["hf"]`` a
+transformers causal LM split by ``shardzoo.parallelize``: ``build_hf_model``), runs training steps as a
+user would
+(``data_parallel`` at ``spec["zero"]`` (default 0) + the model's loss (a transformers model's
+``labels=`` loss), or a 1F1B pipeline schedule with ``sync_tied_grads``,
 then AdamW) and returns, for the last step, this rank's
 
 * ``counted``: bytes ``shardzoo.comm.count`` counted (every shardzoo collective and p2p send);
@@ -116,6 +119,28 @@ def build_model(spec: dict, mesh):
                      checkpointing=spec.get("checkpointing", False), seed=spec.get("seed", 0))
 
 
+def build_hf_model(spec: dict, mesh):
+    """The transformers causal LM of ``spec["hf"]`` ({"model_type", "config": fields}), built
+    in-process from its config (no hub), seeded, split by ``shardzoo.parallelize`` with its
+    default plan (``spec["sp_mode"]``, ``spec["checkpointing"]``); pp must be 1."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shardzoo import parallelize
+
+    config = AutoConfig.for_model(spec["hf"]["model_type"], **spec["hf"]["config"])
+    torch.manual_seed(spec.get("seed", 0))
+    model = AutoModelForCausalLM.from_config(config).float()
+    return parallelize(model, mesh, sp_mode=spec.get("sp_mode", "ring"), checkpointing=spec.get("checkpointing", False))
+
+
+def hf_batch(spec: dict, model, mesh) -> torch.Tensor:
+    """This dp replica's rows [batch / dp, seq] of a seeded batch of token ids (whole on every
+    tp and sp rank: the model's input hook splits them)."""
+    gen = torch.Generator().manual_seed(spec.get("seed", 0) + 1)
+    ids = torch.randint(0, model.config.vocab_size, (spec["batch"], spec["seq"]), generator=gen)
+    return ids.chunk(mesh.dp_size, 0)[mesh.dp_rank]
+
+
 def make_batch(spec: dict, model, mesh):
     """(stage inputs, stage target) of this dp replica's rows of a seeded global batch."""
     gen = torch.Generator().manual_seed(spec.get("seed", 0) + 1)
@@ -143,7 +168,8 @@ def run_layout(spec: dict) -> dict:
     mesh = cached_mesh(**spec["layout"])
     _reset_peak_rss()  # the peak covers building, the warm-up step (optimizer state) and the measured steps
     base_rss = _rss_kib("VmRSS") * 1024
-    model = build_model(spec, mesh)
+    hf = "hf" in spec  # a transformers model split by parallelize, trained through its labels= loss
+    model = build_hf_model(spec, mesh) if hf else build_model(spec, mesh)
     param_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
     totals = {"ddp": Fraction(0), "p2p": Fraction(0), "tied": Fraction(0)}
     zero = spec.get("zero", 0)
@@ -152,7 +178,10 @@ def run_layout(spec: dict) -> dict:
         ddp_of(wrapped).register_comm_hook((mesh.group("dp", "sp"), totals), counting_ddp_hook)
     # FSDP2 (zero 2, 3) runs its own collectives, which neither comm.count nor the DDP hook sees
     opt = zero_optimizer(wrapped, torch.optim.AdamW, lr=1e-4)
-    inputs, target = make_batch(spec, model, mesh)
+    if hf:
+        ids = hf_batch(spec, model, mesh)
+    else:
+        inputs, target = make_batch(spec, model, mesh)
     schedule = None
     if mesh.pp_size > 1:
         schedule = build_schedule([(mesh.pp_rank, wrapped)], mesh, n_microbatches=spec["micro_batches"],
@@ -160,7 +189,9 @@ def run_layout(spec: dict) -> dict:
 
     def step():
         opt.zero_grad(set_to_none=True)
-        if schedule is None:
+        if hf:
+            wrapped(input_ids=ids, labels=ids).loss.backward()
+        elif schedule is None:
             model.loss(wrapped(inputs), target).backward()
         else:
             with count_pipeline_sends(mesh.pp_group, totals):
@@ -227,18 +258,27 @@ def saved_bytes(spec: dict) -> dict:
     (the planner's activation terms, measured)."""
     from shardzoo.comm.mesh_cache import cached_mesh
 
+    from shardzoo.parallel.checkpointing import block_names
+
     mesh = cached_mesh(**spec["layout"])
-    model = build_model(spec, mesh)
+    hf = "hf" in spec
+    model = build_hf_model(spec, mesh) if hf else build_model(spec, mesh)
     model.train()
-    inputs, target = make_batch(spec, model, mesh)
+    if hf:
+        ids = hf_batch(spec, model, mesh)
+    else:
+        inputs, target = make_batch(spec, model, mesh)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     part, seen = {"now": "embed"}, {}
 
     def enter(name):
         return lambda module, args: part.__setitem__("now", name)
 
-    for name, block in model.get_submodule(_BLOCKS[spec["family"]]).items():
-        block.register_forward_pre_hook(enter(f"block{name}"))
+    names = block_names(model) if hf else [f"{_BLOCKS[spec['family']]}.{n}" for n, _ in
+                                           model.get_submodule(_BLOCKS[spec["family"]]).named_children()]
+    for i, name in enumerate(names):
+        block = model.get_submodule(name)
+        block.register_forward_pre_hook(enter(f"block{i}"))
         block.register_forward_hook(lambda module, args, out: part.__setitem__("now", "head"))
 
     def pack(t):
@@ -248,7 +288,7 @@ def saved_bytes(spec: dict) -> dict:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model.loss(model(inputs), target)
+        loss = model(input_ids=ids, labels=ids).loss if hf else model.loss(model(inputs), target)
     out: dict = {}
     for name, n in seen.values():
         out[name] = out.get(name, 0) + n

@@ -52,10 +52,12 @@ def run_lines(plan, cand) -> list[str]:
     from shardzoo.models.spec import spec_named
 
     lay, m, zero = cand.layout, cand.micro_batches, cand.zero
-    fam = spec_named(plan.problem.shape.family)
     depth = f", tp_depth={lay['tp_depth']}" if TP_GRIDS[lay["tp_mode"]].has_depth else ""
     mesh = (f"mesh = shardzoo.ParallelMesh(dp={lay['dp']}, pp={lay['pp']}, sp={lay['sp']}, tp={lay['tp']}, "
             f"tp_mode=\"{lay['tp_mode']}\"{depth})")
+    if plan.problem.shape.walked:
+        return parallelize_lines(plan, cand, mesh)
+    fam = spec_named(plan.problem.shape.family)
     extra = ""
     if lay["pp"] > 1:
         extra += ", stage=(mesh.pp_rank, mesh.pp_size)"
@@ -73,6 +75,32 @@ def run_lines(plan, cand) -> list[str]:
     if lay["pp"] > 1:
         lines.append(f"schedule = build_schedule([(mesh.pp_rank, {trained})], mesh, n_microbatches={m}, "
                      f"schedule=\"{plan.pricer.schedule}\", loss_fn=model.loss)")
+    if plan.problem.e == 2:
+        lines.append("with autocast(): ...  # bf16 autocast, fp32 weights (shardzoo.models.training.autocast)")
+    lines.append(torchrun_command(plan, lay["dp"] * lay["pp"] * lay["sp"] * lay["tp"]))
+    return lines
+
+
+def parallelize_lines(plan, cand, mesh: str) -> list[str]:
+    """The lines of a model priced by its modules (pp = 1): built by transformers (or one's own
+    code), split by ``shardzoo.parallelize``, trained through its ``labels=`` loss."""
+    lay, shape = cand.layout, plan.problem.shape
+    extra = f", sp_mode=\"{plan.problem.sp_mode}\"" if lay["sp"] > 1 and plan.problem.sp_mode != "ring" else ""
+    given = ", plan=plan" if shape.walk.given_plan else ""
+    build = ("model = AutoModelForCausalLM.from_config(config)  # or .from_pretrained(DIR)"
+             if shape.walk.transformers else f"model = {type(shape.walk.model).__name__}(...)  # the model priced")
+    lines = [mesh, build, f"model = shardzoo.parallelize(model, mesh{given}{extra}, "
+                          f"checkpointing={cand.activation_checkpointing})"]
+    trained = "model"
+    if lay["dp"] * lay["sp"] > 1:
+        trained = "wrapped"
+        lines.append(f"wrapped = shardzoo.data_parallel(model, mesh, zero={cand.zero})")
+        lines.append("optimizer = shardzoo.zero_optimizer(wrapped, torch.optim.AdamW, lr=1e-4)")
+    else:
+        lines.append("optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)")
+    call = f"{trained}(input_ids=ids, labels=ids).loss" if shape.walk.transformers else \
+        f"shardzoo.lm_loss(model, {trained}(ids), ids)"
+    lines.append(f"loss = {call}  # ids: this dp replica's [rows, seq] tokens, whole on every tp / sp rank")
     if plan.problem.e == 2:
         lines.append("with autocast(): ...  # bf16 autocast, fp32 weights (shardzoo.models.training.autocast)")
     lines.append(torchrun_command(plan, lay["dp"] * lay["pp"] * lay["sp"] * lay["tp"]))

@@ -115,7 +115,8 @@ def _check_inputs(world, device_memory_gib, global_batch, seq, shape, sp_mode, s
     if not device_memory_gib or device_memory_gib <= 0:
         raise ValueError(f"device_memory_gib={device_memory_gib!r} must be a positive number of GiB")
     if shape.family != "vit" and seq > shape.max_seq:
-        raise ValueError(f"--seq {seq} exceeds {shape.name or shape.family}'s {shape.max_seq} learned positions; "
+        kind = "positions (max_position_embeddings)" if shape.walked else "learned positions"
+        raise ValueError(f"--seq {seq} exceeds {shape.name or shape.family}'s {shape.max_seq} {kind}; "
                          f"plan a sequence of at most {shape.max_seq} tokens")
     if sp_mode not in ("ring", "ulysses"):
         raise ValueError(f"sp_mode={sp_mode!r} is not 'ring' or 'ulysses'")
@@ -145,7 +146,9 @@ def plan(model, world: int, device_memory_gib: float, global_batch: int, seq: in
          nodes: int | None = None, devices_per_node: int | None = None, top: int | None = None, *,
          sp_mode: str = "ring", schedule: str = "1f1b", dtype: str | None = None, zero_stages=ZERO_STAGES,
          tp_modes=TP_MODES, checkpointing=(False, True), recalibrate: bool = False) -> Plan:
-    """Every legal layout of ``model`` (a preset name or a Hugging Face directory) on ``world``
+    """Every legal layout of ``model`` (a preset name, a Hugging Face directory, a ModelShape, or
+    an ``nn.Module`` that ``shardzoo.parallelize`` splits, priced from its modules and default plan
+    with pp = 1; ``walked.walked_model(module, plan)`` for another plan) on ``world``
     devices of ``device_memory_gib`` GiB each, for a global batch of ``global_batch``
     sequences of ``seq`` tokens, priced on ``hardware``; the ``top`` best (all by default).
 

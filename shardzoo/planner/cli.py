@@ -13,7 +13,10 @@ def add_plan_parser(sub) -> None:
                        "activation checkpointing, ZeRO stage) of MODEL, predict memory, communication and step time, "
                        "and print the fastest that fit. Exit code 1 when none fits.")
     p.add_argument("model", metavar="MODEL", help="a preset (gpt2, gpt2-medium, gpt2-xl, gpt3-175b, bert-base, "
-                   "bert-large, opt-1.3b, opt-13b, opt-175b, vit-base, vit-huge) or a Hugging Face model directory")
+                   "bert-large, opt-1.3b, opt-13b, opt-175b, vit-base, vit-huge; with transformers installed "
+                   "llama3-8b, llama3-70b, llama3-405b, qwen2.5-7b) or a Hugging Face model directory (shardzoo's "
+                   "families, or a causal LM transformers builds, such as llama, qwen2, mistral: priced with pp=1 "
+                   "as shardzoo.parallelize splits it)")
     p.add_argument("--world", type=int, required=True, metavar="N", help="number of devices (ranks)")
     p.add_argument("--device-memory-gib", type=float, required=True, metavar="M", help="memory per device, GiB")
     p.add_argument("--global-batch", type=int, required=True, metavar="B", help="sequences per training step")

@@ -18,7 +18,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 from shardzoo.comm.accounting import CommRecord
-from shardzoo.layers.block_costs import Call, Piece, calls, elementwise
+from shardzoo.layers.block_costs import ID_BYTES, Call, Piece, calls, elementwise
 
 DP_AXES = ("dp", "sp")  # data_parallel reduces gradients over the dp x sp group
 DDP_BUCKET_BYTES = 25 << 20  # torch DDP's default bucket_cap_mb
@@ -127,16 +127,21 @@ class Traffic:
 
 
 # -- sequence parallelism ---------------------------------------------------------------------
-def attention_core(batch, heads, seq, head_dim, e, sp, sp_mode, mask=False, causal=False) -> Piece:
-    """Attention of this rank's ``heads`` heads over ``seq`` local tokens of ``batch`` rows.
+def attention_core(batch, heads, seq, head_dim, e, sp, sp_mode, mask=False, causal=False, kv_heads=None) -> Piece:
+    """Attention of this rank's ``heads`` heads over ``seq`` local tokens of ``batch`` rows;
+    ``kv_heads``: this rank's k / v heads (grouped-query attention; None: ``heads``).
 
     Saved (every sp_mode): q, k, v, the output and the fp32 log-sum-exp (flash attention never
     keeps a score matrix). Ring: K, V (+ mask) take sp-1 hops forward; backward K, V take sp-1
-    hops and dK, dV (fp32) sp hops. Ulysses: q, k, v and out cross one all-to-all each way."""
+    hops and dK, dV (fp32) sp hops; only the kv heads travel. Ulysses: q, k, v and out cross one
+    all-to-all each way; k and v carry the kv heads when sp divides them, one head per rank when
+    they divide sp, and are repeated to the q heads otherwise (sdpa_mode.run_sequence_attention)."""
     acc = 8 if e == 8 else 4
-    kv = batch * heads * seq * head_dim * e
+    kvh = heads if kv_heads is None else kv_heads
+    q_bytes = batch * heads * seq * head_dim * e
+    kv = batch * kvh * seq * head_dim * e
     mask_bytes = batch * seq if mask else 0
-    saved = 4 * kv + batch * heads * seq * acc + mask_bytes
+    saved = 2 * q_bytes + 2 * kv + batch * heads * seq * acc + mask_bytes
     elements = batch * heads * seq * head_dim
     # scores and values against every key of the sequence; a causal block kernel skips half
     work = dict(attn_flops=int(4 * batch * heads * seq * seq * sp * head_dim * (0.5 if causal else 1.0)))
@@ -144,17 +149,34 @@ def attention_core(batch, heads, seq, head_dim, e, sp, sp_mode, mask=False, caus
         return Piece([], 0, saved, **work)
     axes = ("sp",)
     if sp_mode == "ring":
-        grads = batch * heads * seq * head_dim * acc
+        grads = batch * kvh * seq * head_dim * acc
         out = calls("fwd", axes, "send", kv, sp, times=2 * (sp - 1)) + calls("bwd", axes, "send", kv, sp, times=2 * (sp - 1))
         out += calls("bwd", axes, "send", grads, sp, times=2 * sp)
         if mask:
             out += calls("fwd", axes, "send", mask_bytes, sp, times=sp - 1)
             out += calls("bwd", axes, "send", mask_bytes, sp, times=sp - 1)
         return Piece(out, 0, saved, **elementwise(RING_MERGE_PASSES * sp, elements, e), **work)
-    out = calls("fwd", axes, "all_to_all", kv, sp, times=4) + calls("bwd", axes, "all_to_all", kv, sp, times=4)
+    sent = ulysses_kv_heads(heads, kvh, sp)
+    # the kernel runs on k and v repeated to the q heads (ulysses_attention), and fewer kv heads
+    # than sp ranks are first picked out per rank (index_select keeps its int64 index)
+    saved = 4 * q_bytes + batch * heads * seq * acc + mask_bytes + (2 * ID_BYTES * sp if sent == sp != kvh else 0)
+    if sent == heads:
+        out = calls("fwd", axes, "all_to_all", q_bytes, sp, times=4) + calls("bwd", axes, "all_to_all", q_bytes, sp, times=4)
+    else:
+        kv_sent = batch * sent * seq * head_dim * e
+        out = [c for phase in ("fwd", "bwd") for c in calls(phase, axes, "all_to_all", q_bytes, sp, times=2)
+               + calls(phase, axes, "all_to_all", kv_sent, sp, times=2)]
     if mask:  # gather_padding_mask: the full-sequence mask, uint8
         out += calls("fwd", axes, "all_gather", batch * seq * sp, sp)
     return Piece(out, 0, saved, **elementwise(ULYSSES_COPY_PASSES, elements, e), **work)
+
+
+def ulysses_kv_heads(heads: int, kv_heads: int, sp: int) -> int:
+    """Heads of the k / v tensors Ulysses' all-to-alls carry on one rank: its kv heads when sp
+    divides them, one per sp rank when they divide sp, else repeated to the q heads."""
+    if kv_heads % sp == 0:
+        return kv_heads
+    return sp if sp % kv_heads == 0 else heads
 
 
 # -- pipeline, data parallelism, ZeRO ----------------------------------------------------------

@@ -19,7 +19,7 @@ from shardzoo.comm.tp_grids import TP_GRIDS, TP_MODES
 from shardzoo.layers.block_costs import Illegal
 from shardzoo.layers.tensor_layout import LAYOUTS
 from shardzoo.planner.evaluate import Layout
-from shardzoo.planner.model import Batch, ModelShape, check_heads, stage_cost
+from shardzoo.planner.model import Batch, ModelShape
 
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -73,8 +73,8 @@ def _grid_rule(problem: Problem, mode: str, tp: int, depth: int, sp: int) -> str
     parts = costs.batch_parts(costs.canonical)
     probe = Batch(parts, problem.seq, sp, problem.sp_mode, problem.e, True, problem.mask_bytes)
     try:
-        check_heads(problem.shape, costs, probe)
-        stage_cost(problem.shape, costs, probe)
+        problem.shape.check(costs, probe)
+        problem.shape.parts(costs, probe)
     except Illegal as err:
         return str(err)
     return None
@@ -110,6 +110,10 @@ def layouts(problem: Problem, modes=TP_MODES, pruned: list[Pruned] | None = None
             for pp in divisors(world // (tp * sp)):
                 dp = world // (tp * sp * pp)
                 what = f"dp={dp},pp={pp},sp={sp},{grid}"
+                if pp > 1 and not shape.pipelines:
+                    drop(what, f"pp={pp}: parallelize builds one pipeline stage holding the whole model, so a model "
+                               f"priced by walking its modules runs with pp=1")
+                    continue
                 if pp > shape.layers:
                     drop(what, f"pp={pp} exceeds the model's {shape.layers} blocks (every stage needs one)")
                     continue

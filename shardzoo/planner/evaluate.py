@@ -23,7 +23,7 @@ from shardzoo.planner.comm import DP_AXES, Traffic, dp_reduction, pipeline_p2p, 
 from shardzoo.planner.hardware import Hardware
 from shardzoo.planner.memory import MemoryBreakdown, stage_memory
 from shardzoo.planner.model import (COUNT_BYTES, LOSS_PAIR_BYTES, Batch, ModelShape, StageCost, assemble, loss_reduction,
-                                    stage_parts, target_axes)
+                                    target_axes)
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ class Pricer:
         if parts is None:
             costs = LAYOUTS[layout.tp_mode].costs(layout.tp, layout.tp_depth, self.problem.param_bytes)
             try:
-                parts = stage_parts(self.problem.shape, costs, b)
+                parts = self.problem.shape.parts(costs, b)
             except Illegal as err:
                 parts = err
             self._parts[key] = parts

@@ -73,6 +73,19 @@ class ModelShape:
         return {"gpt2": lambda: c.n_positions, "vit": lambda: c.num_tokens}.get(
             self.family, lambda: c.max_position_embeddings)()
 
+    # a family's pieces come from the formulas of this module; a model priced by walking its
+    # modules and plan (walk.WalkedShape) brings its own, and is built by parallelize (pp = 1)
+    walked = False
+    pipelines = True
+
+    def check(self, costs, b: "Batch") -> None:
+        """Raise :class:`Illegal` when the model cannot be split on this tp grid with this sp."""
+        check_heads(self, costs, b)
+
+    def parts(self, costs, b: "Batch") -> "StageParts":
+        """The pieces every stage of a layout is made of (:func:`stage_parts`)."""
+        return stage_parts(self, costs, b)
+
 
 @dataclass
 class StageCost:

@@ -34,6 +34,27 @@ MODELS: dict[str, tuple[str, dict, str]] = {
                              patch_size=14, num_labels=21843), "google/vit-huge-patch14-224-in21k config.json"),
 }
 
+# transformers models, priced by walking their modules and default plan (walk.py): name ->
+# (model_type, config fields, source). Built as transformers' config class on the meta device.
+_LLAMA31_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                     original_max_position_embeddings=8192)
+_LLAMA31 = dict(num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+                rope_scaling=_LLAMA31_ROPE, rms_norm_eps=1e-5, tie_word_embeddings=False, hidden_act="silu")
+HF_MODELS: dict[str, tuple[str, dict, str]] = {
+    "llama3-8b": ("llama", dict(_LLAMA31, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                num_attention_heads=32), "meta-llama/Llama-3.1-8B config.json"),
+    "llama3-70b": ("llama", dict(_LLAMA31, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                 num_attention_heads=64), "meta-llama/Llama-3.1-70B config.json"),
+    "llama3-405b": ("llama", dict(_LLAMA31, hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
+                                  num_attention_heads=128), "meta-llama/Llama-3.1-405B config.json"),
+    "qwen2.5-7b": ("qwen2", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                                 num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                                 max_position_embeddings=131072, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                                 sliding_window=131072, use_sliding_window=False, max_window_layers=28,
+                                 tie_word_embeddings=False, hidden_act="silu"),
+                   "Qwen/Qwen2.5-7B config.json (q, k, v projections with biases, as Qwen2 builds them)"),
+}
+
 _GPU_ASSUMPTIONS = ("latency 5 us per message inside a node and 10 us across nodes, 1 GiB per device for the CUDA "
                     "context, NCCL and allocator slack, 50% of peak FLOP/s in matmuls (Megatron-LM reports 44-52% "
                     "on A100 for GPT models, Narayanan et al. 2021), 35% in the attention kernel, and elementwise "
@@ -61,28 +82,81 @@ CALIBRATED = ("cpu", "calibrate")  # this host, measured (calibration.calibrate)
 
 
 def model_names() -> list[str]:
-    return sorted(MODELS)
+    return sorted(MODELS) + sorted(HF_MODELS)
 
 
-def load_model(model: str | ModelShape) -> ModelShape:
-    """A preset name or a Hugging Face model directory (its config.json; the family from its
-    ``model_type``, as ``from_pretrained``) -> ModelShape."""
+def _transformers(what: str):
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError(f"{what} is a transformers model, and transformers is not installed; pip install "
+                         f"transformers (or shardzoo[test])") from None
+    return transformers
+
+
+def _walked(config, name: str) -> ModelShape:
+    """A transformers config -> its causal LM built on the meta device, walked with its plan."""
+    import torch
+
+    from shardzoo.planner.walked import walked_model
+
+    tf = _transformers(name)
+    with torch.device("meta"):
+        model = tf.AutoModelForCausalLM.from_config(config)
+    return walked_model(model, None, name)
+
+
+def load_model(model) -> ModelShape:
+    """A preset name, a Hugging Face model directory (its config.json: shardzoo's families by
+    ``model_type``, any other causal LM transformers knows built on the meta device and walked),
+    a ModelShape, or an ``nn.Module`` (walked with its default plan) -> ModelShape."""
     if isinstance(model, ModelShape):
         return model
+    from torch import nn
+
+    if isinstance(model, nn.Module):
+        from shardzoo.planner.walked import walked_model
+
+        return walked_model(model)
     from shardzoo.models.spec import all_specs, spec_named
 
     if model in MODELS:
         family, fields, _ = MODELS[model]
         return ModelShape(family, spec_named(family).config(**fields), model)
+    if model in HF_MODELS:
+        model_type, fields, _ = HF_MODELS[model]
+        return _walked(_transformers(model).AutoConfig.for_model(model_type, **fields), model)
     if os.path.isdir(model) or os.path.isfile(model):
         from shardzoo.models.config import read_json
 
         data, _ = read_json(model)
         model_type = data.get("model_type") if isinstance(data, dict) else None
+        name = os.path.basename(os.path.normpath(model))
         fams = [f for f in all_specs() if f.model_type == model_type]
-        if not fams:
-            raise ValueError(f"{model}: config.json has model_type={model_type!r}; shardzoo plans the families "
-                             f"{sorted(f.model_type for f in all_specs())}. Point to a checkpoint of one of them")
-        return ModelShape(fams[0].name, fams[0].config.from_json(data), os.path.basename(os.path.normpath(model)))
+        if fams:
+            return ModelShape(fams[0].name, fams[0].config.from_json(data), name)
+        return _from_directory(model, model_type, name)
     raise ValueError(f"unknown model {model!r}: not a preset ({', '.join(model_names())}) and not a directory holding "
                      f"a config.json; pass a preset name or a Hugging Face model directory")
+
+
+def _from_directory(path: str, model_type, name: str) -> ModelShape:
+    """A causal LM of a model_type transformers knows, walked with its default plan."""
+    from shardzoo.models.spec import all_specs
+
+    ours = sorted(f.model_type for f in all_specs())
+    tf = _transformers(f"{path} (model_type={model_type!r})")
+    directory = path if os.path.isdir(path) else os.path.dirname(path) or "."
+    try:
+        config = tf.AutoConfig.from_pretrained(directory)
+    except (ValueError, KeyError, OSError) as err:
+        raise ValueError(f"{path}: config.json has model_type={model_type!r}, which is neither one of shardzoo's "
+                         f"families {ours} nor a model type transformers knows ({err}); point to a checkpoint of "
+                         f"one of them") from None
+    try:
+        return _walked(config, name)
+    except ValueError as err:
+        if "AutoModelForCausalLM" in str(err) or "Unrecognized configuration" in str(err):
+            raise ValueError(f"{path}: model_type={model_type!r} has no causal-LM class in transformers; the planner "
+                             f"prices causal LMs ({err})") from None
+        raise

@@ -31,6 +31,7 @@ from shardzoo.testing.family_configs import config_of
 from shardzoo.testing.meshes import batch_parts
 
 CHANNELS = ("counted", "ddp", "p2p", "tied")
+FAMILY_TYPES = ("gpt2", "opt", "bert", "vit")  # shardzoo plan DIR prices these by the family's formulas
 GRIDS = {  # world -> tp grids that fit it: (tp_mode, tp, tp_depth)
     2: [("1d", 1, 1), ("1d", 2, 1)],
     4: [("1d", 2, 1), ("1d", 4, 1), ("2d", 4, 1)],
@@ -123,3 +124,60 @@ def test_opt_grid_checkpointing_recomputes_fc2(mode, depth):
     spec["config"] = config_of("opt", 1, 33, 32, 0.0)
     spec["batch"] = 2 * depth
     check_exact(spec)
+
+
+# -- a transformers model priced by walking its modules (planner/walk.py) ----------------------
+def tiny_llama(kv_heads: int = 2, bias: bool = False) -> dict:
+    """LlamaConfig fields of a tiny grouped-query Llama: 8 heads of 8 features, 2 blocks."""
+    return dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=kv_heads, intermediate_size=96,
+                num_hidden_layers=2, vocab_size=101, max_position_embeddings=64, attention_bias=bias,
+                tie_word_embeddings=False)
+
+
+# a tiny transformers GPT-2: tied table, packed q|k|v Conv1D, learned positions, dropout 0.1
+TINY_GPT2 = dict(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=64, bos_token_id=0, eos_token_id=0)
+
+
+def _hf_spec(world, mode, tp, sp=1, ckpt=False, sp_mode="ring", zero=0, config=None, model_type="llama"):
+    dp = world // (tp * sp)
+    parts = batch_parts(dict(tp=tp, tp_mode=mode, tp_depth=1))
+    return dict(hf=dict(model_type=model_type, config=config or tiny_llama()),
+                layout=dict(dp=dp, pp=1, sp=sp, tp=tp, tp_mode=mode, tp_depth=1), micro_batches=1,
+                batch=dp * parts, seq=8, steps=2, checkpointing=ckpt, sp_mode=sp_mode, zero=zero)
+
+
+def check_hf_exact(spec: dict, directory) -> None:
+    """The model's config written as ``save_pretrained`` writes it and planned from that
+    directory, as ``shardzoo plan DIR`` plans it (a family's model_type: the model built from
+    it, walked); every rank's channels and parameter bytes of a measured step
+    (bench/_measure.py, ``spec["hf"]``) equal the plan's."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(spec["hf"]["model_type"], **spec["hf"]["config"])
+    config.save_pretrained(directory)
+    layout, zero = Layout(**spec["layout"]), spec["zero"]
+    with torch.device("meta"):  # a family's model_type: its directory would go to the family's formulas
+        model = AutoModelForCausalLM.from_config(config)
+    planned = plan(str(directory) if spec["hf"]["model_type"] not in FAMILY_TYPES else model, layout.world, 1e6, spec["batch"], spec["seq"], hardware=HARDWARE["a100"],
+                   dtype="fp32", sp_mode=spec["sp_mode"], zero_stages=(zero,), tp_modes=(layout.tp_mode,))
+    cand = next(c for c in planned if c.layout == layout.mesh_kwargs() and c.activation_checkpointing == spec["checkpointing"])
+    (stage,) = planned.pricer.stages(layout)
+    want = channel_bytes(*planned.pricer.traffic(stage, layout, 0, spec["checkpointing"], zero), 1)
+    measured = run_on_ranks(run_layout, layout.world, spec)
+    for rank, got in enumerate(measured):
+        for k in CHANNELS:
+            assert got[k] == want[k], f"rank {rank} {k}: sent {got[k]}, planned {want[k]} ({spec})"
+        assert got["param_bytes"] == stage.params * 4 == cand.param_bytes_per_rank, f"rank {rank} ({spec})"
+    assert cand.comm_bytes_per_rank_per_step == max(sum((got[k] for k in CHANNELS), Fraction(0)) for got in measured)
+
+
+@pytest.mark.parametrize("spec", [
+    _hf_spec(4, "1d", 4, ckpt=True),  # 4 head parts, 2 kv heads: each kv head repeated on 2 ranks
+    _hf_spec(4, "1d", 2, sp=2, sp_mode="ulysses", zero=1),  # one kv head per tp rank, sent to both sp ranks
+    _hf_spec(4, "1d", 2, sp=2, ckpt=True, config=tiny_llama(bias=True)),  # ring: the kv heads go round
+    _hf_spec(4, "2d", 4, config=tiny_llama(kv_heads=1, bias=True)),  # 2 head parts, 1 kv head (and its bias) repeated
+    _hf_spec(4, "2d", 4, ckpt=True, config=TINY_GPT2, model_type="gpt2"),
+], ids=["1d-tp4-gqa-ckpt", "1d-ulysses-zero1", "1d-ring-ckpt-bias", "2d-mqa-bias", "gpt2-2d-ckpt"])
+def test_exact_for_a_walked_transformers_llama(spec, tmp_path):
+    check_hf_exact(spec, tmp_path)

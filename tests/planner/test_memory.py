@@ -36,3 +36,29 @@ def test_saved_activations_match_the_memory_model(family, layout, sp_mode, dropo
         assert got["block0"] == got["block1"] == stage.block_saved, (rank, got, stage.block_saved)
         assert got["embed"] == stage.first.saved, (rank, got, stage.first.saved)
         assert abs(got["head"] - stage.last.saved) <= 8, (rank, got, stage.last.saved)  # + the loss's scalars
+
+
+@pytest.mark.parametrize("layout,sp_mode", [(dict(tp=4), "ring"), (dict(tp=2, sp=2), "ulysses")], ids=["1d-tp4", "ulysses"])
+def test_saved_activations_of_a_walked_llama(layout, sp_mode):
+    """A transformers Llama with grouped-query attention priced by its modules (planner/walk.py):
+    the blocks and the embeddings save what the planner says; the first block also keeps the
+    RoPE tables every block reads, which the planner puts with the embeddings."""
+    pytest.importorskip("transformers", reason="builds a transformers Llama")
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shardzoo.planner.walked import walked_model
+
+    config = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, intermediate_size=96,
+                  num_hidden_layers=2, vocab_size=101, max_position_embeddings=64, tie_word_embeddings=False)
+    kwargs = dict(dp=1, pp=1, sp=1, tp=1, tp_mode="1d", tp_depth=1) | layout
+    lay = Layout(**kwargs)
+    spec = dict(hf=dict(model_type="llama", config=config), layout=kwargs, batch=4, seq=8, sp_mode=sp_mode)
+    measured = run_on_ranks(saved_bytes, lay.world, spec)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **config))
+    stage = Pricer(Problem(walked_model(model), lay.world, 4, 8, sp_mode, mask_bytes=4), HARDWARE["a100"]).stages(lay)[0]
+    for rank, got in enumerate(measured):
+        assert got["block1"] == stage.block_saved, (rank, got, stage.block_saved)
+        assert got["embed"] + got["block0"] - got["block1"] == stage.first.saved, (rank, got, stage.first.saved)
+        assert abs(got["head"] - stage.last.saved) <= 8, (rank, got, stage.last.saved)  # + the loss's scalars

@@ -1,0 +1,270 @@
+"""A model ``parallelize`` splits, read for pricing: its plan, its attention modules, its
+repeated block, and the order its modules run in.
+
+Any ``nn.Module`` that ``shardzoo.parallelize(model, mesh, plan)`` accepts (a transformers
+causal LM with its default plan, or a module of one's own with its plan) is walked once,
+independent of the layout: the plan is matched to the modules as parallelize matches it, the
+attention modules and their head counts are found by parallelize's own ``attention_modules``,
+the blocks are those activation checkpointing finds (``checkpointing.block_names``), and one
+forward on a tiny batch (on the meta device when the model is there: nothing is computed)
+records the order the modules run in. walk_pieces.py then prices what was recorded for each
+layout, and ``walked.WalkedShape`` hands the planner those pieces in place of a family's
+formulas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from shardzoo.parallel import heads as head_counts
+from shardzoo.parallel import hf_model
+from shardzoo.parallel.checkpointing import block_names
+from shardzoo.parallel.dropouts import is_dropout
+from shardzoo.parallel.parallelize import is_weighted_kind, state_of
+from shardzoo.parallel.linears import is_conv1d
+from shardzoo.parallel.plan import check_plan, is_norm, matches, style_of
+
+# the traced batch: two rows of three tokens, so an input's leading dim tells a batch of rows
+# (2) from one row broadcast over the batch (1, e.g. positions)
+TRACE_BATCH, TRACE_SEQ = 2, 3
+
+
+@dataclass
+class Step:
+    """One module run by the traced forward: its name, the plan's style for it (None: not
+    planned), the last dim of its input, the input's leading dim, and whether it reads the very
+    tensor its sibling before it read (q, k and v of one input; gate and up)."""
+
+    name: str
+    module: nn.Module
+    style: str | None
+    width: int | None
+    lead: int | None
+    shares_input: bool = False
+
+
+@dataclass
+class Walk:
+    """What the planner needs of a model and its plan, for every layout."""
+
+    model: nn.Module
+    plan: dict[str, str]
+    planned: dict[str, tuple[nn.Module, str, str]]  # name -> (module, style, pattern), as parallelize
+    attention: dict[str, head_counts.Attention]  # attention module name -> its counts (one head part)
+    blocks: list[str]
+    pre: list[Step]  # before the first block: the embeddings
+    block: list[Step]  # the first block, priced once and repeated
+    post: list[Step]  # after the last block: final norm, head
+    held: dict[str, list[tuple[str, nn.Module]]] = field(default_factory=dict)  # unplanned modules holding weights
+    dropouts: list[str] = field(default_factory=list)  # unplanned dropout modules with p > 0
+    causal: bool = True
+    transformers: bool = False
+    given_plan: bool = False  # a plan passed in, rather than the model's default
+    rope: bool = False
+
+
+class _OnePart:
+    """What ``heads.attention_modules`` reads of a layout, for one keeping every head in one
+    part: it then finds the attention modules and their counts only; each layout's split of them
+    is checked by the planner (walk_pieces.check_walk)."""
+
+    mode = "1d"
+    activation = None
+    mesh = SimpleNamespace(size=lambda axis: 1, tp_size=1)
+
+    @staticmethod
+    def linear_output(layout):
+        return SimpleNamespace(hidden_axis="tp")
+
+
+def planned_modules(model: nn.Module, plan: dict[str, str]) -> dict[str, tuple[nn.Module, str, str]]:
+    """{name: (module, style, pattern)} of every module a plan entry covers, as parallelize
+    finds them (plan.style_of: the longest pattern wins). A completed plan names every norm of
+    a deep model, so the patterns without wildcards are looked up by each tail of the name (a
+    plain pattern matches exactly the names it equals or ends with after a dot) and only the
+    others go through fnmatch."""
+    plain = {p for p in plan if not any(ch in p for ch in "*?[")}
+    wild = {p: s for p, s in plan.items() if p not in plain}
+    out = {}
+    for name, module in model.named_modules():
+        if not name:
+            continue
+        parts = name.split(".")
+        tails = {".".join(parts[i:]) for i in range(len(parts))} & plain
+        found = style_of({p: plan[p] for p in tails} | wild, name)
+        if found is not None:
+            out[name] = (module, found[0], found[1])
+    return out
+
+
+# the plan styles whose layers walk_pieces.py prices
+PRICED_STYLES = ("column", "row", "packed_column", "norm", "vocab_embedding", "embedding", "position_embedding",
+                 "lm_head", "replicate", "replicate_sum", "dropout")
+_KINDS = {"column": "linear", "row": "linear", "packed_column": "linear", "lm_head": nn.Linear,
+          "vocab_embedding": nn.Embedding, "embedding": nn.Embedding, "position_embedding": nn.Embedding,
+          "dropout": nn.Dropout, "norm": "norm"}
+
+
+def _check_planned(model: nn.Module, plan: dict[str, str], planned: dict) -> None:
+    """The checks parallelize makes before it builds anything: each planned module is of the
+    kind its style splits, and every plan entry matches some module."""
+    for name, (module, style, pattern) in planned.items():
+        want = _KINDS.get(style)
+        ok = (want is None or (want == "linear" and (isinstance(module, nn.Linear) or is_conv1d(module)))
+              or (want == "norm" and is_norm(module)) or (isinstance(want, type) and isinstance(module, want)))
+        if not ok:
+            raise ValueError(f"plan entry {pattern!r} makes {name} ({type(module).__name__}) a {style!r} block, which "
+                             f"it cannot be; change the style or the pattern (docs/parallelize.md, 'The plan')")
+    unpriced = sorted({style for _, style, _ in planned.values()} - set(PRICED_STYLES))
+    if unpriced:
+        raise ValueError(f"{type(model).__name__}'s plan uses the styles {unpriced}, whose layers the planner does not "
+                         f"price; it prices {', '.join(PRICED_STYLES)}")
+    winners = {pattern for _, _, pattern in planned.values()}
+    names = [n for n, _ in model.named_modules() if n]
+    unused = [p for p in plan if p not in winners and not any(matches(p, n) for n in names)]
+    if unused:
+        raise ValueError(f"plan entries {unused} match no module of {type(model).__name__}; fix the pattern (module "
+                         f"names look like {names[:4]})")
+
+
+def walk_model(model: nn.Module, plan: dict[str, str] | None = None) -> Walk:
+    """Read ``model`` (any module ``parallelize`` takes, best built on the meta device) and its
+    ``plan`` (None: the model's default plan, as parallelize takes it) for pricing."""
+    if state_of(model) is not None:
+        raise ValueError(f"{type(model).__name__} is parallelized already; the planner prices the serial model: "
+                         f"pass it before shardzoo.parallelize (built on the meta device, it holds no weights)")
+    given = plan is not None
+    if plan is None:
+        plan = hf_model.default_plan(model)
+        if plan is None:
+            raise ValueError(f"{type(model).__name__} has no tensor-parallel plan of its own; pass its plan "
+                             f"({{'<module pattern>': 'column' | 'row' | 'norm' | ...}}, docs/parallelize.md)")
+    plan = check_plan(plan)
+    planned = planned_modules(model, plan)
+    _check_planned(model, plan, planned)
+    attention = head_counts.attention_modules(model, planned, _OnePart(), hf_model.config_heads(model))
+    blocks = block_names(model)
+    kinds = {type(model.get_submodule(b)).__name__ for b in blocks}
+    sizes = {sum(p.numel() for p in model.get_submodule(b).parameters()) for b in blocks}
+    if len(kinds) > 1 or len(sizes) > 1:
+        raise ValueError(f"{type(model).__name__} has blocks of {len(kinds)} classes ({sorted(kinds)}) and "
+                         f"{len(sizes)} parameter counts; the planner prices one repeated block, so it needs "
+                         f"blocks of one class and size")
+    hf = hf_model.is_transformers_model(model)
+    flag = getattr(model, "is_causal", None)
+    causal = hf_model.is_causal_lm(model) if hf else (flag if isinstance(flag, bool) else True)
+    pre, block, post = _trace(model, planned, blocks, hf)
+    walk = Walk(model, plan, planned, attention, blocks, pre, block, post, causal=causal, transformers=hf,
+                given_plan=given, rope=any("rotary" in type(m).__name__.lower() for m in model.modules()))
+    _unplanned(walk)
+    if not any(s.style == "lm_head" for s in post):
+        raise ValueError(f"{type(model).__name__}: no module planned 'lm_head' runs after the blocks; the planner "
+                         f"prices a language model's training step (its loss over the vocabulary-parallel logits)")
+    return walk
+
+
+def _inside(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def _trace(model: nn.Module, planned: dict, blocks: list[str], hf: bool) -> tuple[list[Step], list[Step], list[Step]]:
+    """(steps before the blocks, steps of the first block, steps after them) of one forward:
+    every planned module and every leaf module, in the order they run."""
+    covered = tuple(f"{n}." for n in planned)
+    events: list[tuple[str, nn.Module, object]] = []
+    handles = []
+    for name, module in model.named_modules():
+        if not name or name.startswith(covered) or (name not in planned and next(module.children(), None) is not None):
+            continue
+
+        def hook(mod, args, kwargs, name=name):
+            x = args[0] if args else next(iter(kwargs.values()), None)
+            events.append((name, mod, x))
+
+        handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    ids = torch.zeros(TRACE_BATCH, TRACE_SEQ, dtype=torch.long, device=device)
+    skipped = _skip_later_blocks(model, blocks, handles)
+    try:
+        with torch.no_grad():
+            model(input_ids=ids) if hf else model(ids)
+    except Exception as err:
+        raise ValueError(f"{type(model).__name__}: the planner runs one forward on token ids of shape "
+                         f"[{TRACE_BATCH}, {TRACE_SEQ}] to see the order its modules run in, and it failed "
+                         f"({type(err).__name__}: {err}); the planner prices models that take token ids") from err
+    finally:
+        for h in handles:
+            h.remove()
+        for block in skipped:
+            del block.forward
+    in_block = [i for i, (n, _, _) in enumerate(events) if any(_inside(n, b) for b in blocks)]
+    if not in_block:
+        raise ValueError(f"{type(model).__name__}: none of its blocks ({blocks[0]}, ...) ran in the traced forward")
+    first, last = in_block[0], in_block[-1]
+    steps = _steps(events, planned)
+    pre, post = steps[:first], steps[last + 1:]
+    block = [s for s in steps[first:last + 1] if _inside(s.name, blocks[0])]
+    return pre, block, post
+
+
+def _skip_later_blocks(model: nn.Module, blocks: list[str], handles: list) -> list[nn.Module]:
+    """Let the blocks after the first return the first block's output without running (they
+    are of its class, so its output has the structure the model expects): the trace needs
+    one block, and a deep model's forward, even on the meta device, costs seconds. Returns the
+    blocks whose ``forward`` was replaced on the instance (the caller deletes it again)."""
+    first = model.get_submodule(blocks[0])
+    output: list = []
+    handles.append(first.register_forward_hook(lambda mod, args, out: output.append(out)))
+    skipped = []
+    for name in blocks[1:]:
+        block = model.get_submodule(name)
+        if "forward" in block.__dict__:  # a forward of the instance's own: leave it running
+            continue
+        block.forward = lambda *args, **kwargs: output[-1]
+        skipped.append(block)
+    return skipped
+
+
+def _steps(events, planned: dict) -> list[Step]:
+    last_input: dict[str, object] = {}  # parent name -> the input its previous column layer read
+    out = []
+    for name, module, x in events:
+        tensor = torch.is_tensor(x)
+        parent = name.rpartition(".")[0]
+        style = planned[name][1] if name in planned else None
+        shares = False
+        if style in ("column", "packed_column"):
+            shares = tensor and last_input.get(parent) is x
+            last_input[parent] = x
+        out.append(Step(name, module, style, x.shape[-1] if tensor and x.dim() else None,
+                        x.shape[0] if tensor and x.dim() else None, bool(shares)))
+    return out
+
+
+def _unplanned(walk: Walk) -> None:
+    """Record the modules the plan leaves alone that hold weights (kept whole on every rank in
+    1d, refused by the grid layouts) and the dropout modules with p > 0 (refused under tp > 1),
+    each under the part of the model it belongs to: 'pre', 'block' or 'post'. A Linear,
+    Conv1D, Embedding or norm left out is refused in every layout, as parallelize refuses it."""
+    covered = tuple(f"{n}." for n in walk.planned)
+    pre_names = {s.name for s in walk.pre}
+    for name, module in walk.model.named_modules():
+        if not name or name in walk.planned or name.startswith(covered):
+            continue
+        if is_dropout(module) and getattr(module, "p", 0.0) > 0:
+            walk.dropouts.append(name)
+        if is_weighted_kind(module):
+            raise ValueError(f"{name} ({type(module).__name__}) is not in the plan, and the layouts split the "
+                             f"activations it reads; add it to the plan: plan[{name!r}] = 'column' / 'row' / 'norm' / "
+                             f"'embedding' ..., or 'replicate' to keep it whole on every rank")
+        if next(module.parameters(recurse=False), None) is None:
+            continue
+        if any(_inside(name, b) for b in walk.blocks):
+            if _inside(name, walk.blocks[0]):
+                walk.held.setdefault("block", []).append((name, module))
+            continue
+        walk.held.setdefault("pre" if name in pre_names else "post", []).append((name, module))

@@ -1,0 +1,319 @@
+"""The cost pieces of a walked model (walk.py) on one layout: each module the forward ran, in
+order, priced by the layout's cost object as parallelize builds it.
+
+* 'column' / 'packed_column' / 'row' linears, 'norm' (LayerNorm, RMSNorm), 'vocab_embedding',
+  'embedding' / 'position_embedding', 'lm_head' (with the vocabulary-parallel loss),
+  'dropout', 'replicate' / 'replicate_sum': ``costs.linear``, ``costs.layer_norm``, ... ;
+  RMSNorm here (one statistic: on the grids one all-reduce forward, its adjoint backward);
+* grouped-query attention: with more head parts than kv heads a kv projection is built from the
+  weight with each kv head repeated (parallel/linears.py), so it is priced as a column layer of
+  parts x head_dim outputs, plus the all-reduce that sums the copies' gradients over the head
+  axis (layers/replica_grads.py: one slot per distinct kv head);
+* the attention core before the attention's first 'row' projection (comm.attention_core, with
+  this rank's kv heads), RoPE on q and k (its cos / sin tables), the MLP's activation (and the
+  product of a gated MLP), a residual add after each 'row' projection: no communication; their
+  saved bytes follow what torch keeps on CPU (tests/planner/test_memory.py measures a Llama),
+  their elementwise passes are estimates.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from torch import nn
+
+from shardzoo.layers.block_costs import (NORM_PASSES, Illegal, Piece, calls, elementwise, need, stat_bytes)
+from shardzoo.planner.comm import attention_core
+from shardzoo.planner.model import ADD_PASSES, GELU_PASSES, Batch, StageParts, dropout
+from shardzoo.planner.walk import TRACE_BATCH, Step
+
+ROPE_PASSES = 6  # rotate_half, two products and a sum on q and k, forward + backward (an estimate)
+MUL_PASSES = 3  # a gated MLP's act(gate) * up, forward + backward (an estimate)
+ACTIVATIONS = ("act", "gelu", "relu", "silu", "swish", "tanh", "sigmoid", "mish")
+
+
+def tp_size(costs) -> int:
+    """Ranks of the tp grid of a cost object."""
+    return costs.tp if costs.mode == "1d" else math.prod(costs.sizes.values())
+
+
+def _features(module: nn.Module) -> tuple[int, int]:
+    """(in, out) features of an nn.Linear or a transformers Conv1D (weight [in, out])."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    return module.weight.shape[0], module.weight.shape[1]
+
+
+def head_parts(costs) -> int:
+    """Parts a column layer's output (the attention heads) is split into."""
+    return costs.head_parts(costs.after(costs.canonical))
+
+
+def head_axis(costs) -> str:
+    return "tp" if costs.mode == "1d" else costs.after(costs.canonical).hidden_axis
+
+
+def check_walk(shape, costs, b: Batch) -> None:
+    """Raise :class:`Illegal` when parallelize would refuse ``shape``'s model on this tp grid
+    with this sp, or the batch does not split (the rules parallelize and its layers check)."""
+    walk, mode, tp = shape.walk, costs.mode, tp_size(costs)
+    parts = head_parts(costs)
+    for a in walk.attention.values():
+        if a.heads % parts or not (a.kv_heads % parts == 0 or parts % a.kv_heads == 0):
+            raise Illegal(f"{a.name}: tp={tp} in tp_mode={mode!r} splits the heads in {parts} parts, which must "
+                          f"divide its {a.heads} heads and divide or be a multiple of its {a.kv_heads} kv heads")
+        if b.sp_mode == "ulysses":
+            need("Ulysses", "the heads per tp rank", a.heads // parts, b.sp, f"sp={b.sp}")
+        window = sliding_window(a.module)
+        if b.sp > 1 and isinstance(window, int) and b.seq > window:
+            raise Illegal(f"{a.name} attends over a sliding window of {window} tokens, which the sequence-parallel "
+                          f"attention does not apply; the sequence {b.seq} must be at most {window} when sp > 1")
+    if mode != "1d" and walk.held:
+        name = next(n for held in walk.held.values() for n, _ in held)
+        raise Illegal(f"{name} holds weights the plan does not cover, and the {mode} layout splits the activations "
+                      f"it reads (parallelize refuses it); plan it")
+    if tp > 1 and walk.dropouts:
+        raise Illegal(f"{walk.dropouts[0]} is a dropout with p > 0 the plan does not cover, which parallelize refuses "
+                      f"under tp={tp}; plan it 'dropout'")
+    if walk.transformers and b.sp > 1 and any(s == "position_embedding" for _, s, _ in walk.planned.values()):
+        raise Illegal("a transformers model's 'position_embedding' under sp maps the positions twice (parallelize "
+                      "refuses it); plan it 'embedding'")
+    local_batch(shape, costs, b)
+
+
+def sliding_window(module: nn.Module) -> int | None:
+    """The window an attention module passes to the attention function: its own
+    ``sliding_window`` (Qwen2: None on full-attention layers), else its config's (Mistral)."""
+    if "sliding_window" in vars(module):
+        return module.sliding_window
+    return getattr(getattr(module, "config", None), "sliding_window", None)
+
+
+def local_batch(shape, costs, b: Batch) -> tuple[int, int]:
+    """(rows, tokens) of one micro-batch on this rank, after the layout's and sp's rules."""
+    parts = costs.batch_parts(costs.canonical)
+    need("the tp layout", "the micro-batch size", b.rows, parts, f"the batch parts of tp_mode={costs.mode} ({parts})")
+    chunks = 2 * b.sp if shape.causal and b.sp > 1 else b.sp
+    need("sequence sharding", "the sequence length", b.seq, chunks, f"{'2*sp' if chunks != b.sp else 'sp'}={chunks}")
+    if b.seq > shape.max_seq:
+        raise Illegal(f"{shape.name}: sequence length {b.seq} exceeds the model's {shape.max_seq} positions")
+    return b.rows // parts, b.seq // b.sp
+
+
+@dataclass(frozen=True)
+class Context:
+    """One layout and micro-batch: the cost object, the batch, this rank's rows and tokens."""
+
+    shape: object  # walked.WalkedShape
+    costs: object
+    b: Batch
+    batch: int
+    seq: int
+
+    @property
+    def rows(self) -> int:
+        return self.batch * self.seq
+
+    @property
+    def lay(self):
+        return self.costs.canonical
+
+    @property
+    def mid(self):
+        return self.costs.after(self.costs.canonical)
+
+    def local(self, width: int) -> int:
+        """This rank's part of an activation of ``width`` features: the hidden size split as the
+        block's input, any other width (an MLP's inner width) as a column layer's output."""
+        if width == self.shape.hidden:
+            return width // self.costs.hidden_parts(self.lay)
+        return width // self.costs.inner_parts(self.mid)
+
+
+def walk_parts(shape, costs, b: Batch) -> StageParts:
+    """The embeddings, one block and the head with its loss of ``shape`` on one rank of this
+    layout (pp = 1: one stage holds them all; a tied head costs its table once)."""
+    check_walk(shape, costs, b)
+    batch, seq = local_batch(shape, costs, b)
+    ctx = Context(shape, costs, b, batch, seq)
+    walk = shape.walk
+    first = sum(_pieces(ctx, walk.pre) + _held(ctx, "pre") + rope_tables(ctx), Piece())
+    block = _pieces(ctx, walk.block) + _held(ctx, "block")
+    last = sum(_pieces(ctx, walk.post) + _held(ctx, "post"), Piece())
+    boundary = batch * seq * (shape.hidden // costs.hidden_parts(costs.canonical)) * b.e
+    return StageParts(first, block, last, last, boundary, 0)
+
+
+def rope_tables(ctx: Context) -> list[Piece]:
+    """The cos and sin tables [1, s, head_dim] a rotary module makes before the blocks, which
+    every block's RoPE reads and the first one keeps (measured)."""
+    if not ctx.shape.walk.rope or not ctx.shape.walk.attention:
+        return []
+    head_dim = next(iter(ctx.shape.walk.attention.values())).head_dim
+    return [Piece(saved=2 * ctx.seq * head_dim * ctx.b.e)]
+
+
+def _held(ctx: Context, part: str) -> list[Piece]:
+    """Unplanned modules holding weights: whole on every rank (1d only; check_walk)."""
+    out = []
+    for _, module in ctx.shape.walk.held.get(part, []):
+        params = list(module.parameters(recurse=False))
+        out.append(Piece(params=sum(p.numel() for p in params), tensors=len(params)))
+    return out
+
+
+def _pieces(ctx: Context, steps: list[Step]) -> list[Piece]:
+    walk, out, started = ctx.shape.walk, [], set()
+    for step in steps:
+        owner = walk.attention.get(step.name.rpartition(".")[0])
+        if owner is not None and step.style == "row" and owner.name not in started:
+            started.add(owner.name)
+            out += attention_pieces(ctx, owner)
+        out += step_pieces(ctx, step)
+    return out
+
+
+def attention_pieces(ctx: Context, a) -> list[Piece]:
+    """The attention core of this rank's heads (and RoPE on q and k)."""
+    parts = head_parts(ctx.costs)
+    heads, kv = a.heads // parts, (a.kv_heads // parts if a.kv_heads % parts == 0 else 1)
+    b = ctx.b
+    core = attention_core(ctx.batch, heads, ctx.seq, a.head_dim, b.e, b.sp, b.sp_mode, causal=ctx.shape.causal,
+                          kv_heads=kv)
+    if not ctx.shape.walk.rope:
+        return [core]
+    return [core, Piece(**elementwise(ROPE_PASSES, ctx.rows * (heads + kv) * a.head_dim, b.e))]
+
+
+def step_pieces(ctx: Context, step: Step) -> list[Piece]:
+    """The pieces of one module the forward ran (module doc)."""
+    c, b, rows, e, module, style = ctx.costs, ctx.b, ctx.rows, ctx.b.e, step.module, step.style
+    if style in ("column", "packed_column"):
+        return [column(ctx, step)]
+    if style == "row":
+        n_in, n_out = _features(module)
+        residual = Piece(**elementwise(ADD_PASSES, rows * ctx.local(n_out), e))
+        owner = ctx.shape.walk.attention.get(step.name.rpartition(".")[0])
+        return [c.linear(n_in, n_out, rows, e, ctx.mid, style="row", bias=module.bias is not None,
+                         input_saved=not (owner is not None and reads_in_place(ctx, owner))), residual]
+    if style == "norm":
+        return [norm(ctx, module)]
+    if style == "vocab_embedding":
+        return [c.vocab_embedding(module.num_embeddings, module.embedding_dim, rows, e, ctx.lay)]
+    if style in ("embedding", "position_embedding"):
+        ids = ctx.seq * (ctx.batch if step.lead == TRACE_BATCH else 1)
+        return [c.hidden_embedding(module.num_embeddings, module.embedding_dim, ids, e, ctx.lay)]
+    if style == "lm_head":
+        table = next((m for m, s, _ in ctx.shape.walk.planned.values() if s == "vocab_embedding"), None)
+        tied = table is not None and table.weight is module.weight
+        vocab = module.out_features
+        # a transformers model's loss runs on the logits upcast to fp32 (parallel/hf_model.py, as
+        # transformers' own causal-LM loss does); the calls carry fp32 statistics either way
+        loss_e = stat_bytes(e) if ctx.shape.walk.transformers else e
+        return [c.lm_head(vocab, module.in_features, rows, e, ctx.lay, tied=tied), c.loss(vocab, rows, loss_e, ctx.lay)]
+    if style == "dropout":
+        return [dropout(module.p, rows * ctx.local(step.width), b)] if step.width else []
+    if style in ("replicate", "replicate_sum"):
+        return [replicated(ctx, module, style == "replicate_sum")]
+    if style is None and step.width and _is_activation(module):
+        return activation(ctx, step)
+    return []
+
+
+def reads_in_place(ctx: Context, a) -> bool:
+    """Whether an attention's output projection reads the attention output in place, saving no
+    bytes of its own: torch's fused CPU kernel (sp = 1, no dropout on the probabilities)
+    returns its output in q's memory order, which after separate q / k / v projections is
+    already [b, s, heads, d], so the head merge is a view (measured; model.py's rule for the
+    families). Ring, Ulysses, the dropout kernel and a packed q|k|v give a fresh tensor the
+    merge copies."""
+    return ctx.b.sp == 1 and not a.packed and not (ctx.b.training and attention_dropout(a.module) > 0)
+
+
+def attention_dropout(module: nn.Module) -> float:
+    """p of the dropout on an attention module's probabilities: its ``attention_dropout``
+    (transformers' Llama family) or its ``attn_dropout`` module (GPT-2); 0 when it has none."""
+    p = vars(module).get("attention_dropout")
+    if isinstance(p, float):
+        return p
+    drop = getattr(module, "attn_dropout", None)
+    return float(getattr(drop, "p", 0.0) or 0.0)
+
+
+def column(ctx: Context, step: Step) -> Piece:
+    """A column layer; a packed one checked part by part; a kv projection with more head parts
+    than kv heads built with its heads repeated, plus the gradient sum of the copies."""
+    c, e, rows, module = ctx.costs, ctx.b.e, ctx.rows, step.module
+    n_in, n_out = _features(module)
+    bias = module.bias is not None
+    owner = ctx.shape.walk.attention.get(step.name.rpartition(".")[0])
+    if step.style == "packed_column":
+        k = owner.packed.get(step.name, 2) if owner is not None else 2
+        blocks = c.p if c.mode == "1d" else c.q * c.q if c.mode == "3d" else c.q  # layout.column_blocks()
+        need("a packed projection", f"each of its {k} parts ({n_out // k} features)", n_out // k, blocks,
+             f"the {blocks} column blocks of tp_mode={c.mode}")
+    parts = head_parts(c)
+    repeated = owner is not None and step.name in owner.kv_projections and owner.kv_heads % parts != 0
+    if repeated:
+        n_out = parts * owner.head_dim
+    piece = c.linear(n_in, n_out, rows, e, ctx.lay, style="column", bias=bias, input_saved=not step.shares_input)
+    if repeated:
+        weight = c.linear(n_in, n_out, 1, e, ctx.lay, style="column", bias=False).params
+        for local in (weight, piece.params - weight) if bias else (weight,):
+            piece = piece + Piece(calls("bwd", (head_axis(c),), "all_reduce", owner.kv_heads * local * c.ep, parts))
+    return piece
+
+
+def norm(ctx: Context, module: nn.Module) -> Piece:
+    """LayerNorm by the cost object; RMSNorm: 1d replicated (input and rstd saved); grids: the
+    mean of squares all-reduced over the hidden axis forward (its adjoint backward), the weight's
+    gradient summed over the batch axes."""
+    c, e, rows, lay = ctx.costs, ctx.b.e, ctx.rows, ctx.lay
+    weight = getattr(module, "weight", None)
+    h = weight.shape[0] if weight is not None else module.normalized_shape[-1]
+    affine = weight is not None
+    if "rms" not in type(module).__name__.lower():
+        return c.layer_norm(h, rows, e, lay, affine=affine, bias=getattr(module, "bias", None) is not None)
+    es = stat_bytes(e)
+    # saved (measured on CPU): the input (the grids keep it in at least fp32), the row rstd,
+    # and the normalized rows the weight multiplies
+    if c.mode == "1d":
+        return Piece([], h if affine else 0, rows * h * e + rows * es + (rows * h * e if affine else 0),
+                     tensors=int(affine), **elementwise(NORM_PASSES, rows * h, e))
+    q = c.hidden_parts(lay)
+    need(f"RMSNorm ({c.mode})", "normalized_shape", h, q, f"q={q}")
+    hid = (lay.hidden_axis,)
+    out = calls("fwd", hid, "all_reduce", rows * es, q) + calls("bwd", hid, "all_reduce", rows * es, q)
+    if affine:
+        out += calls("bwd", lay.batch_axes, "all_reduce", h // q * c.ep, c.batch_parts(lay))
+    saved = rows * (h // q) * es + rows * es + (rows * (h // q) * e if affine else 0)
+    return Piece(out, h // q if affine else 0, saved, tensors=int(affine),
+                 **elementwise(NORM_PASSES, rows * (h // q), e))
+
+
+def replicated(ctx: Context, module: nn.Module, summed: bool) -> Piece:
+    """A module kept whole on every rank; 'replicate_sum' all-reduces each gradient over tp."""
+    params = list(module.parameters())
+    tp = tp_size(ctx.costs)
+    axes = ("tp",) if ctx.costs.mode == "1d" else tuple(a for a, n in ctx.costs.sizes.items() if n > 1)
+    out = [cl for p in params for cl in calls("bwd", axes, "all_reduce", p.numel() * ctx.costs.ep, tp)] if summed else []
+    return Piece(out, sum(p.numel() for p in params), tensors=len(params))
+
+
+def _is_activation(module: nn.Module) -> bool:
+    name = type(module).__name__.lower()
+    return next(module.parameters(), None) is None and any(a in name for a in ACTIVATIONS)
+
+
+def activation(ctx: Context, step: Step) -> list[Piece]:
+    """An MLP's activation keeps its input; in a gated MLP (two column layers feeding one row
+    layer) the product with the other branch keeps both its inputs."""
+    e, n = ctx.b.e, ctx.rows * ctx.local(step.width)
+    out = [Piece([], 0, n * e, **elementwise(GELU_PASSES, n, e))]
+    parent = step.name.rpartition(".")[0]
+    styles = [s for name, (_, s, _) in ctx.shape.walk.planned.items() if name.rpartition(".")[0] == parent]
+    if sum(s == "column" for s in styles) >= 2 and "row" in styles:
+        out.append(Piece([], 0, 2 * n * e, **elementwise(MUL_PASSES, n, e)))
+    return out
+

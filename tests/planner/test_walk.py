@@ -1,0 +1,156 @@
+"""Models priced by walking their modules and plan (planner/walk.py): the transformers presets
+and their published sizes, ``shardzoo plan DIR`` for a transformers causal LM and its run lines
+(which build, split and step the pick), the layout rules parallelize applies, and the planner
+without transformers. The exact bytes are checked in test_exact.py."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import shardzoo
+from shardzoo.cli import main
+from shardzoo.planner.advice import run_lines
+from shardzoo.planner.presets import HARDWARE, HF_MODELS, load_model
+from shardzoo.testing import run_on_ranks
+from shardzoo.testing.user_model import PLAN, TinyLM
+
+TINY_LLAMA = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, intermediate_size=96,
+                  num_hidden_layers=2, vocab_size=101, max_position_embeddings=64, tie_word_embeddings=False)
+
+
+def tiny_llama_dir(tmp_path) -> str:
+    from transformers import LlamaConfig
+
+    LlamaConfig(**TINY_LLAMA).save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def run(capsys, argv):
+    code = main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+# serial parameters of each preset: the published counts of the checkpoints (their safetensors'
+# parameter totals), which the presets' config values must rebuild
+PUBLISHED = {"llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496, "llama3-405b": 405_853_388_800,
+             "qwen2.5-7b": 7_615_616_512}
+
+
+@pytest.mark.parametrize("name", sorted(HF_MODELS))
+def test_transformers_presets_have_their_published_size(name):
+    shape = load_model(name)
+    assert shape.walked and shape.parameters == PUBLISHED[name], (name, shape.parameters)
+    serial = shardzoo.plan(shape, 1, 1e7, 1, 128, hardware="h100", zero_stages=(0,), checkpointing=(False,),
+                           tp_modes=("1d",))
+    assert serial[0].param_bytes_per_rank == 4 * PUBLISHED[name]
+
+
+def test_llama3_70b_plans_on_512_h100s(capsys):
+    code, out, _ = run(capsys, ["plan", "llama3-70b", "--world", "512", "--hardware", "h100", "--device-memory-gib",
+                                "80", "--global-batch", "512", "--seq", "8192", "--top", "3"])
+    assert code == 0, out
+    rows = [line for line in out.splitlines() if re.match(r"\s*1\s", line)]
+    assert rows and "llama3-70b on 512 x h100" in out
+    assert "model = shardzoo.parallelize(model, mesh" in out and "AutoModelForCausalLM" in out
+    assert "GPT2(" not in out and "build_schedule" not in out
+
+
+def test_tiny_llama_directory_plans_with_pp_1_and_prices_gqa(tmp_path, capsys):
+    path = tiny_llama_dir(tmp_path)
+    code, out, _ = run(capsys, ["plan", path, "--world", "8", "--device-memory-gib", "80", "--global-batch", "8",
+                                "--seq", "32", "--hardware", "a100", "--json"])
+    data = json.loads(out)
+    assert code == 0 and data["candidates"] and {c["layout"]["pp"] for c in data["candidates"]} == {1}
+    planned = shardzoo.plan(path, 8, 80, 8, 32, hardware="a100")
+    assert data["pick"]["run"] == run_lines(planned, planned[0])
+    assert any("pp=2: parallelize builds one pipeline stage" in p.reason for p in planned.pruned)
+    # tp=8 1d: 8 head parts over 2 kv heads, each kv head repeated on 4 ranks (a column layer of 8 x 8 features)
+    one = next(c for c in planned if c.layout["tp"] == 8 and c.layout["tp_mode"] == "1d" and c.zero == 0)
+    h, f, v, kv = 64, 96, 101, 8 * 8  # kv: the repeated projection's outputs, 8 parts x head_dim 8
+    block = (2 * h * h + 2 * kv * h) // 8 + 3 * h * f // 8 + 2 * h
+    assert one.param_bytes_per_rank == 4 * (2 * block + 2 * (-(-v // 8)) * h + h)
+
+
+def test_layout_rules_of_a_walked_model(tmp_path):
+    path = tiny_llama_dir(tmp_path)
+    planned = shardzoo.plan(path, 12, 80, 12, 24, hardware="a100", sp_mode="ulysses")
+    reasons = [p.reason for p in planned.pruned]
+    assert any("splits the heads in 3 parts, which must divide its 8 heads" in r for r in reasons)
+    assert any(r.startswith("Ulysses needs the heads per tp rank divisible by sp=3") for r in reasons)
+    with pytest.raises(ValueError, match="--seq 128 exceeds"):
+        shardzoo.plan(path, 2, 80, 2, 128, hardware="a100")
+
+
+def test_a_module_of_ones_own_is_walked_with_its_plan():
+    with torch.device("meta"):
+        model = TinyLM(dropout=0.1)
+    from shardzoo.planner.walked import walked_model
+
+    planned = shardzoo.plan(walked_model(model, PLAN, "tinylm"), 4, 80, 4, 16, hardware=HARDWARE["a100"],
+                            dtype="fp32")
+    serial = next(c for c in planned if c.layout["dp"] == 4 and c.zero == 0)
+    assert serial.param_bytes_per_rank == 4 * sum(p.numel() for p in model.parameters())
+    assert "plan=plan" in run_lines(planned, planned[0])[2]
+    with pytest.raises(ValueError, match="--seq 32 exceeds tinylm's 16 positions"):  # its position table's rows
+        shardzoo.plan(walked_model(model, PLAN, "tinylm"), 4, 80, 4, 32)
+    with pytest.raises(ValueError, match="no tensor-parallel plan of its own"):
+        shardzoo.plan(model, 4, 80, 4, 16)
+    with pytest.raises(ValueError, match="makes embed \\(Embedding\\) a 'column' block"):
+        walked_model(model, PLAN | {"embed": "column"})
+    with pytest.raises(ValueError, match=r"plan entries \['blocks.\*.mlp'\] match no module"):
+        walked_model(model, PLAN | {"blocks.*.mlp": "column"})
+    with pytest.raises(ValueError, match=r"ln_f \(LayerNorm\) is not in the plan"):
+        walked_model(model, {k: v for k, v in PLAN.items() if k != "ln_f"})
+
+
+def exec_walked_run_lines(lines: list[str], hf_dir: str):
+    """On a pool rank: the run lines (but the torchrun command) with ``config`` read from
+    ``hf_dir`` and ``ids`` a batch of this dp replica, then the backward and optimizer step."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shardzoo.testing import cached_mesh
+
+    proxy = type("Shardzoo", (), {"__getattr__": lambda self, n: getattr(shardzoo, n),
+                                  "ParallelMesh": staticmethod(lambda **kw: cached_mesh(**kw))})()
+    torch.manual_seed(0)
+    ns = dict(torch=torch, shardzoo=proxy, AutoModelForCausalLM=AutoModelForCausalLM,
+              config=AutoConfig.from_pretrained(hf_dir))
+    for line in lines[:-1]:
+        if line.startswith("loss = "):
+            mesh = ns["mesh"]
+            ns["ids"] = torch.randint(0, 101, (4, 16), generator=torch.Generator().manual_seed(1)).chunk(
+                mesh.dp_size)[mesh.dp_rank]
+        exec(line, ns)
+    ns["loss"].backward()
+    ns["optimizer"].step()
+    return {a: ns["mesh"].size(a) for a in ("dp", "sp", "tp")}, float(ns["loss"])
+
+
+def test_run_lines_of_a_walked_model_build_and_step_the_pick(tmp_path):
+    """The lines of a data-parallel, tensor-parallel candidate of a transformers Llama split by
+    parallelize run a training step: the loss is the global mean, the same on every rank."""
+    path = tiny_llama_dir(tmp_path)
+    planned = shardzoo.plan(path, 4, 80, 4, 16, hardware="a100", dtype="fp32")
+    cand = next(c for c in planned if c.layout == dict(dp=2, pp=1, sp=1, tp=2, tp_mode="1d", tp_depth=1)
+                and c.zero == 1 and c.activation_checkpointing)
+    results = run_on_ranks(exec_walked_run_lines, 4, run_lines(planned, cand), path)
+    assert all(sizes == {k: cand.layout[k] for k in sizes} for sizes, _ in results)
+    losses = {loss for _, loss in results}
+    assert len(losses) == 1 and 0 < losses.pop() < 10  # ln 101 ~ 4.6
+
+
+def test_the_planner_imports_without_transformers():
+    """transformers is optional: the planner and its family presets work without it, and a
+    transformers preset says how to get it."""
+    code = ("import sys; sys.modules['transformers'] = None\n"
+            "import shardzoo.planner, shardzoo\n"
+            "assert shardzoo.plan('gpt2', 8, 80, 8, 128, top=1)\n"
+            "try:\n    shardzoo.plan('llama3-8b', 8, 80, 8, 128)\nexcept ValueError as err:\n    print(err)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "llama3-8b is a transformers model, and transformers is not installed; pip install transformers" in out.stdout
