@@ -32,6 +32,9 @@ from shardzoo.parallel.patches import build_patch_embedding, check_patch_embeddi
 from shardzoo.parallel.plan import check_plan, is_norm, matches, style_of
 from shardzoo.parallel.positions import build_position_embedding
 from shardzoo.parallel.replicated import sum_grads_over
+from shardzoo.parallel.vocab_bias import check_vocab_bias, head_of_bias, install_vocab_bias
+
+KEEPS_CHILDREN = ("first_token", "vocab_bias")  # hooked in place: the plan still covers their children
 
 _STATE = "_shardzoo_parallel"
 
@@ -128,6 +131,8 @@ def split_modules(model: nn.Module, mesh, plan: dict[str, str], *, causal: bool,
             sum_grads_over(module, mesh.tp_group)
         elif style == "first_token":
             install_first_token(module, tpl)
+        elif style == "vocab_bias":  # the built head: the bias is split like its logits
+            install_vocab_bias(module, model.get_submodule(head_of_bias(name, module, planned)), tpl)
     return planned, attention
 
 
@@ -199,6 +204,8 @@ def _check_kind(name: str, module: nn.Module, style: str, pattern: str) -> None:
     if want is not None and not isinstance(module, want):
         raise ValueError(f"plan entry {pattern!r} makes {name} ({type(module).__name__}) a {style!r} block, which "
                          f"needs an nn.{want.__name__}; change the style or the pattern")
+    if style == "vocab_bias":
+        check_vocab_bias(name, module, pattern)
     if style == "dropout" and not isinstance(module, nn.Dropout):
         raise ValueError(f"plan entry {pattern!r} makes {name} ({type(module).__name__}) a 'dropout', which needs an "
                          f"nn.Dropout (elementwise); change the style or the pattern")
@@ -211,7 +218,7 @@ def _refuse_uncovered(model: nn.Module, planned: dict, tpl) -> None:
     """Every Linear, Conv1D, Embedding or norm (and, in the grid layouts, any module holding
     weights) must be covered by the plan: its input is split by the layout. With tp > 1 so
     must every dropout module with p > 0 (_refuse_dropout)."""
-    covered = tuple(f"{n}." for n, (_, style, _) in planned.items() if style != "first_token")  # its children too
+    covered = tuple(f"{n}." for n, (_, style, _) in planned.items() if style not in KEEPS_CHILDREN)
     for name, module in model.named_modules():
         if not name or name in planned or name.startswith(covered):
             continue
@@ -246,7 +253,9 @@ def _build(model: nn.Module, planned: dict, tpl, attention, zigzag: bool) -> dic
     order = sorted(planned, key=lambda n: planned[n][1] != "vocab_embedding")
     for name in order:
         module, style, _ = planned[name]
-        if style in ("replicate", "replicate_sum", "first_token"):  # kept; a hook at most
+        if style in ("replicate", "replicate_sum", *KEEPS_CHILDREN):
+            if style == "vocab_bias":
+                head_of_bias(name, module, planned)  # raises before anything moves
             continue
         if style == "lm_head":
             built[name] = _lm_head(name, module, planned, built, tpl)

@@ -33,6 +33,8 @@ patch_embedding    a ViTEmbeddings-like module (conv patches, cls token, positio
                    the T tokens itself: under sp its output is this rank's chunk of them
                    padded to a multiple of sp, the padding masked out of attention
 classifier         an nn.Linear onto a few classes: full logits in every rank's batch rows
+vocab_bias         a module whose own ``bias`` [V] its forward adds to an lm_head's logits
+                   (BERT's cls.predictions): the bias split like the logits' vocabulary
 ================== ==================================================================
 
 Linear styles take an ``nn.Linear`` or transformers' ``Conv1D`` (weight stored [in, out]).
@@ -51,7 +53,7 @@ from torch import nn
 
 STYLES = ("column", "row", "norm", "vocab_embedding", "embedding", "position_embedding", "lm_head", "replicate",
           "replicate_sum", "packed_column", "head_fused_column", "dense", "first_token", "dropout",
-          "patch_embedding", "classifier")
+          "patch_embedding", "classifier", "vocab_bias")
 
 ALIASES = {
     "colwise": "column", "local_colwise": "column", "colwise_rep": "column", "packed_colwise": "packed_column",
