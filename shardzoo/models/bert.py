@@ -1,4 +1,10 @@
-"""BERT encoder with the masked-LM head and the pooler, on any layout, whole or as one stage.
+"""BERT (masked-LM head and pooler) as a plain torch model with its plan; models/planned.py builds
+and splits it (the constructor's layout arguments and the usage are in docs/models.md):
+
+    model = BERT(BERTConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4), ...)
+    ids, types = model.shard_input(ids_full), model.shard_input(types_full)   # [B, S] -> [b, s]
+    logits = model(ids, model.shard_mask(mask_full), types)                 # [b, s, V_local]
+    full = model.gather_output(logits)                                      # [B, S, V]
 
 Bidirectional attention with key padding masks; sequences are split over sp in contiguous
 chunks. Parameter names follow ``BertForPreTraining`` outside the encoder blocks; inside a
@@ -22,16 +28,15 @@ import re
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+from einops import rearrange
 from torch import nn
 
 from shardzoo.checkpoint.hf_files import HFWeights
-from shardzoo.layers.attention import SelfAttention, check_heads
-from shardzoo.layers.attention_core import local_positions
-from shardzoo.layers.mlp import MLP, activation
-from shardzoo.layers.tensor_layout import layout_of
 from shardzoo.models import common
-from shardzoo.models.config import ACTIVATION_NAMES, HFConfig
-from shardzoo.models.pipeline import StagedModel
+from shardzoo.models.config import ACTIVATION_NAMES, HFConfig, activation
+from shardzoo.models.masks import sdpa_mask
+from shardzoo.models.planned import PlannedModel
 from shardzoo.models.spec import FamilySpec, spec_of
 
 
@@ -57,121 +62,179 @@ class BERTConfig(HFConfig):
                  "add_cross_attention": (False,)}
 
 
-class BertLayer(nn.Module):
-    """Post-LN block: x = norm(x + attn(x)); x = norm(x + mlp(x)). [b, s, H_l] -> same."""
+class BertAttention(nn.Module):
+    """Bidirectional self-attention, separate q, k, v projections. [b, s, H] -> [b, s, H]."""
 
-    def __init__(self, config: BERTConfig, mesh, sp_mode: str, device=None):
+    def __init__(self, config: BERTConfig):
         super().__init__()
-        h, eps, tpl = config.hidden_size, config.layer_norm_eps, layout_of(mesh)
-        self.mesh, self.p = mesh, config.hidden_dropout_prob
-        self.attention = SelfAttention(h, config.num_attention_heads, mesh=mesh, causal=False,
-                                       attn_dropout=config.attention_probs_dropout_prob, sp_mode=sp_mode,
-                                       qkv="separate", device=device)
-        self.attention_norm = tpl.norm(h, eps, device=device)
-        self.mlp = MLP(h, config.intermediate_size, mesh=mesh, act=config.hidden_act, device=device)
-        self.output_norm = tpl.norm(h, eps, device=device)
+        h = config.hidden_size
+        self.num_heads, self.head_dim = config.num_attention_heads, h // config.num_attention_heads
+        self.attn_pdrop = config.attention_probs_dropout_prob
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(h, h) for _ in range(4))
 
     def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.attention_norm(x + self._drop(self.attention(x, key_padding_mask)))
-        return self.output_norm(x + self._drop(self.mlp(x)))
+        q, k, v = (rearrange(proj(x), "b s (h d) -> b h s d", d=self.head_dim)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask(key_padding_mask, causal=False),
+                                           dropout_p=self.attn_pdrop if self.training else 0.0)  # [b, h, s, d]
+        return self.out_proj(rearrange(y, "b h s d -> b s (h d)"))
 
-    def _drop(self, x):
-        return layout_of(self.mesh).dropout(x, self.p, self.training)
 
+class BertMLP(nn.Module):
+    """fc2(act(fc1(x))): [b, s, H] -> [b, s, H]."""
 
-class BERT(StagedModel):
-    """BERT with MLM head (forward) and pooler (:meth:`pool`) on ``mesh``.
-
-    Args as :class:`GPT2`, plus ``mlm_head``: build the masked-LM head (False: the bare encoder
-    of ``BertModel``, e.g. sentence-embedding checkpoints), and ``pooler``: build the pooler
-    (False: as ``BertForMaskedLM``, which has none; :meth:`from_pretrained` follows the
-    checkpoint, so an export holds exactly what was loaded). Forward: ids [b, s] (first stage;
-    ``token_type_ids`` [b, s] optional, zeros by default) or hidden [b, s, H_l] -> hidden, or on
-    the last stage MLM logits [b, s, V_local] (final hidden states without the MLM head).
-    ``key_padding_mask`` bool [b, s] (``shard_mask``) on every stage."""
-
-    causal = False
-    head_name = "cls.predictions.decoder"
-
-    def __init__(self, config: BERTConfig, *, mesh, stage=None, stage_layers=None, sp_mode: str = "ring",
-                 checkpointing: bool = False, mlm_head: bool = True, pooler: bool = True, device=None,
-                 seed: int | None = None):
+    def __init__(self, config: BERTConfig):
         super().__init__()
-        with self.building(device, seed) as device:  # meta: shapes only, then this rank's shards
-            check_heads("BERT", config.hidden_size, config.num_attention_heads, mesh, sp_mode)
-            self.config, self.mesh, self.checkpointing = config, mesh, checkpointing
-            tpl = layout_of(mesh)
-            self.layout = tpl.activation
-            self.tied_names = ({"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight"}
-                               if config.tie_word_embeddings and mlm_head else {})
-            self.head_name = "cls.predictions.decoder" if mlm_head else None
-            blocks, self.is_first, self.is_last = common.stage_blocks("BERT", config.num_hidden_layers, stage,
-                                                                      stage_layers)
-            h, eps = config.hidden_size, config.layer_norm_eps
-            self.bert = nn.Module()
-            if self.is_first:
-                self.bert.embeddings = emb = nn.Module()
-                emb.word_embeddings = tpl.vocab_embedding(config.vocab_size, h, config.pad_token_id, device=device)
-                emb.position_embeddings = tpl.embedding(config.max_position_embeddings, h, device=device)
-                emb.token_type_embeddings = tpl.embedding(config.type_vocab_size, h, device=device)
-                emb.LayerNorm = tpl.norm(h, eps, device=device)
-            self.bert.encoder = nn.Module()
-            self.bert.encoder.layer = nn.ModuleDict({str(i): BertLayer(config, mesh, sp_mode, device) for i in blocks})
-            if self.is_last:
-                self.target_layout = self.layout
-            if self.is_last and pooler:
-                self.bert.pooler = nn.Module()
-                self.bert.pooler.dense = tpl.dense(h, h, device=device)
-            if self.is_last and mlm_head:
-                self.cls = nn.Module()
-                self.cls.predictions = pred = nn.Module()
-                pred.transform = nn.Module()
-                pred.transform.dense = tpl.dense(h, h, device=device)
-                pred.transform.LayerNorm = tpl.norm(h, eps, device=device)
-                tie = self.bert.embeddings.word_embeddings if self.is_first and config.tie_word_embeddings else None
-                pred.decoder = tpl.lm_head(h, config.vocab_size, bias=False, tie_to=tie, device=device)
-                tpl.vocab_bias(pred, pred.decoder, config.vocab_size, device)
-                pred.mesh = mesh  # the axes of the bias's ShardSpec (checkpointing and loading need them)
-                self.target_layout = tpl.after(pred.decoder)
+        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.act = activation(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class BertLayer(nn.Module):
+    """Post-LN block: x = norm(x + drop(attn(x))); x = norm(x + drop(mlp(x))). [b, s, H] -> same."""
+
+    def __init__(self, config: BERTConfig):
+        super().__init__()
+        h, eps = config.hidden_size, config.layer_norm_eps
+        self.attention = BertAttention(config)
+        self.attention_norm = nn.LayerNorm(h, eps=eps)
+        self.mlp = BertMLP(config)
+        self.output_norm = nn.LayerNorm(h, eps=eps)
+        self.drop = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.attention_norm(x + self.drop(self.attention(x, key_padding_mask)))
+        return self.output_norm(x + self.drop(self.mlp(x)))
+
+
+class BertEmbeddings(nn.Module):
+    """LayerNorm(word + position + token type) then dropout: ids [b, s] -> [b, s, H]."""
+
+    def __init__(self, config: BERTConfig):
+        super().__init__()
+        h = config.hidden_size
+        self.word_embeddings = nn.Embedding(config.vocab_size, h, padding_idx=config.pad_token_id)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, h)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, h)
+        self.LayerNorm = nn.LayerNorm(h, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, ids: torch.Tensor, token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device)[None]  # [1, s]
+        types = token_type_ids if token_type_ids is not None else torch.zeros_like(ids)
+        x = self.word_embeddings(ids) + self.position_embeddings(positions) + self.token_type_embeddings(types)
+        return self.dropout(self.LayerNorm(x))
+
+
+class BertPooler(nn.Module):
+    """tanh(dense(hidden of token 0)): [b, s, H] -> [b, H]."""
+
+    def __init__(self, config: BERTConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.dense(x[:, 0]))
+
+
+class BertLMHead(nn.Module):
+    """Masked-LM head: transform (dense, act, LayerNorm), then the decoder (tied to the word
+    embeddings, no bias of its own) plus ``bias``: [b, s, H] -> logits [b, s, V]."""
+
+    def __init__(self, config: BERTConfig):
+        super().__init__()
+        h = config.hidden_size
+        self.transform = nn.Module()
+        self.transform.dense = nn.Linear(h, h)
+        self.transform.act = activation(config.hidden_act)
+        self.transform.LayerNorm = nn.LayerNorm(h, eps=config.layer_norm_eps)
+        self.decoder = nn.Linear(h, config.vocab_size, bias=False)
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.transform
+        return self.decoder(t.LayerNorm(t.act(t.dense(x)))) + self.bias
+
+
+BERT_PLAN = {
+    "word_embeddings": "vocab_embedding", "position_embeddings": "position_embedding",
+    "token_type_embeddings": "embedding", "LayerNorm": "norm", "dropout": "dropout", "drop": "dropout",
+    "attention.q_proj": "column", "attention.k_proj": "column", "attention.v_proj": "column",
+    "attention.out_proj": "row", "attention_norm": "norm", "mlp.fc1": "column", "mlp.fc2": "row",
+    "output_norm": "norm",
+    "bert.pooler": "first_token", "bert.pooler.dense": "dense",  # token 0 lives on sp rank 0
+    "cls.predictions": "vocab_bias", "cls.predictions.transform.dense": "dense", "cls.predictions.decoder": "lm_head",
+}
+
+
+class BERT(PlannedModel):
+    """BERT with the MLM head (forward) and the pooler (:meth:`pool`); arguments: models/planned.py,
+    plus ``mlm_head``: build the masked-LM head (False: the bare encoder of ``BertModel``, e.g.
+    sentence-embedding checkpoints), and ``pooler``: build the pooler (False: as
+    ``BertForMaskedLM``, which has none; :meth:`from_pretrained` follows the checkpoint, so an
+    export holds exactly what was loaded).
+
+    Forward (b = batch rows, s = tokens of this rank): first stage: ids [b, s] and
+    ``token_type_ids`` [b, s] (zeros by default) -> ...; other stages: hidden [b, s, H] -> ...;
+    last stage: ... -> MLM logits [b, s, V] (final hidden states without the MLM head);
+    ``key_padding_mask`` bool [b, s] (True = attend) on every stage."""
+
+    family = "BERT"
+    causal = False
+    plan = BERT_PLAN
+
+    def __init__(self, config: BERTConfig, *, mlm_head: bool = True, pooler: bool = True, **kwargs):
+        self.with_mlm_head, self.with_pooler = mlm_head, pooler  # read by build(), called by the base constructor
+        super().__init__(config, **kwargs)
+
+    def build(self, config: BERTConfig, blocks: range) -> None:
+        mlm = self.with_mlm_head
+        tie = config.tie_word_embeddings and mlm
+        self.tied_names = {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight"} if tie else {}
+        self.head_name = "cls.predictions.decoder" if mlm else None
+        self.bert = nn.Module()
+        if self.is_first:
+            self.bert.embeddings = BertEmbeddings(config)
+        self.bert.encoder = nn.Module()
+        self.bert.encoder.layer = nn.ModuleDict({str(i): BertLayer(config) for i in blocks})
+        if self.is_last and self.with_pooler:
+            self.bert.pooler = BertPooler(config)
+        if self.is_last and mlm:
+            self.cls = nn.Module()
+            self.cls.predictions = BertLMHead(config)
+            if tie and self.is_first:
+                self.cls.predictions.decoder.weight = self.bert.embeddings.word_embeddings.weight
 
     def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """ids [b, s] (first stage) or hidden [b, s, H] -> hidden, or MLM logits [b, s, V] (last)."""
         if self.is_first:
             x = self.embed(x, token_type_ids)
         for block in self.bert.encoder.layer.values():
-            x = self.run_block(block, x, key_padding_mask)
+            x = block(x, key_padding_mask)
         return self.mlm_logits(x) if self.is_last and self.head_name is not None else x
 
     def embed(self, ids: torch.Tensor, token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """ids [b, s] -> LayerNorm(word + position + token type) [b, s, H_l]."""
-        emb = self.bert.embeddings
-        common.check_seq_len("BERT", ids.shape[1] * self.mesh.sp_size, self.config.max_position_embeddings,
-                             "max_position_embeddings")
-        positions = local_positions(ids.shape[1], self.mesh, zigzag=False, device=ids.device)
-        types = token_type_ids if token_type_ids is not None else torch.zeros_like(ids)
-        x = emb.word_embeddings(ids) + emb.position_embeddings(positions[None]) + emb.token_type_embeddings(types)
-        x = emb.LayerNorm(x)
-        return self.tpl.dropout(x, self.config.hidden_dropout_prob, self.training)
+        """ids [b, s] -> LayerNorm(word + position + token type) [b, s, H] (first stage)."""
+        return self.bert.embeddings(ids, token_type_ids)
 
     def mlm_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Final hidden [b, s, H_l] -> vocab-parallel MLM logits [b, s, V_local]."""
-        pred = self.cls.predictions
-        x = self.tpl.run_dense(pred.transform.dense, x)
-        x = pred.transform.LayerNorm(activation(self.config.hidden_act)(x))
-        return self.tpl.add_vocab_bias(pred.decoder(x), pred.bias, pred.decoder)
+        """Final hidden [b, s, H] -> MLM logits [b, s, V] (last stage)."""
+        return self.cls.predictions(x)
 
     def pool(self, x: torch.Tensor) -> torch.Tensor:
-        """Final hidden [b, s, H_l] -> tanh(dense(hidden of token 0)) [b, H_l] on every sp rank
-        (token 0 lives on sp rank 0 and is broadcast from there)."""
+        """Final hidden [b, s, H] -> tanh(dense(hidden of token 0)) [b, H] (last stage)."""
         if not hasattr(self.bert, "pooler"):
             raise ValueError("this BERT has no pooler (built with pooler=False, or loaded from a checkpoint without "
                              "one, e.g. BertForMaskedLM); build it with pooler=True to pool")
-        return torch.tanh(self.tpl.run_dense(self.bert.pooler.dense, self.tpl.first_token(x)))
+        return self.bert.pooler(x)
 
     def gather_pooled(self, pooled: torch.Tensor) -> torch.Tensor:
-        """[b, H_l] -> [B, H] on every rank."""
-        return self.tpl.gather_hidden(pooled)
-
+        """This rank's pooled rows [b, H] -> [B, H] on every rank."""
+        return self.gather_rows(pooled)
 
     @classmethod
     def pretrained_kwargs(cls, hf_dir: str, kwargs: dict) -> dict:

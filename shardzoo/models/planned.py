@@ -72,8 +72,9 @@ class PlannedModel(StagedModel):
             self.register_forward_pre_hook(lambda m, a: mask_padding(state, tokens, a[0].shape[0], a[0].device))
         tpl = layout_of(mesh)
         self.layout = tpl.activation
-        if self.is_last and self.head_name is not None:
-            self.target_layout = tpl.after(self.get_submodule(self.head_name))
+        if self.is_last:  # without a head the last stage returns hidden states in the activation layout
+            head = self.head_name
+            self.target_layout = tpl.after(self.get_submodule(head)) if head is not None else self.layout
         self.allocate(device, seed)
 
     @staticmethod
@@ -90,6 +91,11 @@ class PlannedModel(StagedModel):
 
     def build(self, config, blocks: range) -> None:
         raise NotImplementedError
+
+    def gather_rows(self, y_local: torch.Tensor) -> torch.Tensor:
+        """One vector per row in the activation layout (a pooled output), [b, H_l] -> [B, H]
+        on every rank."""
+        return self.tpl.gather_hidden(y_local, self.layout)
 
     def shard_input(self, ids_full: torch.Tensor) -> torch.Tensor:
         """Token ids [B, S] -> this rank's [b, s] (batch as the tp layout, sequence over sp);

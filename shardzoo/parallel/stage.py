@@ -12,13 +12,17 @@ and may be one of several pipeline stages. So the stage builder takes the same m
 * a forward pre-hook that takes the padding mask argument (``key_padding_mask``, this rank's
   [b, s] shard) out of the call into the mode's state: the plain forward gets None and calls
   SDPA without a mask tensor, and the attention core applies the mask to keys on every rank;
-* activation checkpointing of the stage's blocks (checkpointing.py).
+* activation checkpointing of the stage's blocks (checkpointing.py);
+* the same mode and mask hooks on each block, active only when the block is called on its own
+  (outside the stage's forward, as a test or a probe running the blocks one by one does), so a
+  block given this rank's shards and mask computes what it computes inside the stage.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
+from shardzoo.parallel import checkpointing as block_checkpointing
 from shardzoo.parallel import heads as head_counts
 from shardzoo.parallel import sdpa_mode
 from shardzoo.parallel.inputs import Parallelized
@@ -37,11 +41,39 @@ def split_stage(model: nn.Module, mesh, plan: dict[str, str], *, sp_mode: str, c
     planned, attention = split_modules(model, mesh, plan, causal=causal, checkpointing=checkpointing,
                                        partial=True)
     state = Parallelized(model, mesh, sp_mode, hf=False, causal=causal, head=None, embedding=None)
-    sdpa_mode.install(model, state)  # entered before the mask hook runs, left after the forward
+    mode = sdpa_mode.install(model, state)  # entered before the mask hook runs, left after the forward
     model.register_forward_pre_hook(lambda m, a, k: _take_mask(state, a, k), with_kwargs=True)
+    for name in block_checkpointing.block_names(model):  # a stage holds at least one block
+        OnItsOwn(mode, state).install(model.get_submodule(name))
     head_counts.make_local(attention)
     install_checkpointing(model, state, checkpointing)
     return state
+
+
+class OnItsOwn:
+    """Hooks of one block: called outside the stage's forward (the mode not entered), the block
+    enters the SDPA mode and takes its padding mask argument, as the stage's forward does;
+    inside the stage's forward they do nothing (the stage's hooks have done it)."""
+
+    def __init__(self, mode, state: Parallelized):
+        self.mode, self.state = mode, state
+        self.entered: list[bool] = []  # a stack: one entry per call in flight
+
+    def install(self, block: nn.Module) -> None:
+        block.register_forward_pre_hook(self.before, with_kwargs=True)
+        block.register_forward_hook(self.after, always_call=True)
+
+    def before(self, block: nn.Module, args: tuple, kwargs: dict):
+        outside = self.mode.depth == 0
+        self.entered.append(outside)
+        if not outside:
+            return None
+        self.mode.__enter__()
+        return _take_mask(self.state, args, kwargs)
+
+    def after(self, block: nn.Module, args: tuple, output) -> None:
+        if self.entered.pop():
+            self.mode.__exit__()
 
 
 def _take_mask(state: Parallelized, args: tuple, kwargs: dict):
