@@ -66,17 +66,41 @@ def ddp_of(model: nn.Module) -> nn.parallel.DistributedDataParallel | None:
 class _OwnForward(nn.Module):
     """The module DDP wraps: it runs the model's own forward (its class's, or one set on the
     instance before wrapping), so the model's calls can go through DDP while the model stays
-    the object the user holds."""
+    the object the user holds.
+
+    ``model(...)`` runs the model's hooks, then the DDP, then this. A pipeline stage calls the
+    DDP engine itself (torch's stages recognise DDP), which would skip the model's hooks (the
+    SDPA mode and mask hooks of a parallelized model or stage), so a call that did not come
+    through ``model(...)`` goes round it once: ``model(...)`` with the own forward in place."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
         self.own = model.__dict__.get("forward")  # replaced next by the DDP
+        self.calls = 0  # model(...) calls in flight (their hooks have run)
+        model.register_forward_pre_hook(self._enter, prepend=True)
+        model.register_forward_hook(self._leave, always_call=True)
 
-    def forward(self, *args, **kwargs):
+    def _enter(self, module, args) -> None:
+        self.calls += 1
+
+    def _leave(self, module, args, output) -> None:
+        self.calls -= 1
+
+    def own_forward(self, *args, **kwargs):
         if self.own is not None:
             return self.own(*args, **kwargs)
         return type(self.model).forward(self.model, *args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        if self.calls > 0:
+            return self.own_forward(*args, **kwargs)
+        engine = self.model.__dict__["forward"]
+        self.model.__dict__["forward"] = self.own_forward  # the hooks run, then the own forward
+        try:
+            return self.model(*args, **kwargs)
+        finally:
+            self.model.__dict__["forward"] = engine
 
 
 def _ddp_in_place(model: nn.Module, mesh) -> nn.Module:

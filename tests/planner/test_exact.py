@@ -103,6 +103,7 @@ def test_exact_on_2_ranks(spec):
 @example(_spec("gpt2", 4, "2d", 4, ckpt=True, dropout=0.1))
 @example(_spec("opt", 4, "1d", 2, sp=2, sp_mode="ulysses", ckpt=True))
 @example(_spec("gpt2", 4, "1d", 1, pp=2, micro=2, zero=1))
+@example(_spec("gpt2", 4, "1d", 1, sp=2, pp=2, micro=2))  # the stage hooks run under DDP in a pipeline
 def test_exact_on_4_ranks(spec):
     check_exact(spec)
 
