@@ -19,15 +19,9 @@ import torch
 from shardzoo.kernels import flash_attention
 from shardzoo.kernels.flash_attention import draw_dropout_seed
 from shardzoo.layers.ring_attention import ring_attention
-from shardzoo.layers.sequence import shard_positions
 from shardzoo.layers.ulysses import ulysses_attention
 
 SP_MODES = ("ring", "ulysses")
-
-
-def local_positions(seq_local: int, mesh, zigzag: bool, device=None) -> torch.Tensor:
-    """Global positions [seq_local] of this sp rank's tokens (contiguous or zigzag shard)."""
-    return shard_positions(seq_local, mesh.sp_rank, mesh.sp_size, zigzag, device)
 
 
 def sequence_attention(q, k, v, *, mesh, causal: bool, key_padding_mask=None, softmax_scale=None,

@@ -1,9 +1,10 @@
-"""Models written from shardzoo layers on an explicit mesh: GPT-2, BERT, ViT, OPT.
+"""shardzoo's model families: GPT-2, BERT, ViT, OPT, each a plain torch model with its plan.
 
-Each builds whole or as one pipeline stage (``stage=(k, n)``) and runs serial (tp=1) or in any
-tp_mode, with sp and dp; see docs/models.md. Each model file defines its family's spec
-(models/spec.py); registering it here is what makes the family known to Hugging Face loading,
-checkpoint export, the CLI, the demo and the planner.
+Each family file writes plain modules and a plan; ``PlannedModel`` (models/planned.py) builds
+it whole or as one pipeline stage (``stage=(k, n)``) and splits it over a mesh with the engine
+``shardzoo.parallelize`` uses: serial (tp=1) or any tp_mode, with sp and dp; see docs/models.md.
+Each model file defines its family's spec (models/spec.py); registering it here is what makes
+the family known to Hugging Face loading, checkpoint export, the CLI, the demo and the planner.
 """
 
 from shardzoo.models.bert import BERT, BERT_SPEC, BERTConfig

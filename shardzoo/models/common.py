@@ -98,13 +98,6 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor], stric
     return [n for n in state if n not in used]
 
 
-def reorder_positions(positions: torch.Tensor, mesh, zigzag: bool) -> torch.Tensor:
-    """Natural-order positions [S] -> this sp rank's [S/P] (helper for custom inputs)."""
-    if zigzag and mesh.sp_size > 1:
-        positions = to_zigzag_order(positions, mesh.sp_size, 0)
-    return ops.split_local(positions, mesh.sp_group, 0) if mesh.sp_size > 1 else positions
-
-
 def rename_block_param(name: str, pattern: re.Pattern, table: list[tuple[str, str]],
                        to_ours: bool) -> str | None:
     """Rename a per-block parameter between Hugging Face and shardzoo names.

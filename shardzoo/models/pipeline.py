@@ -17,19 +17,16 @@ last stage after backward, so both copies step identically (Megatron's embedding
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import weakref
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from shardzoo.comm.mesh import default_device
 from shardzoo.layers import replicas
 from shardzoo.layers.dp_shard import local_tensor
-from shardzoo.layers.recompute import stream_contexts
 from shardzoo.layers.shard_spec import ShardSpec, get_shard_spec
 from shardzoo.layers.tensor_layout import layout_of
 from shardzoo.layers.token_ids import check_token_ids
@@ -44,12 +41,13 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 class StagedModel(GlobalLoss, nn.Module):
-    """Base of the model families: token sharding, gathering, loss (models/loss.py), activation
-    checkpointing.
+    """Base of the model families: token sharding, gathering, loss (models/loss.py), loading,
+    the seeded init.
 
-    Subclasses set ``causal`` and, in ``__init__``: ``mesh``, ``layout`` (the activation layout
-    of ``tpl``, the mesh's layout object), ``is_first``, ``is_last``, ``checkpointing`` and on
-    the last stage the head's ``target_layout``."""
+    Subclasses (models/planned.py ``PlannedModel``) set ``causal`` and, in ``__init__``:
+    ``mesh``, ``layout`` (the activation layout of ``tpl``, the mesh's layout object),
+    ``is_first``, ``is_last``, ``checkpointing`` and on the last stage the head's
+    ``target_layout``."""
 
     causal = False
     head_name = "lm_head"
@@ -77,13 +75,6 @@ class StagedModel(GlobalLoss, nn.Module):
         """Constructor arguments for :meth:`from_pretrained` (a family may add defaults read
         from the checkpoint, e.g. whether BERT's MLM head is there)."""
         return kwargs
-
-    def run_block(self, block: nn.Module, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        if self.checkpointing and self.training:
-            # checkpoint restores torch's RNG; the tp dropout stream needs restoring too
-            return checkpoint(block, x, mask, use_reentrant=False,
-                              context_fn=lambda: stream_contexts(self.mesh))
-        return block(x, mask)
 
     @property
     def tpl(self):
@@ -136,22 +127,12 @@ class StagedModel(GlobalLoss, nn.Module):
                 state[copy] = state[table]
         return common.load_full_state_dict(self, state, strict)
 
-    @contextlib.contextmanager
-    def building(self, device=None, seed: int | None = None):
-        """Wrap a family constructor's module building: inside, modules are created on the meta
-        device (shapes only, no full-size serial twins; the yielded "meta" is the device to pass
-        to the layers); on exit :meth:`allocate` gives this rank's shards storage on ``device``
-        and the seeded init."""
-        with torch.device("meta"):
-            yield "meta"
-        self.allocate(device, seed)
-
     def allocate(self, device=None, seed: int | None = None) -> None:
         """Give the meta-built model storage for this rank's shards only, on ``device``
         (default: torch's default device), and fill it with :meth:`init_weights` (``seed``;
         default ``torch.initial_seed()``, so ranks seeded alike build identical full weights).
         ``device="meta"`` leaves the model on meta (e.g. for :meth:`from_pretrained`).
-        The family constructors end with this call (through :meth:`building`)."""
+        The family constructors end with this call (models/planned.py)."""
         device = torch.device(device) if device is not None else torch.get_default_device()
         if device.type == "meta":
             return
