@@ -28,14 +28,12 @@ import re
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from einops import rearrange
 from torch import nn
 
 from shardzoo.checkpoint.hf_files import HFWeights
 from shardzoo.models import common
 from shardzoo.models.config import ACTIVATION_NAMES, HFConfig, activation
-from shardzoo.models.masks import sdpa_mask
+from shardzoo.models.plain import MLP, Attention
 from shardzoo.models.planned import PlannedModel
 from shardzoo.models.spec import FamilySpec, spec_of
 
@@ -62,46 +60,16 @@ class BERTConfig(HFConfig):
                  "add_cross_attention": (False,)}
 
 
-class BertAttention(nn.Module):
-    """Bidirectional self-attention, separate q, k, v projections. [b, s, H] -> [b, s, H]."""
-
-    def __init__(self, config: BERTConfig):
-        super().__init__()
-        h = config.hidden_size
-        self.num_heads, self.head_dim = config.num_attention_heads, h // config.num_attention_heads
-        self.attn_pdrop = config.attention_probs_dropout_prob
-        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(h, h) for _ in range(4))
-
-    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        q, k, v = (rearrange(proj(x), "b s (h d) -> b h s d", d=self.head_dim)
-                   for proj in (self.q_proj, self.k_proj, self.v_proj))
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask(key_padding_mask, causal=False),
-                                           dropout_p=self.attn_pdrop if self.training else 0.0)  # [b, h, s, d]
-        return self.out_proj(rearrange(y, "b h s d -> b s (h d)"))
-
-
-class BertMLP(nn.Module):
-    """fc2(act(fc1(x))): [b, s, H] -> [b, s, H]."""
-
-    def __init__(self, config: BERTConfig):
-        super().__init__()
-        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
-        self.act = activation(config.hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
 class BertLayer(nn.Module):
     """Post-LN block: x = norm(x + drop(attn(x))); x = norm(x + drop(mlp(x))). [b, s, H] -> same."""
 
     def __init__(self, config: BERTConfig):
         super().__init__()
         h, eps = config.hidden_size, config.layer_norm_eps
-        self.attention = BertAttention(config)
+        self.attention = Attention(config.hidden_size, config.num_attention_heads, causal=False,
+                                   dropout=config.attention_probs_dropout_prob)
         self.attention_norm = nn.LayerNorm(h, eps=eps)
-        self.mlp = BertMLP(config)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, config.hidden_act)
         self.output_norm = nn.LayerNorm(h, eps=eps)
         self.drop = nn.Dropout(config.hidden_dropout_prob)
 

@@ -22,8 +22,9 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from shardzoo.models.config import ACTIVATION_NAMES, HFConfig, activation
+from shardzoo.models.config import ACTIVATION_NAMES, HFConfig
 from shardzoo.models.masks import sdpa_mask
+from shardzoo.models.plain import MLP
 from shardzoo.models.planned import PlannedModel
 from shardzoo.models.spec import FamilySpec
 
@@ -70,20 +71,6 @@ class GPT2Attention(nn.Module):
         return self.out_proj(rearrange(y, "b h s d -> b s (h d)"))
 
 
-class GPT2MLP(nn.Module):
-    """fc2(act(fc1(x))): [b, s, H] -> [b, s, H]."""
-
-    def __init__(self, config: GPT2Config):
-        super().__init__()
-        h = config.n_embd
-        self.fc1 = nn.Linear(h, config.n_inner or 4 * h)
-        self.fc2 = nn.Linear(config.n_inner or 4 * h, h)
-        self.act = activation(config.activation_function)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
 class GPT2Block(nn.Module):
     """Pre-LN block: x + drop(attn(ln_1(x))), then + drop(mlp(ln_2(x))). [b, s, H] -> same."""
 
@@ -93,7 +80,7 @@ class GPT2Block(nn.Module):
         self.ln_1 = nn.LayerNorm(h, eps=eps)
         self.attn = GPT2Attention(config)
         self.ln_2 = nn.LayerNorm(h, eps=eps)
-        self.mlp = GPT2MLP(config)
+        self.mlp = MLP(h, config.n_inner or 4 * h, config.activation_function)
         self.drop = nn.Dropout(config.resid_pdrop)
 
     def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -16,12 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from einops import rearrange
 from torch import nn
 
 from shardzoo.models.config import ACTIVATION_NAMES, HFConfig, activation
-from shardzoo.models.masks import sdpa_mask
+from shardzoo.models.plain import Attention
 from shardzoo.models.planned import PlannedModel
 from shardzoo.models.spec import FamilySpec
 
@@ -69,28 +67,6 @@ class OPTLearnedPositionalEmbedding(nn.Embedding):
         return super().forward(positions + self.offset)
 
 
-class OPTAttention(nn.Module):
-    """Causal self-attention with separate q, k, v projections. [b, s, H] -> [b, s, H]."""
-
-    def __init__(self, config: OPTConfig):
-        super().__init__()
-        h, bias = config.hidden_size, config.enable_bias
-        self.num_heads, self.head_dim = config.num_attention_heads, h // config.num_attention_heads
-        self.attention_dropout = config.attention_dropout
-        self.q_proj = nn.Linear(h, h, bias=bias)
-        self.k_proj = nn.Linear(h, h, bias=bias)
-        self.v_proj = nn.Linear(h, h, bias=bias)
-        self.out_proj = nn.Linear(h, h, bias=bias)
-
-    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        q, k, v = (rearrange(p(x), "b s (h d) -> b h s d", d=self.head_dim)
-                   for p in (self.q_proj, self.k_proj, self.v_proj))
-        mask = sdpa_mask(key_padding_mask, causal=True)  # None: no padding
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                           dropout_p=self.attention_dropout if self.training else 0.0)  # [b, h, s, d]
-        return self.out_proj(rearrange(y, "b h s d -> b s (h d)"))
-
-
 class OPTDecoderLayer(nn.Module):
     """Pre-LN (``do_layer_norm_before``): x + drop(attn(ln(x))), then x + drop(fc2(relu(fc1(ln(x)))));
     post-LN: ln(x + drop(attn(x))), then ln(x + drop(fc2(relu(fc1(x))))). [b, s, H] -> same."""
@@ -99,7 +75,8 @@ class OPTDecoderLayer(nn.Module):
         super().__init__()
         h, affine = config.hidden_size, config.layer_norm_elementwise_affine
         self.pre_norm = config.do_layer_norm_before
-        self.self_attn = OPTAttention(config)
+        self.self_attn = Attention(h, config.num_attention_heads, causal=True, dropout=config.attention_dropout,
+                                   bias=config.enable_bias)
         self.self_attn_layer_norm = nn.LayerNorm(h, elementwise_affine=affine)
         self.fc1 = nn.Linear(h, config.ffn_dim, bias=config.enable_bias)
         self.fc2 = nn.Linear(config.ffn_dim, h, bias=config.enable_bias)

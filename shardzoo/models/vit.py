@@ -21,13 +21,11 @@ import re
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from einops import rearrange
 from torch import nn
 
 from shardzoo.models import common
-from shardzoo.models.config import ACTIVATION_NAMES, HFConfig, activation
-from shardzoo.models.masks import sdpa_mask
+from shardzoo.models.config import ACTIVATION_NAMES, HFConfig
+from shardzoo.models.plain import MLP, Attention
 from shardzoo.models.planned import PlannedModel
 from shardzoo.models.spec import FamilySpec
 
@@ -85,38 +83,6 @@ class ViTEmbeddings(nn.Module):
         return self.dropout(torch.cat([cls, patches], 1) + self.position_embeddings)  # [b, N+1, H]
 
 
-class ViTAttention(nn.Module):
-    """Bidirectional self-attention with separate q, k, v projections. [b, s, H] -> [b, s, H]."""
-
-    def __init__(self, config: ViTConfig):
-        super().__init__()
-        h, bias = config.hidden_size, config.qkv_bias
-        self.num_heads, self.head_dim = config.num_attention_heads, h // config.num_attention_heads
-        self.attn_pdrop = config.attention_probs_dropout_prob
-        # qkv_bias covers out_proj too, as shardzoo's ViT always had (its checkpoints' names)
-        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(h, h, bias=bias) for _ in range(4))
-
-    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        q, k, v = (rearrange(p(x), "b s (h d) -> b h s d", d=self.head_dim) for p in (self.q_proj, self.k_proj,
-                                                                                      self.v_proj))
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask(key_padding_mask, causal=False),
-                                           dropout_p=self.attn_pdrop if self.training else 0.0)  # [b, h, s, d]
-        return self.out_proj(rearrange(y, "b h s d -> b s (h d)"))
-
-
-class ViTMLP(nn.Module):
-    """fc2(act(fc1(x))): [b, s, H] -> [b, s, H]."""
-
-    def __init__(self, config: ViTConfig):
-        super().__init__()
-        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
-        self.act = activation(config.hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
 class ViTLayer(nn.Module):
     """Pre-LN block: x + drop(attn(layernorm_before(x))), then + drop(mlp(layernorm_after(x))).
     [b, s, H] -> same."""
@@ -125,9 +91,11 @@ class ViTLayer(nn.Module):
         super().__init__()
         h, eps = config.hidden_size, config.layer_norm_eps
         self.layernorm_before = nn.LayerNorm(h, eps=eps)
-        self.attention = ViTAttention(config)
+        # qkv_bias covers out_proj too, as shardzoo's ViT always had (its checkpoints' names)
+        self.attention = Attention(config.hidden_size, config.num_attention_heads, causal=False,
+                                   dropout=config.attention_probs_dropout_prob, bias=config.qkv_bias)
         self.layernorm_after = nn.LayerNorm(h, eps=eps)
-        self.mlp = ViTMLP(config)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, config.hidden_act)
         self.drop = nn.Dropout(config.hidden_dropout_prob)
 
     def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
