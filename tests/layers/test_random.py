@@ -283,7 +283,7 @@ def microbatches_under_checkpoint(user_fork, backward_inside, checkpointed):
     draws next and the stream's final state."""
     from torch.utils.checkpoint import checkpoint
 
-    from shardzoo.models.pipeline import stream_contexts
+    from shardzoo.layers.recompute import stream_contexts
 
     mesh = lone_mesh(1)
     manual_seed(mesh, 11)
