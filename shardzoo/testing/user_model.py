@@ -128,3 +128,22 @@ def check_user_model(mesh_kwargs: dict, sp_mode: str = "ring", padded: bool = Fa
     for name, value in reference.items():
         assert_close_conditioned(full[name], value, exact_state[name], f"{name} after a step", scale=4.0)
     return max((full[n] - v).abs().max().item() for n, v in reference.items())
+
+
+def sgd_step(model: nn.Module, loss: torch.Tensor) -> torch.Tensor:
+    """Backward ``loss`` and one SGD step of learning rate 1 on ``model``; returns the loss detached."""
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= p.grad
+    return loss.detach()
+
+
+def assert_params_match(parallel: nn.Module, serial: nn.Module, exact: nn.Module) -> None:
+    """Every parameter of parallelized ``parallel`` (gathered) equals ``serial``'s within the
+    serial run's own rounding against the fp64 ``exact`` twin, after a step."""
+    import shardzoo
+
+    full, exact_state = shardzoo.full_state_dict(parallel), exact.state_dict()
+    for name, value in serial.state_dict().items():
+        assert_close_conditioned(full[name], value, exact_state[name], f"{name} after a step", scale=4.0)

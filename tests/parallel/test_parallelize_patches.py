@@ -14,6 +14,7 @@ from shardzoo.testing import run_on_ranks
 from shardzoo.testing.asserts import assert_close_conditioned
 from shardzoo.testing.meshes import with_world
 from shardzoo.testing.pools import cached_mesh
+from shardzoo.testing.user_model import assert_params_match, sgd_step
 
 
 class Patches(nn.Module):
@@ -72,12 +73,7 @@ def check_image_classifier(mesh_kwargs: dict) -> None:
     labels = torch.tensor([0, 2, 1, 2])
 
     def step(model, logits):
-        loss = F.cross_entropy(logits, labels)
-        loss.backward()
-        with torch.no_grad():
-            for p in model.parameters():
-                p -= p.grad
-        return loss.detach(), logits.detach()
+        return sgd_step(model, F.cross_entropy(logits, labels)), logits.detach()
 
     (loss_s, logits_s), (loss_x, logits_x) = step(serial, serial(pixels)), step(exact, exact(pixels.double()))
     mesh = cached_mesh(**mesh_kwargs)
@@ -87,9 +83,7 @@ def check_image_classifier(mesh_kwargs: dict) -> None:
     loss, logits = step(parallel, tpl.gather_batch(wrapped(pixels), tpl.activation))  # grids: batch rows split
     assert_close_conditioned(loss, loss_s, loss_x, "loss")
     assert_close_conditioned(logits, logits_s, logits_x, "logits")
-    full, exact_state = shardzoo.full_state_dict(parallel), exact.state_dict()
-    for name, value in serial.state_dict().items():
-        assert_close_conditioned(full[name], value, exact_state[name], f"{name} after a step", scale=4.0)
+    assert_params_match(parallel, serial, exact)
 
 
 LAYOUTS = {"sp2": with_world(sp=2), "tp2-sp2": with_world(tp=2, sp=2), "2d-tp4": with_world(tp=4, tp_mode="2d")}
