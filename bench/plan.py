@@ -69,11 +69,12 @@ def validate_world(world: int, args, hw) -> dict:
     from shardzoo.models import GPT2Config
     from shardzoo.planner.api import plan
     from _measure import run_layout
-    from shardzoo.planner.model import ModelShape
+    from shardzoo.models.gpt2 import GPT2_SPEC
+    from shardzoo.planner.walked import family_shape
 
     config = dict(n_layer=args.layers, n_embd=args.hidden, n_head=args.heads, vocab_size=args.vocab,
                   n_positions=args.seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    shape = ModelShape("gpt2", GPT2Config(**config), "gpt2-bench")
+    shape = family_shape(GPT2_SPEC, GPT2Config(**config), "gpt2-bench")
     memory_gib = hw.memory_bytes / world / GIB
     start = time.perf_counter()
     planned = plan(shape, world, memory_gib, args.batch, args.seq, hardware=hw, dtype="fp32",

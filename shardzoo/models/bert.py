@@ -32,8 +32,8 @@ from torch import nn
 
 from shardzoo.checkpoint.hf_files import HFWeights
 from shardzoo.models import common
-from shardzoo.models.config import ACTIVATION_NAMES, HFConfig, activation
-from shardzoo.models.plain import MLP, Attention
+from shardzoo.models.config import ACTIVATION_NAMES, HFConfig
+from shardzoo.models.plain import MLP, Attention, activation_module
 from shardzoo.models.planned import PlannedModel
 from shardzoo.models.spec import FamilySpec, spec_of
 
@@ -117,7 +117,7 @@ class BertLMHead(nn.Module):
         h = config.hidden_size
         self.transform = nn.Module()
         self.transform.dense = nn.Linear(h, h)
-        self.transform.act = activation(config.hidden_act)
+        self.transform.act = activation_module(config.hidden_act)
         self.transform.LayerNorm = nn.LayerNorm(h, eps=config.layer_norm_eps)
         self.decoder = nn.Linear(h, config.vocab_size, bias=False)
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))
@@ -153,6 +153,7 @@ class BERT(PlannedModel):
     family = "BERT"
     causal = False
     plan = BERT_PLAN
+    with_mlm_head, with_pooler = True, True  # the constructor's defaults (serial_model builds both)
 
     def __init__(self, config: BERTConfig, *, mlm_head: bool = True, pooler: bool = True, **kwargs):
         self.with_mlm_head, self.with_pooler = mlm_head, pooler  # read by build(), called by the base constructor
@@ -246,6 +247,15 @@ def tiny_config(layers: int = 2, vocab: int = 101, ffn: int = 64, dropout: float
                 attention_probs_dropout_prob=dropout)
 
 
+# shardzoo plan's presets: published checkpoints' config.json values (name: fields, source)
+BERT_PRESETS = {
+    "bert-base": (dict(), "google-bert/bert-base-uncased config.json"),
+    "bert-large": (dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
+                   "google-bert/bert-large-uncased config.json"),
+}
+
+
 BERT_SPEC = FamilySpec("bert", BERT, BERTConfig, model_type="bert", architecture="BertForMaskedLM",
                        base_prefix="bert.", head_prefixes=("cls.",), hf_to_shardzoo=hf_to_shardzoo,
-                       shardzoo_to_hf=shardzoo_to_hf, tiny_config=tiny_config, optional_prefixes=("bert.pooler.",))
+                       shardzoo_to_hf=shardzoo_to_hf, tiny_config=tiny_config, optional_prefixes=("bert.pooler.",),
+                       presets=BERT_PRESETS)

@@ -12,9 +12,8 @@ from typing import Any, ClassVar
 from shardzoo.checkpoint.errors import CheckpointError
 from shardzoo.checkpoint.jsontypes import fail, kind, load_json_file, obj
 from shardzoo.checkpoint.paths import resolve_in, show
-from shardzoo.layers.mlp import ACTIVATIONS, activation  # noqa: F401  (the families' activations)
+from shardzoo.models.plain import ACTIVATION_NAMES  # noqa: F401  (the families' activations)
 
-ACTIVATION_NAMES = tuple(sorted(ACTIVATIONS))
 MAX_SIZE = 2**31 - 1  # bound of every size in a config (vocabulary, width, positions, ...)
 _HF_OBJECTS = ("id2label", "label2id")  # Hugging Face keys families may read that hold objects
 

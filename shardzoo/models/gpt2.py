@@ -59,7 +59,7 @@ class GPT2Attention(nn.Module):
     def __init__(self, config: GPT2Config):
         super().__init__()
         h = config.n_embd
-        self.n_head, self.head_dim, self.attn_pdrop = config.n_head, h // config.n_head, config.attn_pdrop
+        self.n_head, self.head_dim, self.attention_dropout = config.n_head, h // config.n_head, config.attn_pdrop
         self.qkv = nn.Linear(h, 3 * h)
         self.out_proj = nn.Linear(h, h)
 
@@ -67,7 +67,7 @@ class GPT2Attention(nn.Module):
         q, k, v = rearrange(self.qkv(x), "b s (h three d) -> three b h s d", three=3, d=self.head_dim)
         mask = sdpa_mask(key_padding_mask, causal=True)  # None: no padding
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                           dropout_p=self.attn_pdrop if self.training else 0.0)  # [b, h, s, d]
+                                           dropout_p=self.attention_dropout if self.training else 0.0)  # [b, h, s, d]
         return self.out_proj(rearrange(y, "b h s d -> b s (h d)"))
 
 
@@ -199,6 +199,18 @@ def tiny_config(layers: int = 2, vocab: int = 101, ffn: int = 64, dropout: float
                 resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
 
 
+# shardzoo plan's presets: published checkpoints' config.json values (name: fields, source)
+GPT2_PRESETS = {
+    "gpt2": (dict(n_layer=12, n_embd=768, n_head=12), "openai-community/gpt2 config.json"),
+    "gpt2-medium": (dict(n_layer=24, n_embd=1024, n_head=16), "openai-community/gpt2-medium config.json"),
+    "gpt2-xl": (dict(n_layer=48, n_embd=1600, n_head=25), "openai-community/gpt2-xl config.json"),
+    "gpt3-175b": (dict(n_layer=96, n_embd=12288, n_head=96, n_positions=2048),
+                  "Brown et al. 2020, Table 2.1 (GPT-3 175B: 96 layers, d_model 12288, 96 heads, context 2048; "
+                  "GPT-2 vocabulary)"),
+}
+
+
 GPT2_SPEC = FamilySpec("gpt2", GPT2, GPT2Config, model_type="gpt2", architecture="GPT2LMHeadModel",
                        base_prefix="transformer.", head_prefixes=("lm_head.",), hf_to_shardzoo=hf_to_shardzoo,
-                       shardzoo_to_hf=shardzoo_to_hf, tiny_config=tiny_config, hf_read_plan=hf_read_plan)
+                       shardzoo_to_hf=shardzoo_to_hf, tiny_config=tiny_config, hf_read_plan=hf_read_plan,
+                       presets=GPT2_PRESETS)

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shardzoo.models.config import ACTIVATION_NAMES, HFConfig, activation
-from shardzoo.models.plain import Attention
+from shardzoo.models.config import ACTIVATION_NAMES, HFConfig
+from shardzoo.models.plain import Attention, activation_module
 from shardzoo.models.planned import PlannedModel
 from shardzoo.models.spec import FamilySpec
 
@@ -81,7 +81,7 @@ class OPTDecoderLayer(nn.Module):
         self.fc1 = nn.Linear(h, config.ffn_dim, bias=config.enable_bias)
         self.fc2 = nn.Linear(config.ffn_dim, h, bias=config.enable_bias)
         self.final_layer_norm = nn.LayerNorm(h, elementwise_affine=affine)
-        self.act = activation(config.activation_function)
+        self.act = activation_module(config.activation_function)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -172,6 +172,17 @@ def tiny_config(layers: int = 2, vocab: int = 101, ffn: int = 64, dropout: float
                 vocab_size=vocab, max_position_embeddings=16, dropout=dropout, attention_dropout=dropout)
 
 
+# shardzoo plan's presets: published checkpoints' config.json values (name: fields, source)
+OPT_PRESETS = {
+    "opt-1.3b": (dict(hidden_size=2048, num_hidden_layers=24, ffn_dim=8192, num_attention_heads=32),
+                 "facebook/opt-1.3b config.json"),
+    "opt-13b": (dict(hidden_size=5120, num_hidden_layers=40, ffn_dim=20480, num_attention_heads=40),
+                "facebook/opt-13b config.json"),
+    "opt-175b": (dict(hidden_size=12288, num_hidden_layers=96, ffn_dim=49152, num_attention_heads=96),
+                 "Zhang et al. 2022 (OPT), Table 1: 96 layers, 96 heads, hidden 12288"),
+}
+
+
 OPT_SPEC = FamilySpec("opt", OPT, OPTConfig, model_type="opt", architecture="OPTForCausalLM", base_prefix="model.",
                       head_prefixes=("lm_head.",), hf_to_shardzoo=hf_to_shardzoo, shardzoo_to_hf=shardzoo_to_hf,
-                      tiny_config=tiny_config)
+                      tiny_config=tiny_config, presets=OPT_PRESETS)

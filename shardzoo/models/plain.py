@@ -13,8 +13,22 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from shardzoo.models.config import activation
 from shardzoo.models.masks import sdpa_mask
+
+
+# the configs' activation names -> plain modules (a module, not a function, so the planner's walk
+# sees what the MLP keeps for backward)
+_ACTIVATIONS = {"gelu": lambda: nn.GELU(), "gelu_new": lambda: nn.GELU(approximate="tanh"),
+                "gelu_pytorch_tanh": lambda: nn.GELU(approximate="tanh"), "relu": lambda: nn.ReLU()}
+ACTIVATION_NAMES = tuple(sorted(_ACTIVATIONS))
+
+
+def activation_module(name: str) -> nn.Module:
+    """The element-wise activation named as in the configs (``hidden_act`` /
+    ``activation_function``) as an nn.Module."""
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"activation {name!r} is not supported; use one of {list(ACTIVATION_NAMES)}")
+    return _ACTIVATIONS[name]()
 
 
 class Attention(nn.Module):
@@ -26,7 +40,7 @@ class Attention(nn.Module):
     def __init__(self, hidden: int, num_heads: int, *, causal: bool, dropout: float = 0.0, bias: bool = True):
         super().__init__()
         self.num_heads, self.head_dim = num_heads, hidden // num_heads
-        self.causal, self.dropout_p = causal, dropout
+        self.causal, self.attention_dropout = causal, dropout
         self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(hidden, hidden, bias=bias) for _ in range(4))
 
     def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -35,7 +49,7 @@ class Attention(nn.Module):
                    for p in (self.q_proj, self.k_proj, self.v_proj))
         mask = sdpa_mask(key_padding_mask, causal=self.causal)  # None: no padding
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal and mask is None,
-                                           dropout_p=self.dropout_p if self.training else 0.0)  # [b, h, s, d]
+                                           dropout_p=self.attention_dropout if self.training else 0.0)  # [b, h, s, d]
         return self.out_proj(rearrange(y, "b h s d -> b s (h d)"))
 
 
@@ -46,7 +60,7 @@ class MLP(nn.Module):
     def __init__(self, hidden: int, ffn: int, act: str):
         super().__init__()
         self.fc1, self.fc2 = nn.Linear(hidden, ffn), nn.Linear(ffn, hidden)
-        self.act = activation(act)
+        self.act = activation_module(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))

@@ -77,6 +77,24 @@ class PlannedModel(StagedModel):
             self.target_layout = tpl.after(self.get_submodule(head)) if head is not None else self.layout
         self.allocate(device, seed)
 
+    @classmethod
+    def serial_model(cls, config) -> "PlannedModel":
+        """The whole model as plain modules on the meta device, unsplit and holding no weights:
+        what ``shardzoo plan`` walks with ``plan`` (planner/walk.py). Its forward takes
+        :meth:`example_input`."""
+        model = cls.__new__(cls)
+        StagedModel.__init__(model)
+        model.config, model.is_first, model.is_last = config, True, True
+        with torch.device("meta"):
+            model.build(config, range(getattr(config, cls.layers_field)))
+        return model
+
+    @classmethod
+    def example_input(cls, config, rows: int, tokens: int) -> torch.Tensor:
+        """A first stage's input of ``rows`` sequences (of ``tokens`` tokens where the input is
+        the token sequence): ids [rows, tokens]; a model making its own sequence overrides it."""
+        return torch.zeros(rows, tokens, dtype=torch.long)
+
     @staticmethod
     def attention_shape(config) -> tuple[int, int]:
         """(hidden size, attention heads) of ``config``."""

@@ -17,7 +17,7 @@ keys to the canonical name.
 from __future__ import annotations
 
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -52,6 +52,8 @@ class FamilySpec:
             pooler: ``BertForMaskedLM`` has none); left as initialised and reported in
             ``missing_keys``, but not an error with ``strict``.
         plan: how ``shardzoo.parallelize`` shards the family (None: not given).
+        presets: ``shardzoo plan``'s presets of the family, ``{name: (config fields, source)}``:
+            the config.json values of published checkpoints.
     """
 
     name: str
@@ -67,6 +69,7 @@ class FamilySpec:
     hf_read_plan: Callable[[str, Any], tuple[bool, Any]] | None = None
     optional_prefixes: tuple[str, ...] = ()
     plan: Any = None
+    presets: dict[str, tuple[dict, str]] = field(default_factory=dict)
 
     @property
     def config_path(self) -> str:

@@ -140,6 +140,11 @@ class ViT(PlannedModel):
     def own_sequence_length(config: ViTConfig) -> int:
         return config.num_tokens
 
+    @classmethod
+    def example_input(cls, config: ViTConfig, rows: int, tokens: int) -> torch.Tensor:
+        """Pixels [rows, C, img, img] (the tokens come from the image)."""
+        return torch.zeros(rows, config.num_channels, config.image_size, config.image_size)
+
     def build(self, config: ViTConfig, blocks: range) -> None:
         self.vit = nn.Module()
         if self.is_first:
@@ -201,6 +206,14 @@ def tiny_config(layers: int = 2, vocab: int = 0, ffn: int = 64, dropout: float =
                 attention_probs_dropout_prob=dropout)
 
 
+# shardzoo plan's presets: published checkpoints' config.json values (name: fields, source)
+VIT_PRESETS = {
+    "vit-base": (dict(num_labels=1000), "google/vit-base-patch16-224 config.json"),
+    "vit-huge": (dict(hidden_size=1280, num_hidden_layers=32, num_attention_heads=16, intermediate_size=5120,
+                      patch_size=14, num_labels=21843), "google/vit-huge-patch14-224-in21k config.json"),
+}
+
+
 VIT_SPEC = FamilySpec("vit", ViT, ViTConfig, model_type="vit", architecture="ViTForImageClassification",
                       base_prefix="vit.", head_prefixes=("classifier.",), hf_to_shardzoo=hf_to_shardzoo,
-                      shardzoo_to_hf=shardzoo_to_hf, tiny_config=tiny_config)
+                      shardzoo_to_hf=shardzoo_to_hf, tiny_config=tiny_config, presets=VIT_PRESETS)

@@ -48,22 +48,20 @@ def memory_text(cand, digits: int = 2) -> str:
 
 def run_lines(plan, cand) -> list[str]:
     """Python lines (per rank) and the launch command that run ``cand``; ``config`` stands for
-    the model's config (e.g. ``GPT2Config.from_json(DIR)``)."""
-    from shardzoo.models.spec import spec_named
-
+    the model's config (its config class's ``from_json(DIR)``)."""
     lay, m, zero = cand.layout, cand.micro_batches, cand.zero
     depth = f", tp_depth={lay['tp_depth']}" if TP_GRIDS[lay["tp_mode"]].has_depth else ""
     mesh = (f"mesh = shardzoo.ParallelMesh(dp={lay['dp']}, pp={lay['pp']}, sp={lay['sp']}, tp={lay['tp']}, "
             f"tp_mode=\"{lay['tp_mode']}\"{depth})")
-    if plan.problem.shape.walked:
+    builder = plan.problem.shape.builder
+    if builder is None:
         return parallelize_lines(plan, cand, mesh)
-    fam = spec_named(plan.problem.shape.family)
     extra = ""
     if lay["pp"] > 1:
         extra += ", stage=(mesh.pp_rank, mesh.pp_size)"
     if lay["sp"] > 1 and plan.problem.sp_mode != "ring":
         extra += f", sp_mode=\"{plan.problem.sp_mode}\""
-    lines = [mesh, f"model = {fam.model.__name__}(config, mesh=mesh{extra}, "
+    lines = [mesh, f"model = {builder.__name__}(config, mesh=mesh{extra}, "
                    f"checkpointing={cand.activation_checkpointing})"]
     trained = "model"
     if lay["dp"] * lay["sp"] > 1:  # the wrapper runs forward / backward, the model keeps its loss

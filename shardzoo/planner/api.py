@@ -1,6 +1,6 @@
 """``shardzoo.plan(...)``: every legal layout of a model on a world, priced and sorted.
 
-    plan = shardzoo.plan("gpt3-175b", 4096, 80, 1536, 2048, hardware="a100")
+    plan = shardzoo.plan("llama3-70b", 4096, 80, 1536, 8192, hardware="a100")
     best = plan[0]                      # a Candidate; plan.to_json() is what --json prints
     best.layout                         # {"dp": ..., "pp": ..., "sp": ..., "tp": ..., "tp_mode": ..., "tp_depth": ...}
 
@@ -114,9 +114,8 @@ def _check_inputs(world, device_memory_gib, global_batch, seq, shape, sp_mode, s
             raise ValueError(f"{name}={value!r} must be a positive integer")
     if not device_memory_gib or device_memory_gib <= 0:
         raise ValueError(f"device_memory_gib={device_memory_gib!r} must be a positive number of GiB")
-    if shape.family != "vit" and seq > shape.max_seq:
-        kind = "positions (max_position_embeddings)" if shape.walked else "learned positions"
-        raise ValueError(f"--seq {seq} exceeds {shape.name or shape.family}'s {shape.max_seq} {kind}; "
+    if shape.tokens is None and seq > shape.max_seq:
+        raise ValueError(f"--seq {seq} exceeds {shape.name or shape.family}'s {shape.max_seq} positions; "
                          f"plan a sequence of at most {shape.max_seq} tokens")
     if sp_mode not in ("ring", "ulysses"):
         raise ValueError(f"sp_mode={sp_mode!r} is not 'ring' or 'ulysses'")
@@ -129,7 +128,7 @@ def _check_inputs(world, device_memory_gib, global_batch, seq, shape, sp_mode, s
 def candidates(pricer: Pricer, layout: Layout, costs, checkpointing, zeros, memory_bytes: int) -> list[Candidate]:
     """``layout`` priced for every (checkpointing, zero) choice."""
     problem = pricer.problem
-    tokens = problem.global_batch * (problem.shape.config.num_tokens if problem.shape.family == "vit" else problem.seq)
+    tokens = problem.global_batch * (problem.shape.tokens or problem.seq)
     out = []
     for (ckpt, zero), reports in pricer.price(layout, checkpointing, zeros, costs).items():
         peak = max(r.memory.peak for r in reports)
@@ -147,8 +146,8 @@ def plan(model, world: int, device_memory_gib: float, global_batch: int, seq: in
          sp_mode: str = "ring", schedule: str = "1f1b", dtype: str | None = None, zero_stages=ZERO_STAGES,
          tp_modes=TP_MODES, checkpointing=(False, True), recalibrate: bool = False) -> Plan:
     """Every legal layout of ``model`` (a preset name, a Hugging Face directory, a ModelShape, or
-    an ``nn.Module`` that ``shardzoo.parallelize`` splits, priced from its modules and default plan
-    with pp = 1; ``walked.walked_model(module, plan)`` for another plan) on ``world``
+    an ``nn.Module`` that ``shardzoo.parallelize`` splits, with its default plan and pp = 1;
+    ``walked.walked_model(module, plan)`` for another plan), priced from its modules and plan, on ``world``
     devices of ``device_memory_gib`` GiB each, for a global batch of ``global_batch``
     sequences of ``seq`` tokens, priced on ``hardware``; the ``top`` best (all by default).
 

@@ -131,19 +131,20 @@ def _tiny_training_rss() -> int:
     import torch
 
     from shardzoo.comm.mesh_cache import cached_mesh
-    from shardzoo.models.spec import spec_named
+    from shardzoo.models.spec import all_specs
     from shardzoo.parallel import data_parallel, zero_optimizer
 
     mesh = cached_mesh(dp=2, pp=1, sp=1, tp=1, tp_mode="1d", tp_depth=1)
-    fam = spec_named("gpt2")
-    model = fam.model(fam.config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8), mesh=mesh, seed=0)
+    fam = next(s for s in all_specs() if s.model.causal)  # a causal LM family (every parameter used)
+    config = fam.config(**fam.tiny_config(layers=1, vocab=16, ffn=32, hidden=8, heads=2))
+    model = fam.model(config, mesh=mesh, seed=0)
     wrapped = data_parallel(model, mesh, zero=0)
-    opt = zero_optimizer(wrapped, torch.optim.AdamW, lr=1e-4)
+    optimizer = zero_optimizer(wrapped, torch.optim.AdamW, lr=1e-4)
     ids = torch.randint(0, 16, (1, 5), generator=torch.Generator().manual_seed(mesh.dp_rank))
     for _ in range(2):
-        opt.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)
         model.loss(wrapped(model.shard_input(ids[:, :-1])), model.shard_target(ids[:, 1:])).backward()
-        opt.step()
+        optimizer.step()
     torch.distributed.barrier()
     with open("/proc/self/status") as f:
         return next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)

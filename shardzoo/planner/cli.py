@@ -12,15 +12,17 @@ def add_plan_parser(sub) -> None:
                        description="Enumerate every legal layout (dp x pp x sp x tp, tp_mode, micro-batches, "
                        "activation checkpointing, ZeRO stage) of MODEL, predict memory, communication and step time, "
                        "and print the fastest that fit. Exit code 1 when none fits.")
-    p.add_argument("model", metavar="MODEL", help="a preset (gpt2, gpt2-medium, gpt2-xl, gpt3-175b, bert-base, "
-                   "bert-large, opt-1.3b, opt-13b, opt-175b, vit-base, vit-huge; with transformers installed "
-                   "llama3-8b, llama3-70b, llama3-405b, qwen2.5-7b) or a Hugging Face model directory (shardzoo's "
-                   "families, or a causal LM transformers builds, such as llama, qwen2, mistral: priced with pp=1 "
-                   "as shardzoo.parallelize splits it)")
+    from shardzoo.planner.presets import HF_MODELS, model_names
+
+    p.add_argument("model", metavar="MODEL", help=f"a preset ({', '.join(model_names())}; those of transformers "
+                   f"models, {', '.join(sorted(HF_MODELS))}, with transformers installed) or a Hugging Face model "
+                   "directory (shardzoo's families, or a causal LM transformers builds, such as llama, qwen2, "
+                   "mistral: priced with pp=1 as shardzoo.parallelize splits it)")
     p.add_argument("--world", type=int, required=True, metavar="N", help="number of devices (ranks)")
     p.add_argument("--device-memory-gib", type=float, required=True, metavar="M", help="memory per device, GiB")
     p.add_argument("--global-batch", type=int, required=True, metavar="B", help="sequences per training step")
-    p.add_argument("--seq", type=int, required=True, metavar="S", help="tokens per sequence (ViT: any value; its tokens come from the image and patch size)")
+    p.add_argument("--seq", type=int, required=True, metavar="S", help="tokens per sequence (a model making its own sequence, such as an image model: any "
+                   "value; its tokens come from its input)")
     p.add_argument("--hardware", default="h100", metavar="PRESET|calibrate",
                    help="a100, h100, h200, or cpu / calibrate: this host, measured once and cached (default h100)")
     nodes = p.add_mutually_exclusive_group()

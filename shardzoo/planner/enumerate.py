@@ -19,7 +19,8 @@ from shardzoo.comm.tp_grids import TP_GRIDS, TP_MODES
 from shardzoo.layers.block_costs import Illegal
 from shardzoo.layers.tensor_layout import LAYOUTS
 from shardzoo.planner.evaluate import Layout
-from shardzoo.planner.model import Batch, ModelShape
+from shardzoo.planner.model import Batch
+from shardzoo.planner.walked import ModelShape
 
 ZERO_STAGES = (0, 1, 2, 3)
 

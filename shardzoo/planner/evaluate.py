@@ -22,7 +22,7 @@ from shardzoo.planner import time as timing
 from shardzoo.planner.comm import DP_AXES, Traffic, dp_reduction, pipeline_p2p, tied_sync
 from shardzoo.planner.hardware import Hardware
 from shardzoo.planner.memory import MemoryBreakdown, stage_memory
-from shardzoo.planner.model import (COUNT_BYTES, LOSS_PAIR_BYTES, Batch, ModelShape, StageCost, assemble, loss_reduction,
+from shardzoo.planner.model import (COUNT_BYTES, LOSS_PAIR_BYTES, Batch, StageCost, assemble, loss_reduction,
                                     target_axes)
 
 

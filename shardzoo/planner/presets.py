@@ -1,7 +1,8 @@
 """Model and hardware presets of ``shardzoo plan``, each with its source (docs/planner.md).
 
-Model presets are the config.json values of the named checkpoints (the configs shardzoo's model
-families read); hardware presets are datasheet figures, with the assumptions stated where a
+Model presets are the config.json values of the named checkpoints: those of shardzoo's families
+come from the family specs (``FamilySpec.presets``, in each model file), the transformers ones
+are below; hardware presets are datasheet figures, with the assumptions stated where a
 datasheet gives none (latency, runtime memory, achievable fraction of peak).
 """
 
@@ -10,29 +11,7 @@ from __future__ import annotations
 import os
 
 from shardzoo.planner.hardware import GIB, Hardware
-from shardzoo.planner.model import ModelShape
-
-# name -> (family, config fields, source)
-MODELS: dict[str, tuple[str, dict, str]] = {
-    "gpt2": ("gpt2", dict(n_layer=12, n_embd=768, n_head=12), "openai-community/gpt2 config.json"),
-    "gpt2-medium": ("gpt2", dict(n_layer=24, n_embd=1024, n_head=16), "openai-community/gpt2-medium config.json"),
-    "gpt2-xl": ("gpt2", dict(n_layer=48, n_embd=1600, n_head=25), "openai-community/gpt2-xl config.json"),
-    "gpt3-175b": ("gpt2", dict(n_layer=96, n_embd=12288, n_head=96, n_positions=2048),
-                  "Brown et al. 2020, Table 2.1 (GPT-3 175B: 96 layers, d_model 12288, 96 heads, context 2048; "
-                  "GPT-2 vocabulary)"),
-    "bert-base": ("bert", dict(), "google-bert/bert-base-uncased config.json"),
-    "bert-large": ("bert", dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
-                                intermediate_size=4096), "google-bert/bert-large-uncased config.json"),
-    "opt-1.3b": ("opt", dict(hidden_size=2048, num_hidden_layers=24, ffn_dim=8192, num_attention_heads=32),
-                 "facebook/opt-1.3b config.json"),
-    "opt-13b": ("opt", dict(hidden_size=5120, num_hidden_layers=40, ffn_dim=20480, num_attention_heads=40),
-                "facebook/opt-13b config.json"),
-    "opt-175b": ("opt", dict(hidden_size=12288, num_hidden_layers=96, ffn_dim=49152, num_attention_heads=96),
-                 "Zhang et al. 2022 (OPT), Table 1: 96 layers, 96 heads, hidden 12288"),
-    "vit-base": ("vit", dict(num_labels=1000), "google/vit-base-patch16-224 config.json"),
-    "vit-huge": ("vit", dict(hidden_size=1280, num_hidden_layers=32, num_attention_heads=16, intermediate_size=5120,
-                             patch_size=14, num_labels=21843), "google/vit-huge-patch14-224-in21k config.json"),
-}
+from shardzoo.planner.walked import ModelShape
 
 # transformers models, priced by walking their modules and default plan (walk.py): name ->
 # (model_type, config fields, source). Built as transformers' config class on the meta device.
@@ -57,7 +36,7 @@ HF_MODELS: dict[str, tuple[str, dict, str]] = {
 
 _GPU_ASSUMPTIONS = ("latency 5 us per message inside a node and 10 us across nodes, 1 GiB per device for the CUDA "
                     "context, NCCL and allocator slack, 50% of peak FLOP/s in matmuls (Megatron-LM reports 44-52% "
-                    "on A100 for GPT models, Narayanan et al. 2021), 35% in the attention kernel, and elementwise "
+                    "on A100, Narayanan et al. 2021), 35% in the attention kernel, and elementwise "
                     "kernels at the HBM bandwidth are assumptions")
 
 HARDWARE: dict[str, Hardware] = {
@@ -81,8 +60,16 @@ HARDWARE: dict[str, Hardware] = {
 CALIBRATED = ("cpu", "calibrate")  # this host, measured (calibration.calibrate) and cached
 
 
+def family_presets() -> dict[str, tuple[object, dict, str]]:
+    """{preset name: (family spec, config fields, source)} of the registered families."""
+    import shardzoo.models  # noqa: F401  (registers the families)
+    from shardzoo.models.spec import all_specs
+
+    return {name: (spec, fields, source) for spec in all_specs() for name, (fields, source) in spec.presets.items()}
+
+
 def model_names() -> list[str]:
-    return sorted(MODELS) + sorted(HF_MODELS)
+    return sorted(family_presets()) + sorted(HF_MODELS)
 
 
 def _transformers(what: str):
@@ -108,8 +95,9 @@ def _walked(config, name: str) -> ModelShape:
 
 def load_model(model) -> ModelShape:
     """A preset name, a Hugging Face model directory (its config.json: shardzoo's families by
-    ``model_type``, any other causal LM transformers knows built on the meta device and walked),
-    a ModelShape, or an ``nn.Module`` (walked with its default plan) -> ModelShape."""
+    ``model_type``, any other causal LM transformers knows built on the meta device), a
+    ModelShape, or an ``nn.Module`` (with its default plan) -> ModelShape, walked from the
+    model's modules and plan."""
     if isinstance(model, ModelShape):
         return model
     from torch import nn
@@ -118,11 +106,13 @@ def load_model(model) -> ModelShape:
         from shardzoo.planner.walked import walked_model
 
         return walked_model(model)
-    from shardzoo.models.spec import all_specs, spec_named
+    from shardzoo.models.spec import all_specs
+    from shardzoo.planner.walked import family_shape
 
-    if model in MODELS:
-        family, fields, _ = MODELS[model]
-        return ModelShape(family, spec_named(family).config(**fields), model)
+    families = family_presets()
+    if model in families:
+        spec, fields, _ = families[model]
+        return family_shape(spec, spec.config(**fields), model)
     if model in HF_MODELS:
         model_type, fields, _ = HF_MODELS[model]
         return _walked(_transformers(model).AutoConfig.for_model(model_type, **fields), model)
@@ -134,7 +124,7 @@ def load_model(model) -> ModelShape:
         name = os.path.basename(os.path.normpath(model))
         fams = [f for f in all_specs() if f.model_type == model_type]
         if fams:
-            return ModelShape(fams[0].name, fams[0].config.from_json(data), name)
+            return family_shape(fams[0], fams[0].config.from_json(data), name)
         return _from_directory(model, model_type, name)
     raise ValueError(f"unknown model {model!r}: not a preset ({', '.join(model_names())}) and not a directory holding "
                      f"a config.json; pass a preset name or a Hugging Face model directory")

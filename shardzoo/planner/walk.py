@@ -8,8 +8,8 @@ attention modules and their head counts are found by parallelize's own ``attenti
 the blocks are those activation checkpointing finds (``checkpointing.block_names``), and one
 forward on a tiny batch (on the meta device when the model is there: nothing is computed)
 records the order the modules run in. walk_pieces.py then prices what was recorded for each
-layout, and ``walked.WalkedShape`` hands the planner those pieces in place of a family's
-formulas.
+layout, and ``walked.ModelShape`` hands the planner those pieces. shardzoo's own families are
+walked the same way, from their plain modules and plan (``walked.family_shape``).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ class Step:
     width: int | None
     lead: int | None
     shares_input: bool = False
+    dims: int = 0  # of the input: 2 for one vector per row ([b, H]), 3 for tokens ([b, s, H])
 
 
 @dataclass
@@ -65,6 +66,7 @@ class Walk:
     transformers: bool = False
     given_plan: bool = False  # a plan passed in, rather than the model's default
     rope: bool = False
+    idle: dict[str, list[Step]] = field(default_factory=dict)  # planned modules the forward did not run, by part
 
 
 class _OnePart:
@@ -102,16 +104,28 @@ def planned_modules(model: nn.Module, plan: dict[str, str]) -> dict[str, tuple[n
 
 
 # the plan styles whose layers walk_pieces.py prices
-PRICED_STYLES = ("column", "row", "packed_column", "norm", "vocab_embedding", "embedding", "position_embedding",
-                 "lm_head", "replicate", "replicate_sum", "dropout")
-_KINDS = {"column": "linear", "row": "linear", "packed_column": "linear", "lm_head": nn.Linear,
-          "vocab_embedding": nn.Embedding, "embedding": nn.Embedding, "position_embedding": nn.Embedding,
-          "dropout": nn.Dropout, "norm": "norm"}
+PRICED_STYLES = ("column", "row", "packed_column", "head_fused_column", "dense", "norm", "vocab_embedding",
+                 "embedding", "position_embedding", "lm_head", "classifier", "replicate", "replicate_sum",
+                 "dropout", "patch_embedding", "first_token", "vocab_bias")
+# styles of a module whose children are planned on their own: the module adds its own step (the
+# bias added to the logits; token 0 read over sp) and its children are walked as any others
+CONTAINER_STYLES = ("vocab_bias", "first_token")
+HEAD_STYLES = ("lm_head", "classifier")  # the head whose loss the planner prices
+_KINDS = {"column": "linear", "row": "linear", "packed_column": "linear", "head_fused_column": "linear",
+          "dense": "linear", "lm_head": nn.Linear, "classifier": nn.Linear, "vocab_embedding": nn.Embedding,
+          "embedding": nn.Embedding, "position_embedding": nn.Embedding, "dropout": nn.Dropout, "norm": "norm"}
 
 
-def _check_planned(model: nn.Module, plan: dict[str, str], planned: dict) -> None:
+def covering(planned: dict) -> tuple[str, ...]:
+    """Name prefixes of the modules inside a planned module (its style splits them whole);
+    a container style's children are not covered."""
+    return tuple(f"{n}." for n, (_, style, _) in planned.items() if style not in CONTAINER_STYLES)
+
+
+def _check_planned(model: nn.Module, plan: dict[str, str], planned: dict, partial: bool = False) -> None:
     """The checks parallelize makes before it builds anything: each planned module is of the
-    kind its style splits, and every plan entry matches some module."""
+    kind its style splits, and every plan entry matches some module (``partial``: entries may
+    match none, as a family's plan covers its optional modules)."""
     for name, (module, style, pattern) in planned.items():
         want = _KINDS.get(style)
         ok = (want is None or (want == "linear" and (isinstance(module, nn.Linear) or is_conv1d(module)))
@@ -123,6 +137,8 @@ def _check_planned(model: nn.Module, plan: dict[str, str], planned: dict) -> Non
     if unpriced:
         raise ValueError(f"{type(model).__name__}'s plan uses the styles {unpriced}, whose layers the planner does not "
                          f"price; it prices {', '.join(PRICED_STYLES)}")
+    if partial:
+        return
     winners = {pattern for _, _, pattern in planned.values()}
     names = [n for n, _ in model.named_modules() if n]
     unused = [p for p in plan if p not in winners and not any(matches(p, n) for n in names)]
@@ -131,9 +147,13 @@ def _check_planned(model: nn.Module, plan: dict[str, str], planned: dict) -> Non
                          f"names look like {names[:4]})")
 
 
-def walk_model(model: nn.Module, plan: dict[str, str] | None = None) -> Walk:
+def walk_model(model: nn.Module, plan: dict[str, str] | None = None, *, example=None,
+               causal: bool | None = None, partial: bool = False) -> Walk:
     """Read ``model`` (any module ``parallelize`` takes, best built on the meta device) and its
-    ``plan`` (None: the model's default plan, as parallelize takes it) for pricing."""
+    ``plan`` (None: the model's default plan, as parallelize takes it) for pricing.
+    ``example``: the first input of the traced forward (default: token ids [2, 3]); ``causal``:
+    whether attention is causal (default: the model's ``is_causal``, or a transformers
+    causal LM's); ``partial``: plan entries may match no module."""
     if state_of(model) is not None:
         raise ValueError(f"{type(model).__name__} is parallelized already; the planner prices the serial model: "
                          f"pass it before shardzoo.parallelize (built on the meta device, it holds no weights)")
@@ -145,7 +165,7 @@ def walk_model(model: nn.Module, plan: dict[str, str] | None = None) -> Walk:
                              f"({{'<module pattern>': 'column' | 'row' | 'norm' | ...}}, docs/parallelize.md)")
     plan = check_plan(plan)
     planned = planned_modules(model, plan)
-    _check_planned(model, plan, planned)
+    _check_planned(model, plan, planned, partial)
     attention = head_counts.attention_modules(model, planned, _OnePart(), hf_model.config_heads(model))
     blocks = block_names(model)
     kinds = {type(model.get_submodule(b)).__name__ for b in blocks}
@@ -156,14 +176,16 @@ def walk_model(model: nn.Module, plan: dict[str, str] | None = None) -> Walk:
                          f"blocks of one class and size")
     hf = hf_model.is_transformers_model(model)
     flag = getattr(model, "is_causal", None)
-    causal = hf_model.is_causal_lm(model) if hf else (flag if isinstance(flag, bool) else True)
-    pre, block, post = _trace(model, planned, blocks, hf)
+    if causal is None:
+        causal = hf_model.is_causal_lm(model) if hf else (flag if isinstance(flag, bool) else True)
+    pre, block, post = _trace(model, planned, blocks, hf, example)
     walk = Walk(model, plan, planned, attention, blocks, pre, block, post, causal=causal, transformers=hf,
                 given_plan=given, rope=any("rotary" in type(m).__name__.lower() for m in model.modules()))
     _unplanned(walk)
-    if not any(s.style == "lm_head" for s in post):
-        raise ValueError(f"{type(model).__name__}: no module planned 'lm_head' runs after the blocks; the planner "
-                         f"prices a language model's training step (its loss over the vocabulary-parallel logits)")
+    _idle(walk)
+    if not any(s.style in HEAD_STYLES for s in post):
+        raise ValueError(f"{type(model).__name__}: no module planned 'lm_head' (or 'classifier') runs after the "
+                         f"blocks; the planner prices a training step ending in the head's loss")
     return walk
 
 
@@ -171,10 +193,11 @@ def _inside(name: str, prefix: str) -> bool:
     return name == prefix or name.startswith(prefix + ".")
 
 
-def _trace(model: nn.Module, planned: dict, blocks: list[str], hf: bool) -> tuple[list[Step], list[Step], list[Step]]:
+def _trace(model: nn.Module, planned: dict, blocks: list[str], hf: bool,
+           example=None) -> tuple[list[Step], list[Step], list[Step]]:
     """(steps before the blocks, steps of the first block, steps after them) of one forward:
     every planned module and every leaf module, in the order they run."""
-    covered = tuple(f"{n}." for n in planned)
+    covered = covering(planned)
     events: list[tuple[str, nn.Module, object]] = []
     handles = []
     for name, module in model.named_modules():
@@ -188,13 +211,14 @@ def _trace(model: nn.Module, planned: dict, blocks: list[str], hf: bool) -> tupl
         handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     ids = torch.zeros(TRACE_BATCH, TRACE_SEQ, dtype=torch.long, device=device)
+    x = ids if example is None else example.to(device)
     skipped = _skip_later_blocks(model, blocks, handles)
     try:
         with torch.no_grad():
-            model(input_ids=ids) if hf else model(ids)
+            model(input_ids=ids) if hf else model(x)
     except Exception as err:
-        raise ValueError(f"{type(model).__name__}: the planner runs one forward on token ids of shape "
-                         f"[{TRACE_BATCH}, {TRACE_SEQ}] to see the order its modules run in, and it failed "
+        raise ValueError(f"{type(model).__name__}: the planner runs one forward on an input of shape "
+                         f"{list(x.shape)} to see the order its modules run in, and it failed "
                          f"({type(err).__name__}: {err}); the planner prices models that take token ids") from err
     finally:
         for h in handles:
@@ -241,7 +265,7 @@ def _steps(events, planned: dict) -> list[Step]:
             shares = tensor and last_input.get(parent) is x
             last_input[parent] = x
         out.append(Step(name, module, style, x.shape[-1] if tensor and x.dim() else None,
-                        x.shape[0] if tensor and x.dim() else None, bool(shares)))
+                        x.shape[0] if tensor and x.dim() else None, bool(shares), x.dim() if tensor else 0))
     return out
 
 
@@ -250,7 +274,7 @@ def _unplanned(walk: Walk) -> None:
     1d, refused by the grid layouts) and the dropout modules with p > 0 (refused under tp > 1),
     each under the part of the model it belongs to: 'pre', 'block' or 'post'. A Linear,
     Conv1D, Embedding or norm left out is refused in every layout, as parallelize refuses it."""
-    covered = tuple(f"{n}." for n in walk.planned)
+    covered = covering(walk.planned)
     pre_names = {s.name for s in walk.pre}
     for name, module in walk.model.named_modules():
         if not name or name in walk.planned or name.startswith(covered):
@@ -268,3 +292,19 @@ def _unplanned(walk: Walk) -> None:
                 walk.held.setdefault("block", []).append((name, module))
             continue
         walk.held.setdefault("pre" if name in pre_names else "post", []).append((name, module))
+
+
+def _idle(walk: Walk) -> None:
+    """Record the planned modules holding weights that the traced forward did not run (a
+    pooler the training loss does not use): their parameters are held all the same. Each is
+    put in the part of the model it is registered in."""
+    ran = {s.name for s in walk.pre + walk.block + walk.post}
+    names = [n for n, _ in walk.model.named_modules()]
+    first_block = names.index(walk.blocks[0])
+    for name, (module, style, _) in walk.planned.items():
+        if name in ran or style in CONTAINER_STYLES or next(module.parameters(), None) is None:
+            continue
+        if any(_inside(name, b) for b in walk.blocks):
+            continue  # every block runs in the forward
+        part = "pre" if names.index(name) < first_block else "post"
+        walk.idle.setdefault(part, []).append(Step(name, module, style, None, None))

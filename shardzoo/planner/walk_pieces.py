@@ -23,9 +23,10 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from shardzoo.layers.block_costs import (NORM_PASSES, Illegal, Piece, calls, elementwise, need, stat_bytes)
+from shardzoo.layers.block_costs import (ID_BYTES, NORM_PASSES, Illegal, Piece, calls, elementwise, need,
+                                        stat_bytes)
 from shardzoo.planner.comm import attention_core
-from shardzoo.planner.model import ADD_PASSES, GELU_PASSES, Batch, StageParts, dropout
+from shardzoo.planner.model import ADD_PASSES, GELU_PASSES, RELU_PASSES, Batch, StageParts, dropout
 from shardzoo.planner.walk import TRACE_BATCH, Step
 
 ROPE_PASSES = 6  # rotate_half, two products and a sum on q and k, forward + backward (an estimate)
@@ -91,9 +92,12 @@ def sliding_window(module: nn.Module) -> int | None:
 
 
 def local_batch(shape, costs, b: Batch) -> tuple[int, int]:
-    """(rows, tokens) of one micro-batch on this rank, after the layout's and sp's rules."""
+    """(rows, tokens) of one micro-batch on this rank, after the layout's and sp's rules; a
+    model making its own sequence of N tokens (an image model's patches) pads it to a multiple of sp."""
     parts = costs.batch_parts(costs.canonical)
     need("the tp layout", "the micro-batch size", b.rows, parts, f"the batch parts of tp_mode={costs.mode} ({parts})")
+    if shape.tokens is not None:
+        return b.rows // parts, -(-shape.tokens // b.sp)
     chunks = 2 * b.sp if shape.causal and b.sp > 1 else b.sp
     need("sequence sharding", "the sequence length", b.seq, chunks, f"{'2*sp' if chunks != b.sp else 'sp'}={chunks}")
     if b.seq > shape.max_seq:
@@ -105,7 +109,7 @@ def local_batch(shape, costs, b: Batch) -> tuple[int, int]:
 class Context:
     """One layout and micro-batch: the cost object, the batch, this rank's rows and tokens."""
 
-    shape: object  # walked.WalkedShape
+    shape: object  # walked.ModelShape
     costs: object
     b: Batch
     batch: int
@@ -133,16 +137,41 @@ class Context:
 
 def walk_parts(shape, costs, b: Batch) -> StageParts:
     """The embeddings, one block and the head with its loss of ``shape`` on one rank of this
-    layout (pp = 1: one stage holds them all; a tied head costs its table once)."""
+    layout. A head tied to the embedding's table holds it once where one stage has both
+    (``last_tied``), and a copy of its own on the last of several stages (``last``; ``table``:
+    the table's elements, whose gradients the two ends synchronise)."""
     check_walk(shape, costs, b)
     batch, seq = local_batch(shape, costs, b)
     ctx = Context(shape, costs, b, batch, seq)
     walk = shape.walk
-    first = sum(_pieces(ctx, walk.pre) + _held(ctx, "pre") + rope_tables(ctx), Piece())
+    first = sum(_pieces(ctx, walk.pre) + _held(ctx, "pre") + _idle(ctx, "pre") + rope_tables(ctx), Piece())
     block = _pieces(ctx, walk.block) + _held(ctx, "block")
-    last = sum(_pieces(ctx, walk.post) + _held(ctx, "post"), Piece())
+    rest = _held(ctx, "post") + _idle(ctx, "post")
+    last_tied = sum(_pieces(ctx, walk.post) + rest, Piece())
+    table = tied_table(ctx)
+    last = sum(_pieces(ctx, walk.post, untie=True) + rest, Piece()) if table else last_tied
     boundary = batch * seq * (shape.hidden // costs.hidden_parts(costs.canonical)) * b.e
-    return StageParts(first, block, last, last, boundary, 0)
+    return StageParts(first, block, last, last_tied, boundary, table.params if table else 0)
+
+
+def tied_table(ctx: Context) -> Piece | None:
+    """The vocabulary embedding the head shares its weight with, priced as one table; None:
+    the head has its own."""
+    planned = ctx.shape.walk.planned.values()
+    head = next((m for m, s, _ in planned if s == "lm_head"), None)
+    table = next((m for m, s, _ in planned if s == "vocab_embedding"), None)
+    if head is None or table is None or table.weight is not head.weight:
+        return None
+    return ctx.costs.vocab_embedding(table.num_embeddings, table.embedding_dim, 1, ctx.b.e, ctx.lay)
+
+
+def _idle(ctx: Context, part: str) -> list[Piece]:
+    """Planned modules the forward does not run: their parameters only."""
+    out = []
+    for step in ctx.shape.walk.idle.get(part, []):
+        priced = sum(step_pieces(ctx, step), Piece())
+        out.append(Piece(params=priced.params, tensors=priced.tensors))
+    return out
 
 
 def rope_tables(ctx: Context) -> list[Piece]:
@@ -163,14 +192,21 @@ def _held(ctx: Context, part: str) -> list[Piece]:
     return out
 
 
-def _pieces(ctx: Context, steps: list[Step]) -> list[Piece]:
-    walk, out, started = ctx.shape.walk, [], set()
+def _pieces(ctx: Context, steps: list[Step], untie: bool = False) -> list[Piece]:
+    """The pieces of ``steps`` in order; a ReLU keeps its output, which the row layer after
+    it reads, so that layer keeps no copy of its input. ``untie``: price a tied head with a
+    table of its own."""
+    walk, out, started, relu_parent = ctx.shape.walk, [], set(), None
     for step in steps:
-        owner = walk.attention.get(step.name.rpartition(".")[0])
+        parent = step.name.rpartition(".")[0]
+        owner = walk.attention.get(parent)
         if owner is not None and step.style == "row" and owner.name not in started:
             started.add(owner.name)
             out += attention_pieces(ctx, owner)
-        out += step_pieces(ctx, step)
+        reads_saved = step.style == "row" and relu_parent == parent
+        out += step_pieces(ctx, step, untie=untie, input_saved=not reads_saved)
+        if step.style is None and step.width and _is_activation(step.module):
+            relu_parent = parent if _is_relu(step.module) else None
     return out
 
 
@@ -179,24 +215,40 @@ def attention_pieces(ctx: Context, a) -> list[Piece]:
     parts = head_parts(ctx.costs)
     heads, kv = a.heads // parts, (a.kv_heads // parts if a.kv_heads % parts == 0 else 1)
     b = ctx.b
-    core = attention_core(ctx.batch, heads, ctx.seq, a.head_dim, b.e, b.sp, b.sp_mode, causal=ctx.shape.causal,
-                          kv_heads=kv)
+    padded = ctx.shape.tokens is not None and ctx.seq * b.sp != ctx.shape.tokens  # padding keys masked
+    core = attention_core(ctx.batch, heads, ctx.seq, a.head_dim, b.e, b.sp, b.sp_mode, mask=padded,
+                          causal=ctx.shape.causal, kv_heads=kv)
     if not ctx.shape.walk.rope:
         return [core]
     return [core, Piece(**elementwise(ROPE_PASSES, ctx.rows * (heads + kv) * a.head_dim, b.e))]
 
 
-def step_pieces(ctx: Context, step: Step) -> list[Piece]:
+def step_pieces(ctx: Context, step: Step, *, untie: bool = False, input_saved: bool = True) -> list[Piece]:
     """The pieces of one module the forward ran (module doc)."""
     c, b, rows, e, module, style = ctx.costs, ctx.b, ctx.rows, ctx.b.e, step.module, step.style
-    if style in ("column", "packed_column"):
+    if style in ("column", "packed_column", "head_fused_column"):
         return [column(ctx, step)]
     if style == "row":
         n_in, n_out = _features(module)
         residual = Piece(**elementwise(ADD_PASSES, rows * ctx.local(n_out), e))
         owner = ctx.shape.walk.attention.get(step.name.rpartition(".")[0])
+        saved = input_saved and not (owner is not None and reads_in_place(ctx, owner))
         return [c.linear(n_in, n_out, rows, e, ctx.mid, style="row", bias=module.bias is not None,
-                         input_saved=not (owner is not None and reads_in_place(ctx, owner))), residual]
+                         input_saved=saved), residual]
+    if style == "dense":
+        n_in, n_out = _features(module)
+        return [c.dense(n_in, n_out, ctx.batch if step.dims == 2 else rows, e, ctx.lay, bias=module.bias is not None)]
+    if style == "classifier":  # on one vector per row; F.cross_entropy keeps the logits and targets
+        n_in, n_out = _features(module)
+        return [c.classifier(n_out, n_in, ctx.batch, e, ctx.lay),
+                Piece([], 0, ctx.batch * (n_out * e + ID_BYTES) + e)]
+    if style == "first_token":  # token 0 lives on sp rank 0: broadcast forward, its gradient reduced
+        n = ctx.batch * (step.width // c.hidden_parts(ctx.lay)) * e
+        return [Piece(calls("fwd", ("sp",), "broadcast", n, b.sp) + calls("bwd", ("sp",), "reduce", n, b.sp))]
+    if style == "vocab_bias":
+        return [c.vocab_bias(module.bias.shape[0], rows, e, ctx.lay)]
+    if style == "patch_embedding":
+        return patch_embedding(ctx, step)
     if style == "norm":
         return [norm(ctx, module)]
     if style == "vocab_embedding":
@@ -211,7 +263,8 @@ def step_pieces(ctx: Context, step: Step) -> list[Piece]:
         # a transformers model's loss runs on the logits upcast to fp32 (parallel/hf_model.py, as
         # transformers' own causal-LM loss does); the calls carry fp32 statistics either way
         loss_e = stat_bytes(e) if ctx.shape.walk.transformers else e
-        return [c.lm_head(vocab, module.in_features, rows, e, ctx.lay, tied=tied), c.loss(vocab, rows, loss_e, ctx.lay)]
+        return [c.lm_head(vocab, module.in_features, rows, e, ctx.lay, tied=tied and not untie),
+                c.loss(vocab, rows, loss_e, ctx.lay)]
     if style == "dropout":
         return [dropout(module.p, rows * ctx.local(step.width), b)] if step.width else []
     if style in ("replicate", "replicate_sum"):
@@ -221,6 +274,18 @@ def step_pieces(ctx: Context, step: Step) -> list[Piece]:
     return []
 
 
+def patch_embedding(ctx: Context, step: Step) -> list[Piece]:
+    """A module making the token sequence from pixels [b, C, img, img] (its Conv2d projection,
+    cls token and position table) and the dropout inside it, over all N tokens; the pixels a
+    rank's projection keeps are a view of the micro-batch it was given."""
+    conv = next(m for m in step.module.modules() if isinstance(m, nn.Conv2d))
+    drop = next((m.p for m in step.module.modules() if isinstance(m, nn.Dropout)), 0.0)
+    hl = conv.out_channels // ctx.costs.hidden_parts(ctx.lay)
+    emb = ctx.costs.patch_embedding(step.width, conv.kernel_size[0], conv.in_channels, conv.out_channels, ctx.b.rows,
+                                    ctx.b.e, ctx.lay)
+    return [emb, dropout(drop, ctx.batch * ctx.shape.tokens * hl, ctx.b)]
+
+
 def reads_in_place(ctx: Context, a) -> bool:
     """Whether an attention's output projection reads the attention output in place, saving no
     bytes of its own: torch's fused CPU kernel (sp = 1, no dropout on the probabilities)
@@ -228,12 +293,14 @@ def reads_in_place(ctx: Context, a) -> bool:
     already [b, s, heads, d], so the head merge is a view (measured; model.py's rule for the
     families). Ring, Ulysses, the dropout kernel and a packed q|k|v give a fresh tensor the
     merge copies."""
-    return ctx.b.sp == 1 and not a.packed and not (ctx.b.training and attention_dropout(a.module) > 0)
+    fused = any(s == "head_fused_column" for n, (_, s, _) in ctx.shape.walk.planned.items()
+                if n.rpartition(".")[0] == a.name)
+    return ctx.b.sp == 1 and not a.packed and not fused and not (ctx.b.training and attention_dropout(a.module) > 0)
 
 
 def attention_dropout(module: nn.Module) -> float:
     """p of the dropout on an attention module's probabilities: its ``attention_dropout``
-    (transformers' Llama family) or its ``attn_dropout`` module (GPT-2); 0 when it has none."""
+    (transformers' convention) or its ``attn_dropout`` module; 0 when it has none."""
     p = vars(module).get("attention_dropout")
     if isinstance(p, float):
         return p
@@ -306,11 +373,15 @@ def _is_activation(module: nn.Module) -> bool:
     return next(module.parameters(), None) is None and any(a in name for a in ACTIVATIONS)
 
 
+def _is_relu(module: nn.Module) -> bool:
+    return "relu" in type(module).__name__.lower()
+
+
 def activation(ctx: Context, step: Step) -> list[Piece]:
-    """An MLP's activation keeps its input; in a gated MLP (two column layers feeding one row
-    layer) the product with the other branch keeps both its inputs."""
+    """An MLP's activation keeps its input (a ReLU its output); in a gated MLP (two column
+    layers feeding one row layer) the product with the other branch keeps both its inputs."""
     e, n = ctx.b.e, ctx.rows * ctx.local(step.width)
-    out = [Piece([], 0, n * e, **elementwise(GELU_PASSES, n, e))]
+    out = [Piece([], 0, n * e, **elementwise(RELU_PASSES if _is_relu(step.module) else GELU_PASSES, n, e))]
     parent = step.name.rpartition(".")[0]
     styles = [s for name, (_, s, _) in ctx.shape.walk.planned.items() if name.rpartition(".")[0] == parent]
     if sum(s == "column" for s in styles) >= 2 and "row" in styles:

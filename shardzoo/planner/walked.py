@@ -1,5 +1,7 @@
 """A model and its plan as the shape the planner prices (walk.py reads it, walk_pieces.py
-prices it): ``shardzoo.plan(walked_model(model, plan), ...)``."""
+prices it): ``shardzoo.plan(walked_model(model, plan), ...)`` for a model ``parallelize``
+splits, ``family_shape(spec, config)`` for one of shardzoo's families, whose stage builder
+splits the same plain modules by the same plan (any pp)."""
 
 from __future__ import annotations
 
@@ -8,8 +10,7 @@ from types import SimpleNamespace
 
 from torch import nn
 
-from shardzoo.planner.model import ModelShape
-from shardzoo.planner.walk import Walk, walk_model
+from shardzoo.planner.walk import TRACE_BATCH, TRACE_SEQ, Walk, walk_model
 from shardzoo.planner.walk_pieces import check_walk, walk_parts
 
 
@@ -22,19 +23,32 @@ def _max_positions(config) -> int:
 
 
 @dataclass(frozen=True, eq=False)
-class WalkedShape(ModelShape):
-    """A model and its plan, priced from its modules (``walk``) rather than a family's formulas.
-    ``family`` is the config's ``model_type`` (or the class name), for messages."""
+class ModelShape:
+    """A model and its plan, priced from its modules (``walk``). ``family``: the family's name,
+    or the config's ``model_type`` (or the class name); ``name``: the preset or directory, for
+    messages."""
 
-    walk: Walk | None = None
+    family: str
+    config: object
+    name: str
+    walk: Walk
+    tokens: int | None = None  # the sequence the model makes of its input (an image model's patches), or None
+    builder: type | None = None  # a family's model class, built stage by stage by its constructor
 
-    walked = True
-    pipelines = False  # parallelize builds pp = 1 only
+    @property
+    def pipelines(self) -> bool:
+        """A family's stage builder makes any pp; parallelize builds pp = 1 only."""
+        return self.builder is not None
+
+    @property
+    def pooled(self) -> bool:
+        """The head reads one token per sequence (its targets are not split over sp)."""
+        return any(s.style == "first_token" for s in self.walk.post)
 
     @property
     def hidden(self) -> int:
-        head = next(s.module for s in self.walk.post if s.style == "lm_head")
-        return head.in_features
+        """The width of the blocks' input."""
+        return next(s.width for s in self.walk.block if s.width)
 
     @property
     def layers(self) -> int:
@@ -46,7 +60,8 @@ class WalkedShape(ModelShape):
 
     @property
     def vocab(self) -> int:
-        return next(s.module for s in self.walk.post if s.style == "lm_head").out_features
+        """The head's vocabulary (0: a classifier)."""
+        return next((s.module.out_features for s in self.walk.post if s.style == "lm_head"), 0)
 
     @property
     def causal(self) -> bool:
@@ -72,12 +87,22 @@ class WalkedShape(ModelShape):
         return walk_parts(self, costs, b)
 
 
-def walked_model(model: nn.Module, plan: dict[str, str] | None = None, name: str = "") -> WalkedShape:
+def walked_model(model: nn.Module, plan: dict[str, str] | None = None, name: str = "") -> ModelShape:
     """``model`` and its ``plan`` (None: its default plan) as the shape the planner prices:
     ``shardzoo.plan(walked_model(model, plan), ...)``; ``shardzoo.plan(model, ...)`` does this with
     the default plan. Build ``model`` on the meta device (``with torch.device("meta"):``) to hold
     no weights."""
     config = getattr(model, "config", None)
     family = getattr(config, "model_type", None) or type(model).__name__
-    return WalkedShape(family, config if config is not None else SimpleNamespace(), name or family,
+    return ModelShape(family, config if config is not None else SimpleNamespace(), name or family,
                        walk_model(model, plan))
+
+
+def family_shape(spec, config, name: str = "") -> ModelShape:
+    """One of shardzoo's families (its ``FamilySpec``) with ``config``, walked from its plain
+    modules and plan as the stage builder splits them (any pp)."""
+    cls = spec.model
+    model = cls.serial_model(config)
+    walk = walk_model(model, cls.plan, example=cls.example_input(config, TRACE_BATCH, TRACE_SEQ), causal=cls.causal,
+                      partial=True)
+    return ModelShape(spec.name, config, name or spec.name, walk, tokens=cls.own_sequence_length(config), builder=cls)

@@ -20,18 +20,18 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from shardzoo.models.spec import family_names, spec_named
+from shardzoo.models.spec import all_specs, family_names, spec_named
 from shardzoo.planner.api import plan
 from shardzoo.planner.evaluate import Layout, channel_bytes
 from _measure import run_layout
-from shardzoo.planner.model import ModelShape
+from shardzoo.planner.walked import family_shape
 from shardzoo.planner.presets import HARDWARE
 from shardzoo.testing import run_on_ranks
 from shardzoo.testing.family_configs import config_of
 from shardzoo.testing.meshes import batch_parts
 
 CHANNELS = ("counted", "ddp", "p2p", "tied")
-FAMILY_TYPES = ("gpt2", "opt", "bert", "vit")  # shardzoo plan DIR prices these by the family's formulas
+FAMILY_TYPES = tuple(s.model_type for s in all_specs())  # shardzoo plan DIR builds these as shardzoo's families
 GRIDS = {  # world -> tp grids that fit it: (tp_mode, tp, tp_depth)
     2: [("1d", 1, 1), ("1d", 2, 1)],
     4: [("1d", 2, 1), ("1d", 4, 1), ("2d", 4, 1)],
@@ -62,7 +62,7 @@ def specs(draw, world: int):
 def check_exact(spec: dict) -> None:
     measured = run_on_ranks(run_layout, spec["layout"]["dp"] * spec["layout"]["pp"] * spec["layout"]["sp"]
                             * spec["layout"]["tp"], spec)
-    shape = ModelShape(spec["family"], spec_named(spec["family"]).config(**spec["config"]))
+    shape = family_shape(spec_named(spec["family"]), spec_named(spec["family"]).config(**spec["config"]))
     layout = Layout(**spec["layout"], micro_batches=spec["micro_batches"])
     zero = spec.get("zero", 0)
     planned = plan(shape, layout.world, 1e6, spec["batch"], spec["seq"], hardware=HARDWARE["a100"], dtype="fp32",
@@ -158,7 +158,7 @@ def check_hf_exact(spec: dict, directory) -> None:
     config = AutoConfig.for_model(spec["hf"]["model_type"], **spec["hf"]["config"])
     config.save_pretrained(directory)
     layout, zero = Layout(**spec["layout"]), spec["zero"]
-    with torch.device("meta"):  # a family's model_type: its directory would go to the family's formulas
+    with torch.device("meta"):  # a family's model_type: its directory would build shardzoo's family
         model = AutoModelForCausalLM.from_config(config)
     planned = plan(str(directory) if spec["hf"]["model_type"] not in FAMILY_TYPES else model, layout.world, 1e6, spec["batch"], spec["seq"], hardware=HARDWARE["a100"],
                    dtype="fp32", sp_mode=spec["sp_mode"], zero_stages=(zero,), tp_modes=(layout.tp_mode,))

@@ -8,7 +8,7 @@ from shardzoo.models.spec import spec_named
 from shardzoo.planner.enumerate import Problem
 from shardzoo.planner.evaluate import Layout, Pricer
 from _measure import saved_bytes
-from shardzoo.planner.model import ModelShape
+from shardzoo.planner.walked import family_shape
 from shardzoo.planner.presets import HARDWARE
 from shardzoo.testing import run_on_ranks
 from shardzoo.testing.family_configs import config_of
@@ -29,7 +29,7 @@ def test_saved_activations_match_the_memory_model(family, layout, sp_mode, dropo
     spec = dict(family=family, config=config_of(family, 2, 37, 48, dropout), layout=kwargs, batch=4, seq=8,
                 sp_mode=sp_mode)
     measured = run_on_ranks(saved_bytes, lay.world, spec)
-    shape = ModelShape(family, spec_named(family).config(**spec["config"]))
+    shape = family_shape(spec_named(family), spec_named(family).config(**spec["config"]))
     cpu_masks = 4  # on CPU a dropout mask is the fp32 noise tensor
     stage = Pricer(Problem(shape, lay.world, 4, 8, sp_mode, mask_bytes=cpu_masks), HARDWARE["a100"]).stages(lay)[0]
     for rank, got in enumerate(measured):

@@ -12,7 +12,7 @@ from shardzoo.comm.tp_grids import TP_GRIDS
 from shardzoo.planner import calibration
 from shardzoo.planner.api import CANDIDATE_KEYS
 from shardzoo.planner.host_cpu import TimeSharedCpu
-from shardzoo.planner.presets import HARDWARE, MODELS, load_model
+from shardzoo.planner.presets import HARDWARE, family_presets, load_model
 from shardzoo.planner.time import axis_strides, link
 
 ARGS = ["plan", "gpt2", "--world", "8", "--device-memory-gib", "80", "--global-batch", "16", "--seq", "128",
@@ -69,10 +69,10 @@ def test_nothing_fits_exits_1_naming_the_smallest_peak(capsys):
 def test_pruned_layouts_say_why(capsys):
     planned = shardzoo.plan("gpt2-xl", 8, 80, 16, 128, hardware="a100")  # 25 heads
     assert all(c.layout["tp"] in (1,) or c.layout["tp_mode"] != "1d" for c in planned)
-    assert any("num_heads divisible" in p.reason and "got 25" in p.reason for p in planned.pruned)
+    assert any("splits the heads in 2 parts" in p.reason and "its 25 heads" in p.reason for p in planned.pruned)
     code, out, _ = run(capsys, ["plan", "gpt2-xl", "--world", "8", "--device-memory-gib", "80", "--global-batch",
                                 "16", "--seq", "128", "--hardware", "a100", "--explain", "dp=4,pp=1,sp=1,tp=2"])
-    assert code == 0 and "not legal" in out and "num_heads" in out and "got 25" in out
+    assert code == 0 and "not legal" in out and "splits the heads in 2 parts" in out and "its 25 heads" in out
     code, out, _ = run(capsys, ARGS + ["--explain", "dp=2,pp=1,sp=1,tp=4,tp_mode=2d"])
     assert code == 0 and "8 candidates" in out and "tp_col" in out and "peak" in out
 
@@ -82,7 +82,7 @@ def test_pruned_layouts_say_why(capsys):
      "unknown model 'no-such-model'"),
     (ARGS[:-2] + ["--hardware", "tpu"], "unknown hardware 'tpu'"),
     (["plan", "gpt2", "--world", "8", "--device-memory-gib", "8", "--global-batch", "8", "--seq", "4096"],
-     "exceeds gpt2's 1024 learned positions"),
+     "exceeds gpt2's 1024 positions"),
     (ARGS + ["--nodes", "3"], "--nodes 3 must divide the world size 8"),
     (ARGS + ["--explain", "dp=two"], "dp='two' must be a positive integer"),
     (ARGS + ["--top", "0"], "--top 0 must be at least 1"),
@@ -105,7 +105,7 @@ def test_placement_costs_groups_across_nodes_at_the_inter_node_link():
 
 
 def test_every_preset_plans_and_gpt3_has_its_published_size():
-    for name in MODELS:
+    for name in family_presets():
         shape = load_model(name)
         assert shardzoo.plan(name, 8, 1e4, 8, min(128, shape.max_seq), hardware="h200", top=1), name
     serial = shardzoo.plan("gpt3-175b", 1, 1e6, 1, 2048, hardware="a100", zero_stages=(0,), checkpointing=(False,))

@@ -44,7 +44,7 @@ PUBLISHED = {"llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496, "llama3-4
 @pytest.mark.parametrize("name", sorted(HF_MODELS))
 def test_transformers_presets_have_their_published_size(name):
     shape = load_model(name)
-    assert shape.walked and shape.parameters == PUBLISHED[name], (name, shape.parameters)
+    assert shape.builder is None and shape.parameters == PUBLISHED[name], (name, shape.parameters)
     serial = shardzoo.plan(shape, 1, 1e7, 1, 128, hardware="h100", zero_stages=(0,), checkpointing=(False,),
                            tp_modes=("1d",))
     assert serial[0].param_bytes_per_rank == 4 * PUBLISHED[name]
@@ -154,3 +154,22 @@ def test_the_planner_imports_without_transformers():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "llama3-8b is a transformers model, and transformers is not installed; pip install transformers" in out.stdout
+
+
+def test_the_planner_names_no_family():
+    """The planner prices every model from its modules and plan: no registered family, its
+    classes, model_type or presets is named under shardzoo/planner (the presets live with the
+    families, in their specs)."""
+    import pathlib
+    import re
+
+    import shardzoo.models  # noqa: F401  (registers the families)
+    from shardzoo.models.spec import all_specs
+
+    words = {w for s in all_specs() for w in (s.name, s.model.__name__, s.config.__name__, s.model_type, *s.presets)}
+    found = []
+    for path in sorted((pathlib.Path(shardzoo.__file__).parent / "planner").glob("*.py")):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            found += [(path.name, number, w) for w in words
+                      if re.search(rf"(?<![A-Za-z0-9_]){re.escape(w)}(?![A-Za-z0-9_])", line, re.IGNORECASE)]
+    assert not found, found
