@@ -124,10 +124,15 @@ def max_fitting(shape, world, memory_gib, layout, batch, seq, vary, hw) -> int:
 def sequence_parallel_paper(args) -> list[list]:
     import dataclasses
 
+    from shardzoo.models.spec import spec_of
     from shardzoo.planner.presets import HARDWARE, load_model
+    from shardzoo.planner.walked import family_shape
 
     base = load_model("bert-base")
-    long = dataclasses.replace(base, config=dataclasses.replace(base.config, max_position_embeddings=1 << 17))
+    # the same model with a position table long enough for any sequence tried (the planner reads
+    # the table's rows from the model, so the model is built again)
+    long = family_shape(spec_of(base.config), dataclasses.replace(base.config, max_position_embeddings=1 << 17),
+                        "bert-base")
     hw, mem = HARDWARE["a100"], args.paper_memory_gib
     one_d = dict(dp=1, pp=1, sp=1, tp=12, tp_mode="1d", tp_depth=1)
     seq_par = dict(dp=1, pp=1, sp=12, tp=1, tp_mode="1d", tp_depth=1)
