@@ -219,7 +219,7 @@ def _trace(model: nn.Module, planned: dict, blocks: list[str], hf: bool,
     except Exception as err:
         raise ValueError(f"{type(model).__name__}: the planner runs one forward on an input of shape "
                          f"{list(x.shape)} to see the order its modules run in, and it failed "
-                         f"({type(err).__name__}: {err}); the planner prices models that take token ids") from err
+                         f"({type(err).__name__}: {err}); the planner prices models whose forward takes that input") from err
     finally:
         for h in handles:
             h.remove()

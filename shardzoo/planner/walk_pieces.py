@@ -154,13 +154,18 @@ def walk_parts(shape, costs, b: Batch) -> StageParts:
     return StageParts(first, block, last, last_tied, boundary, table.params if table else 0)
 
 
-def tied_table(ctx: Context) -> Piece | None:
-    """The vocabulary embedding the head shares its weight with, priced as one table; None:
-    the head has its own."""
-    planned = ctx.shape.walk.planned.values()
+def tied_embedding(walk) -> nn.Module | None:
+    """The vocabulary embedding whose weight the 'lm_head' shares; None: the head has its own."""
+    planned = walk.planned.values()
     head = next((m for m, s, _ in planned if s == "lm_head"), None)
     table = next((m for m, s, _ in planned if s == "vocab_embedding"), None)
-    if head is None or table is None or table.weight is not head.weight:
+    return table if head is not None and table is not None and table.weight is head.weight else None
+
+
+def tied_table(ctx: Context) -> Piece | None:
+    """The tied vocabulary embedding (tied_embedding) priced as one table; None: no tied table."""
+    table = tied_embedding(ctx.shape.walk)
+    if table is None:
         return None
     return ctx.costs.vocab_embedding(table.num_embeddings, table.embedding_dim, 1, ctx.b.e, ctx.lay)
 
@@ -257,8 +262,7 @@ def step_pieces(ctx: Context, step: Step, *, untie: bool = False, input_saved: b
         ids = ctx.seq * (ctx.batch if step.lead == TRACE_BATCH else 1)
         return [c.hidden_embedding(module.num_embeddings, module.embedding_dim, ids, e, ctx.lay)]
     if style == "lm_head":
-        table = next((m for m, s, _ in ctx.shape.walk.planned.values() if s == "vocab_embedding"), None)
-        tied = table is not None and table.weight is module.weight
+        tied = tied_embedding(ctx.shape.walk) is not None
         vocab = module.out_features
         # a transformers model's loss runs on the logits upcast to fp32 (parallel/hf_model.py, as
         # transformers' own causal-LM loss does); the calls carry fp32 statistics either way
@@ -290,8 +294,7 @@ def reads_in_place(ctx: Context, a) -> bool:
     """Whether an attention's output projection reads the attention output in place, saving no
     bytes of its own: torch's fused CPU kernel (sp = 1, no dropout on the probabilities)
     returns its output in q's memory order, which after separate q / k / v projections is
-    already [b, s, heads, d], so the head merge is a view (measured; model.py's rule for the
-    families). Ring, Ulysses, the dropout kernel and a packed q|k|v give a fresh tensor the
+    already [b, s, heads, d], so the head merge is a view (measured). Ring, Ulysses, the dropout kernel and a packed q|k|v give a fresh tensor the
     merge copies."""
     fused = any(s == "head_fused_column" for n, (_, s, _) in ctx.shape.walk.planned.items()
                 if n.rpartition(".")[0] == a.name)
