@@ -63,7 +63,8 @@ def check_walk(shape, costs, b: Batch) -> None:
     for a in walk.attention.values():
         if a.heads % parts or not (a.kv_heads % parts == 0 or parts % a.kv_heads == 0):
             raise Illegal(f"{a.name}: tp={tp} in tp_mode={mode!r} splits the heads in {parts} parts, which must "
-                          f"divide its {a.heads} heads and divide or be a multiple of its {a.kv_heads} kv heads")
+                          f"divide its {a.heads} heads and divide or be a multiple of its {a.kv_heads} kv heads; head "
+                          f"parts that work: {[t for t in range(1, a.heads + 1) if a.heads % t == 0 and (a.kv_heads % t == 0 or t % a.kv_heads == 0)]}")
         if b.sp_mode == "ulysses":
             need("Ulysses", "the heads per tp rank", a.heads // parts, b.sp, f"sp={b.sp}")
         window = sliding_window(a.module)
