@@ -4,7 +4,10 @@ routed to shardzoo's ring or Ulysses attention by a ``TorchFunctionMode``.
 ``torch.overrides.TorchFunctionMode`` is torch's own extension point for intercepting torch
 functions (torch's ``context_parallel`` works the same way); the model's code is not touched.
 A forward pre-hook enters the mode and a forward hook registered with ``always_call=True``
-leaves it, so an exception inside the forward does not leave it entered. While it is active,
+leaves it, so an exception inside the forward does not leave it entered. The hooks sit on the
+model's attention modules (the modules whose planned projections carry heads, heads.py), or on
+the whole model where it has none: a mode sees every torch call made while it is entered, at a
+Python round trip each, so it is entered only where SDPA is called. While it is active,
 every SDPA call ``(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)`` on this rank's
 heads and sequence shard, q [b, h, s/P, d], k / v [b, h_kv, s/P, d], becomes
 ``sequence_attention`` over the mesh's sp axis:
@@ -15,8 +18,8 @@ heads and sequence shard, q [b, h, s/P, d], k / v [b, h_kv, s/P, d], becomes
   tensor is refused (the model takes the padding through ``attention_mask=`` of its forward);
 * ``scale`` -> softmax_scale; ``dropout_p`` > 0 -> dropout (SDPA drops whenever p > 0).
 
-A forward under sp that intercepts no SDPA call raises after it: its attention ran on the
-local shard alone. The ring's autograd Function runs its own backward, so the mode is needed
+A forward of a hooked module under sp that intercepts no SDPA call raises after it: its
+attention ran on the local shard alone. The ring's autograd Function runs its own backward, so the mode is needed
 in forward only; an activation-checkpoint recompute must run inside it
 (``torch.utils.checkpoint(..., context_fn=lambda: (nullcontext(), sdpa_mode_of(model)))``).
 """
@@ -118,24 +121,28 @@ def _enter(mode: SequenceParallelSDPA) -> None:
     mode.__enter__()
 
 
-def _leave(mode: SequenceParallelSDPA, output) -> None:
+def _leave(mode: SequenceParallelSDPA, output, where: str) -> None:
     outermost = mode.depth == 1
     mode.__exit__()
     # ``output`` is None when the forward raised (torch calls always_call hooks then too)
     if outermost and output is not None and mode.calls == 0 and mode.state.mesh.sp_size > 1:
-        raise RuntimeError(f"{mode.owner} ran a forward under sequence parallelism (sp={mode.state.mesh.sp_size}) "
+        raise RuntimeError(f"{where} ran a forward under sequence parallelism (sp={mode.state.mesh.sp_size}) "
                            f"without calling torch.nn.functional.scaled_dot_product_attention, so its attention saw "
                            f"this rank's sequence shard only. Call F.scaled_dot_product_attention in the attention "
-                           f"(shardzoo routes it over sp), or parallelize with sp=1")
+                           f"module's forward (shardzoo routes it over sp), or parallelize with sp=1")
 
 
-def install(model: nn.Module, state) -> SequenceParallelSDPA:
-    """Route ``model``'s SDPA calls over sp during its forward. Call before any other forward
-    pre-hook of parallelize is registered, so the mode is entered first and left last."""
-    mode = SequenceParallelSDPA(state, type(model).__name__)
+def install(model: nn.Module, state, attention: dict[str, nn.Module] | None = None) -> SequenceParallelSDPA:
+    """Route ``model``'s SDPA calls over sp: the mode is entered during the forward of each
+    module of ``attention`` ({name: attention module}), or of the whole model where that is
+    empty (module doc)."""
+    owner = type(model).__name__
+    mode = SequenceParallelSDPA(state, owner)
     model.__dict__[_MODE] = mode
-    model.register_forward_pre_hook(lambda m, a: _enter(mode))
-    model.register_forward_hook(lambda m, a, y: _leave(mode, y), always_call=True)
+    scopes = {f"{owner}'s {name} ({type(module).__name__})": module for name, module in (attention or {}).items()}
+    for where, module in (scopes or {owner: model}).items():
+        module.register_forward_pre_hook(lambda m, a: _enter(mode))
+        module.register_forward_hook(lambda m, a, y, where=where: _leave(mode, y, where), always_call=True)
     return mode
 
 

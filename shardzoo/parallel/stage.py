@@ -6,16 +6,17 @@ them); a family stage is given its token shards by the family's ``shard_input`` 
 and may be one of several pipeline stages. So the stage builder takes the same module step
 (``split_modules``) and adds only:
 
-* the SDPA mode at every sp, sp = 1 included: every ``F.scaled_dot_product_attention`` call
-  runs shardzoo's attention core (sdpa_mode.py), whose dropout mask is a function of the global
-  batch row and head, so a stage drops what its serial twin drops in every layout;
+* the SDPA mode on its attention modules at every sp, sp = 1 included: every
+  ``F.scaled_dot_product_attention`` call runs shardzoo's attention core (sdpa_mode.py), whose
+  dropout mask is a function of the global batch row and head, so a stage drops what its
+  serial twin drops in every layout;
 * a forward pre-hook that takes the padding mask argument (``key_padding_mask``, this rank's
   [b, s] shard) out of the call into the mode's state: the plain forward gets None and calls
   SDPA without a mask tensor, and the attention core applies the mask to keys on every rank;
 * activation checkpointing of the stage's blocks (checkpointing.py);
-* the same mode and mask hooks on each block, active only when the block is called on its own
-  (outside the stage's forward, as a test or a probe running the blocks one by one does), so a
-  block given this rank's shards and mask computes what it computes inside the stage.
+* the same mask hook on each block, active only when the block is called on its own (outside
+  the stage's forward, as a test or a probe running the blocks one by one does), so a block
+  given this rank's shards and mask computes what it computes inside the stage.
 """
 
 from __future__ import annotations
@@ -41,39 +42,38 @@ def split_stage(model: nn.Module, mesh, plan: dict[str, str], *, sp_mode: str, c
     planned, attention = split_modules(model, mesh, plan, causal=causal, checkpointing=checkpointing,
                                        partial=True)
     state = Parallelized(model, mesh, sp_mode, hf=False, causal=causal, head=None, embedding=None)
-    mode = sdpa_mode.install(model, state)  # entered before the mask hook runs, left after the forward
-    model.register_forward_pre_hook(lambda m, a, k: _take_mask(state, a, k), with_kwargs=True)
+    sdpa_mode.install(model, state, {name: spec.module for name, spec in attention.items()})
+    inside = OnItsOwn(state)
+    model.register_forward_pre_hook(inside.enter_stage, with_kwargs=True)
+    model.register_forward_hook(inside.leave_stage, always_call=True)
     for name in block_checkpointing.block_names(model):  # a stage holds at least one block
-        OnItsOwn(mode, state).install(model.get_submodule(name))
+        inside.install(model.get_submodule(name))
     head_counts.make_local(attention)
     install_checkpointing(model, state, checkpointing)
     return state
 
 
 class OnItsOwn:
-    """Hooks of one block: called outside the stage's forward (the mode not entered), the block
-    enters the SDPA mode and takes its padding mask argument, as the stage's forward does;
-    inside the stage's forward they do nothing (the stage's hooks have done it)."""
+    """The mask hooks of a stage and its blocks: the stage's forward takes the padding mask
+    argument; a block called outside it (the stage's depth 0) takes its own, as the stage's
+    forward would; inside the stage's forward the block's hooks do nothing."""
 
-    def __init__(self, mode, state: Parallelized):
-        self.mode, self.state = mode, state
-        self.entered: list[bool] = []  # a stack: one entry per call in flight
+    def __init__(self, state: Parallelized):
+        self.state = state
+        self.depth = 0  # stage forwards in flight
+
+    def enter_stage(self, stage: nn.Module, args: tuple, kwargs: dict):
+        self.depth += 1
+        return _take_mask(self.state, args, kwargs)
+
+    def leave_stage(self, stage: nn.Module, args: tuple, output) -> None:
+        self.depth -= 1
 
     def install(self, block: nn.Module) -> None:
         block.register_forward_pre_hook(self.before, with_kwargs=True)
-        block.register_forward_hook(self.after, always_call=True)
 
     def before(self, block: nn.Module, args: tuple, kwargs: dict):
-        outside = self.mode.depth == 0
-        self.entered.append(outside)
-        if not outside:
-            return None
-        self.mode.__enter__()
-        return _take_mask(self.state, args, kwargs)
-
-    def after(self, block: nn.Module, args: tuple, output) -> None:
-        if self.entered.pop():
-            self.mode.__exit__()
+        return _take_mask(self.state, args, kwargs) if self.depth == 0 else None
 
 
 def _take_mask(state: Parallelized, args: tuple, kwargs: dict):
