@@ -39,6 +39,14 @@ def step_seconds(checkout: str, layout: str, args) -> float:
         return json.load(open(out.name))[layout]["step_s"]
 
 
+def revision(checkout: str) -> str:
+    """The commit ``checkout`` is at, with "+ changes" when its tree differs from it."""
+    def git(*cmd):
+        return subprocess.run(["git", "-C", checkout, *cmd], capture_output=True, text=True).stdout.strip()
+    rev = git("rev-parse", "--short", "HEAD") or "not a git checkout"
+    return rev + (" + changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--baseline", required=True, help="root of the shardzoo checkout to compare with")
@@ -72,7 +80,8 @@ def main():
     table = markdown_table(["layout", "baseline tokens/s", "this tokens/s", "this / baseline (paired median)",
                             "A/A control"], rows)
     print(table)
-    note = (f"Baseline: the checkout at {args.baseline}; {args.pairs} pairs per layout, each measurement a fresh "
+    note = (f"Baseline: the checkout at {args.baseline} ({revision(args.baseline)}), this one at {revision(HERE)}; "
+            f"{args.pairs} pairs per layout, each measurement a fresh "
             f"launch of bench/models.py --only <layout> (GPT-2 n_layer={args.layers}, n_embd={args.hidden}, "
             f"seq={args.seq}, batch={args.batch}, median of {args.steps} steps after a warm-up).")
     write_results("models_vs", "Models: GPT-2 per layout against a baseline checkout", table,

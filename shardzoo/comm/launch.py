@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from shardzoo.comm.workers import WorkerPool, auto_backend
+from shardzoo.comm.workers import WorkerPool, auto_backend, pickled_call
 
 
 def under_torchrun() -> bool:
@@ -133,5 +133,7 @@ def launch(
         results: list[Any] = [None] * world
         dist.all_gather_object(results, result)
         return results
+    seeded = _Seeded(fn, torch.initial_seed() if seed is None else seed)
+    pickled_call(seeded, args)  # an unpicklable function fails here, before any rank is spawned
     with WorkerPool(nprocs, backend=backend, timeout=timeout) as pool:
-        return pool.run(_Seeded(fn, torch.initial_seed() if seed is None else seed), *args)
+        return pool.run(seeded, *args)

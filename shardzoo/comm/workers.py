@@ -19,6 +19,7 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -109,6 +110,23 @@ def _worker_main(rank, world, port, backend, threads, timeout_s, stack_path, con
                 payload = pickle.dumps(("error", (RuntimeError(f"{type(exc).__name__}: {exc}"), tb)))
         conn.send_bytes(payload)
     dist.destroy_process_group()
+    stack_file.close()
+    # Nothing is left to finalise: leave without the interpreter's teardown of torch's modules,
+    # which takes a second or more per rank on a busy host while the pool's close waits for it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def pickled_call(fn: Callable[..., Any], args: tuple) -> bytes:
+    """``(fn, args)`` pickled as the workers receive it; a clear error when it does not pickle."""
+    try:
+        return pickle.dumps((fn, args))
+    except Exception as exc:
+        raise TypeError(
+            f"cannot send {fn!r} to the workers: {exc}. Pass a module-level function and "
+            f"picklable arguments (no lambdas or local functions)"
+        ) from exc
 
 
 class WorkerPool:
@@ -170,13 +188,7 @@ class WorkerPool:
         re-raises here with its rank and remote traceback."""
         if not self.healthy:
             raise RuntimeError("this WorkerPool was closed after a failure or timeout; create a new one")
-        try:
-            payload = pickle.dumps((fn, args))
-        except Exception as exc:
-            raise TypeError(
-                f"cannot send {fn!r} to the workers: {exc}. Pass a module-level function and "
-                f"picklable arguments (no lambdas or local functions)"
-            ) from exc
+        payload = pickled_call(fn, args)
         name = getattr(fn, "__name__", repr(fn))
         self._send(payload, name)
         replies = self._collect(name, timeout or self.timeout)

@@ -1,12 +1,10 @@
 """Models priced by walking their modules and plan (planner/walk.py): the transformers presets
 and their published sizes, ``shardzoo plan DIR`` for a transformers causal LM and its run lines
-(which build, split and step the pick), the layout rules parallelize applies, and the planner
-without transformers. The exact bytes are checked in test_exact.py."""
+(which build, split and step the pick) and the layout rules parallelize applies. The planner
+without transformers is checked in tests/test_package.py, the exact bytes in test_exact.py."""
 
 import json
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -142,18 +140,6 @@ def test_run_lines_of_a_walked_model_build_and_step_the_pick(tmp_path):
     assert all(sizes == {k: cand.layout[k] for k in sizes} for sizes, _ in results)
     losses = {loss for _, loss in results}
     assert len(losses) == 1 and 0 < losses.pop() < 10  # ln 101 ~ 4.6
-
-
-def test_the_planner_imports_without_transformers():
-    """transformers is optional: the planner and its family presets work without it, and a
-    transformers preset says how to get it."""
-    code = ("import sys; sys.modules['transformers'] = None\n"
-            "import shardzoo.planner, shardzoo\n"
-            "assert shardzoo.plan('gpt2', 8, 80, 8, 128, top=1)\n"
-            "try:\n    shardzoo.plan('llama3-8b', 8, 80, 8, 128)\nexcept ValueError as err:\n    print(err)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert "llama3-8b is a transformers model, and transformers is not installed; pip install transformers" in out.stdout
 
 
 def test_the_planner_names_no_family():
