@@ -19,8 +19,8 @@ heads and sequence shard, q [b, h, s/P, d], k / v [b, h_kv, s/P, d], becomes
 * ``scale`` -> softmax_scale; ``dropout_p`` > 0 -> dropout (SDPA drops whenever p > 0).
 
 A forward of a hooked module under sp that intercepts no SDPA call raises after it: its
-attention ran on the local shard alone. The ring's autograd Function runs its own backward, so the mode is needed
-in forward only; an activation-checkpoint recompute must run inside it
+attention ran on the local shard alone. The ring's autograd Function runs its own backward, so
+the mode is needed in forward only; an activation-checkpoint recompute must run inside it
 (``torch.utils.checkpoint(..., context_fn=lambda: (nullcontext(), sdpa_mode_of(model)))``).
 """
 

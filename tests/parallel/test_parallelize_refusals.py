@@ -162,6 +162,33 @@ def test_sequence_parallel_mode_is_a_reentrant_context():
     run_on_ranks(_mode_as_context, 2)
 
 
+def _modes_seen():
+    import shardzoo
+    from torch.overrides import _get_current_function_mode
+
+    model = shardzoo.parallelize(TinyLM(), cached_mesh(sp=2), PLAN)
+    seen = {}
+
+    def record(name):
+        def hook(module, args):  # returns None: the call's arguments stay as they are
+            seen.setdefault(name, type(_get_current_function_mode()).__name__)
+        return hook
+
+    for name, module in model.named_modules():
+        module.register_forward_pre_hook(record(name))
+    model(input_ids=torch.randint(0, 64, (2, 16)))
+    return seen
+
+
+def test_sequence_parallel_mode_is_entered_around_the_attention_only():
+    """A mode costs a Python round trip on every torch call it sees: the model's forward, its
+    MLPs, norms and head run without it; the attention modules and their projections in it."""
+    seen = run_on_ranks(_modes_seen, 2)[0]
+    inside = {n for n, mode in seen.items() if mode == "SequenceParallelSDPA"}
+    assert inside == {f"blocks.{i}.attn{p}" for i in (0, 1) for p in ("", ".q", ".k", ".v", ".o")}, seen
+    assert {seen[n] for n in seen if n not in inside} == {"NoneType"}, seen
+
+
 def _hf_position_refusal():
     import shardzoo
     from shardzoo.parallel.hf_model import default_plan
