@@ -123,12 +123,23 @@ def _out_features(module: nn.Module) -> int:
     return module.out_features if isinstance(module, nn.Linear) else module.weight.shape[-1]
 
 
+def head_parts_fit(heads: int, kv_heads: int, parts: int) -> bool:
+    """Whether ``parts`` head parts keep every head whole: they divide the heads, and divide or
+    are a multiple of the kv heads (then each kv head is copied to the parts that read it)."""
+    return heads % parts == 0 and (kv_heads % parts == 0 or parts % kv_heads == 0)
+
+
+def head_parts_that_work(heads: int, kv_heads: int) -> list[int]:
+    """Every part count :func:`head_parts_fit` accepts, for an error's fix."""
+    return [t for t in range(1, heads + 1) if head_parts_fit(heads, kv_heads, t)]
+
+
 def _check_counts(spec: Attention, tpl) -> None:
     p, n, kv = spec.parts, spec.heads, spec.kv_heads
-    if n % p == 0 and (kv % p == 0 or p % kv == 0):
+    if head_parts_fit(n, kv, p):
         return
     tp_rule = f"tp={tpl.mesh.tp_size} in tp_mode={tpl.mode!r} splits the heads in {p} parts"
-    works = [t for t in range(1, n + 1) if n % t == 0 and (kv % t == 0 or t % kv == 0)]
+    works = head_parts_that_work(n, kv)
     raise ValueError(f"{spec.name}: {tp_rule}, which fits neither its {n} heads and {kv} kv heads (the parts must "
                      f"divide the heads, and divide or be a multiple of the kv heads); head parts that work: "
                      f"{works}")

@@ -98,7 +98,7 @@ def parallelize(model: nn.Module, mesh, plan: dict[str, str] | None = None, *, s
     if hf:
         hf_model.install(model, state)  # loss function, sp attention (before the attention configs are copied)
     elif mesh.sp_size > 1:
-        sdpa_mode.install(model, state, {name: spec.module for name, spec in attention.items()})
+        sdpa_mode.install(model, state, attention)
     head_counts.make_local(attention)
     inputs.install(model, state)
     install_checkpointing(model, state, checkpointing)

@@ -132,14 +132,14 @@ def _leave(mode: SequenceParallelSDPA, output, where: str) -> None:
                            f"module's forward (shardzoo routes it over sp), or parallelize with sp=1")
 
 
-def install(model: nn.Module, state, attention: dict[str, nn.Module] | None = None) -> SequenceParallelSDPA:
+def install(model: nn.Module, state, attention: dict | None = None) -> SequenceParallelSDPA:
     """Route ``model``'s SDPA calls over sp: the mode is entered during the forward of each
-    module of ``attention`` ({name: attention module}), or of the whole model where that is
-    empty (module doc)."""
+    attention module of ``attention`` ({name: heads.Attention}, from ``split_modules``), or of
+    the whole model where that is empty (module doc)."""
     owner = type(model).__name__
     mode = SequenceParallelSDPA(state, owner)
     model.__dict__[_MODE] = mode
-    scopes = {f"{owner}'s {name} ({type(module).__name__})": module for name, module in (attention or {}).items()}
+    scopes = {f"{owner}'s {name} ({type(a.module).__name__})": a.module for name, a in (attention or {}).items()}
     for where, module in (scopes or {owner: model}).items():
         module.register_forward_pre_hook(lambda m, a: _enter(mode))
         module.register_forward_hook(lambda m, a, y, where=where: _leave(mode, y, where), always_call=True)

@@ -42,7 +42,7 @@ def split_stage(model: nn.Module, mesh, plan: dict[str, str], *, sp_mode: str, c
     planned, attention = split_modules(model, mesh, plan, causal=causal, checkpointing=checkpointing,
                                        partial=True)
     state = Parallelized(model, mesh, sp_mode, hf=False, causal=causal, head=None, embedding=None)
-    sdpa_mode.install(model, state, {name: spec.module for name, spec in attention.items()})
+    sdpa_mode.install(model, state, attention)
     inside = OnItsOwn(state)
     model.register_forward_pre_hook(inside.enter_stage, with_kwargs=True)
     model.register_forward_hook(inside.leave_stage, always_call=True)

@@ -25,6 +25,7 @@ from torch import nn
 
 from shardzoo.layers.block_costs import (ID_BYTES, NORM_PASSES, Illegal, Piece, calls, elementwise, need,
                                         stat_bytes)
+from shardzoo.parallel.heads import head_parts_fit, head_parts_that_work
 from shardzoo.planner.comm import attention_core
 from shardzoo.planner.model import ADD_PASSES, GELU_PASSES, RELU_PASSES, Batch, StageParts, dropout
 from shardzoo.planner.walk import TRACE_BATCH, Step
@@ -61,10 +62,10 @@ def check_walk(shape, costs, b: Batch) -> None:
     walk, mode, tp = shape.walk, costs.mode, tp_size(costs)
     parts = head_parts(costs)
     for a in walk.attention.values():
-        if a.heads % parts or not (a.kv_heads % parts == 0 or parts % a.kv_heads == 0):
+        if not head_parts_fit(a.heads, a.kv_heads, parts):
             raise Illegal(f"{a.name}: tp={tp} in tp_mode={mode!r} splits the heads in {parts} parts, which must "
                           f"divide its {a.heads} heads and divide or be a multiple of its {a.kv_heads} kv heads; head "
-                          f"parts that work: {[t for t in range(1, a.heads + 1) if a.heads % t == 0 and (a.kv_heads % t == 0 or t % a.kv_heads == 0)]}")
+                          f"parts that work: {head_parts_that_work(a.heads, a.kv_heads)}")
         if b.sp_mode == "ulysses":
             need("Ulysses", "the heads per tp rank", a.heads // parts, b.sp, f"sp={b.sp}")
         window = sliding_window(a.module)
