@@ -69,6 +69,9 @@ class Piece:
     # saves a tensor for backward whose bytes another piece counts (fc2's input is ReLU's output):
     # still a save, so activation checkpointing recomputes up to and through this piece
     saves: bool = False
+    # module calls the piece stands for: a fixed host cost each (Python, dispatch, autograd),
+    # which the planner's host model prices where it is not hidden behind the kernels
+    modules: int = 0
 
     @property
     def elems(self) -> int:
@@ -84,7 +87,7 @@ class Piece:
         return Piece(self.calls + other.calls, self.params + other.params, self.saved + other.saved,
                      max(self.workspace, other.workspace), self.flops + other.flops,
                      self.attn_flops + other.attn_flops, self.elementwise + other.elementwise,
-                     self.tensors + other.tensors, self.saves or other.saves)
+                     self.tensors + other.tensors, self.saves or other.saves, self.modules + other.modules)
 
 
 # elementwise passes per element (forward + backward), as torch's CPU kernels run them (measured

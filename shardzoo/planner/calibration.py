@@ -6,7 +6,8 @@ matmul FLOP/s per core, the attention kernel's FLOP/s, the elementwise bandwidth
 cache-sized tensors, the gloo bandwidth and per-message latency between two local ranks, the
 memory a rank process holds before any model (torch, gloo) and the memory bandwidth (reported
 only); and those of its host model, :class:`~shardzoo.planner.host_cpu.TimeSharedCpu`: the
-elementwise bandwidths over large and huge tensors and the latency of a message with 2 and 4
+elementwise bandwidths over large and huge tensors, the fixed cost of a module call (forward
+and backward of tiny transformer blocks, per module) and the latency of a message with 2 and 4
 busy ranks per core, where it waits for a core. The result is cached in ``$SHARDZOO_CACHE_DIR``
 (default ``~/.cache/shardzoo``) as ``hardware-<host>.json`` and reused.
 
@@ -117,6 +118,43 @@ def _measure_attention(reps: int = 3) -> float:
     return 3 * 4 * 4 * 512 * 512 * 64 / _median_seconds(lambda: flash_attention(q, k, v).sum().backward(), reps)
 
 
+def _tiny_block(hidden: int = 16, heads: int = 2):
+    """A pre-LN transformer block of plain torch modules: 7 module calls (2 LayerNorms, 4
+    Linears, a GELU) and the attention, reshapes and residual adds between them."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    class TinyBlock(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln_1, self.qkv, self.proj = nn.LayerNorm(hidden), nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
+            self.ln_2, self.fc1, self.act = nn.LayerNorm(hidden), nn.Linear(hidden, 4 * hidden), nn.GELU()
+            self.fc2 = nn.Linear(4 * hidden, hidden)
+
+        def forward(self, x):  # [b, s, hidden] -> same
+            b, s, h = x.shape
+            q, k, v = self.qkv(self.ln_1(x)).view(b, s, 3, heads, h // heads).permute(2, 0, 3, 1, 4)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h)
+            x = x + self.proj(y)
+            return x + self.fc2(self.act(self.fc1(self.ln_2(x))))
+
+    return TinyBlock()
+
+
+TINY_BLOCK_MODULES = 7
+
+
+def _measure_module_call(blocks: int = 4, reps: int = 15) -> float:
+    """Seconds of one module call of a transformer block, forward and backward, on tensors
+    too small to cost anything but the call itself (Python, dispatch, autograd): a chain of
+    tiny blocks over [1, 8, 16], per module."""
+    import torch
+
+    chain = torch.nn.Sequential(*[_tiny_block() for _ in range(blocks)])
+    x = torch.randn(1, 8, 16, requires_grad=True)
+    return _median_seconds(lambda: chain(x).sum().backward(), reps) / (blocks * TINY_BLOCK_MODULES)
+
+
 def _measure_mem_bandwidth(n_bytes: int = 64 << 20) -> float:
     import torch
 
@@ -171,7 +209,8 @@ def _gloo_probe(small: int, large: int, reps: int) -> dict:
     out = {"small": timed(small), "large": timed(large), "rss": _tiny_training_rss()}
     for key, measure in (("flops", _measure_flops), ("attention", _measure_attention),
                          ("elementwise", _measure_norm_bandwidth), ("large_elementwise", _measure_loss_bandwidth),
-                         ("huge_elementwise", lambda: _measure_loss_bandwidth(1024))):
+                         ("huge_elementwise", lambda: _measure_loss_bandwidth(1024)),
+                         ("module_call", _measure_module_call)):
         dist.barrier()
         out[key] = _single_thread(measure)
     return out
@@ -278,14 +317,15 @@ def calibrate(use_cache: bool = True) -> Hardware:
     shared = _shared_latency()
     shared.update({k: max(v, latency) for k, v in shared.items() if k.startswith("shared_latency")})
     host = TimeSharedCpu(cores=_cores(), large_elementwise_bandwidth=rate("large_elementwise"),
-                         huge_elementwise_bandwidth=rate("huge_elementwise"), **shared)
+                         huge_elementwise_bandwidth=rate("huge_elementwise"),
+                         module_call_seconds=rate("module_call"), **shared)
     hw = Hardware("calibrate", flops=rate("flops"), memory_bytes=_host_memory(), mem_bandwidth=_measure_mem_bandwidth(),
                   intra_bandwidth=bandwidth, inter_bandwidth=bandwidth, intra_latency=latency, inter_latency=latency,
                   devices_per_node=1 << 20, runtime_bytes=max(r["rss"] for r in probe),
                   attention_flops=rate("attention"), elementwise_bandwidth=rate("elementwise"), backend="gloo", host=host,
                   source=f"measured on {platform.node()} at {time.strftime('%Y-%m-%d %H:%M')}: on 2 local ranks at "
                          f"once, one thread each, fp32 matmul, attention, LayerNorm (small tensors) and cross entropy "
-                         f"(8 and 32 MiB of logits) per core; gloo all_reduce between the 2 ranks, alone and with 2 and 4 busy "
+                         f"(8 and 32 MiB of logits) per core, a module call of tiny transformer blocks; gloo all_reduce between the 2 ranks, alone and with 2 and 4 busy "
                          f"ranks per core after short and long matmuls; rank RSS after a tiny training step; memory copy")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"

@@ -43,6 +43,12 @@ class DedicatedDevices:
         slowest = max(r.micro_seconds for r in reports)
         return (m - 1) * slowest + sum(r.micro_seconds * r.stages_alike for r in reports)
 
+    def module_seconds(self, calls: float) -> float:
+        """Fixed seconds (Python, dispatch, autograd) of ``calls`` module calls, forward and
+        backward, whatever their size: none here, since an accelerator's kernel launches run
+        ahead of its kernels."""
+        return 0.0
+
     def elementwise_classes(self, work: tuple[tuple[int, int], ...]) -> tuple[int, int, int]:
         """(all, over large tensors, over huge ones) of ``work``'s elementwise passes, given as
         (tensor bytes, element passes) pairs: one class here."""

@@ -30,7 +30,8 @@ class TimeSharedCpu(DedicatedDevices):
     with ``shared_chunk`` seconds of single-core compute between messages (0: not measured, the
     link latency is scaled by ranks / cores); shared_latency_2x_long / _4x_long: the same with
     ``shared_chunk_long`` seconds between messages (0: not measured, the short figures serve for
-    every chunk)."""
+    every chunk); module_call_seconds: the fixed CPU time of one module call of a transformer
+    block, forward and backward, on one core (0: not measured)."""
 
     cores: int = 1
     large_elementwise_bandwidth: float = 0.0
@@ -41,6 +42,7 @@ class TimeSharedCpu(DedicatedDevices):
     shared_latency_2x_long: float = 0.0
     shared_latency_4x_long: float = 0.0
     shared_chunk_long: float = 0.0
+    module_call_seconds: float = 0.0
     cache_bytes: int = CACHE_BYTES
     mmap_threshold_bytes: int = MMAP_THRESHOLD_BYTES
 
@@ -98,6 +100,11 @@ class TimeSharedCpu(DedicatedDevices):
         path = (m - 1) * max(alone) + sum(t * r.stages_alike for t, r in zip(alone, reports))
         return max(work, path)
 
+    def module_seconds(self, calls: float) -> float:
+        """On a CPU every op waits for its own Python, dispatch and autograd work: a fixed
+        cost per module call, which a micro-batch of few rows cannot hide."""
+        return calls * self.module_call_seconds
+
     def elementwise_classes(self, work: tuple[tuple[int, int], ...]) -> tuple[int, int, int]:
         """A pass over a tensor larger than ``cache_bytes`` is a large one; over one of
         ``mmap_threshold_bytes`` or more (glibc maps each new one afresh) a huge one too."""
@@ -139,7 +146,7 @@ def time_shared_cpu_from_json(data: dict, path: str, positive) -> TimeSharedCpu:
         raise ValueError(f"{path}: unknown host fields {unknown}; delete the file and calibrate again")
     kwargs = {k: data[k] for k in names if k in data}
     for k, v in kwargs.items():
-        if k in SHARED or k.endswith("elementwise_bandwidth"):
+        if k in SHARED or k.endswith("elementwise_bandwidth") or k == "module_call_seconds":
             if v == 0 and not isinstance(v, bool):
                 continue  # 0: not measured
             positive(k, v, path)

@@ -52,6 +52,16 @@ class StageCost:
         return self.first.tensors + self.blocks * sum(p.tensors for p in self.block) + self.last.tensors
 
     @cached_property
+    def block_modules(self) -> int:
+        """Module calls of one block's forward."""
+        return sum(p.modules for p in self.block)
+
+    @cached_property
+    def modules(self) -> int:
+        """Module calls of the stage's forward, one micro-batch."""
+        return self.first.modules + self.blocks * self.block_modules + self.last.modules
+
+    @cached_property
     def block_saved(self) -> int:
         """Activation bytes one block keeps for backward."""
         return sum(p.saved for p in self.block)

@@ -98,9 +98,10 @@ def compute_seconds(cost, checkpointing: bool, hw: Hardware, e: int) -> float:
     matmul = (3 * flops + again * b_flops) / (hw.flops * hw.flops_efficiency)
     attention = (3 * attn + again * b_attn) / hw.attention_flops
     classes, b_classes = hw.host.elementwise_classes(work), hw.host.elementwise_classes(b_work)
-    # the recompute runs the forward half of the passes again
+    # the recompute runs the forward half of the passes (and of the module calls) again
     elems, big, huge = (x + again * b / 2 for x, b in zip(classes, b_classes))
-    return matmul + attention + elementwise_seconds(elems, big, huge, hw, e)
+    calls = hw.host.module_seconds(cost.modules + again * cost.block_modules / 2)
+    return matmul + attention + elementwise_seconds(elems, big, huge, hw, e) + calls
 
 
 def elementwise_seconds(elems: float, big: float, huge: float, hw: Hardware, e: int) -> float:
@@ -115,7 +116,8 @@ def elementwise_seconds(elems: float, big: float, huge: float, hw: Hardware, e: 
 def piece_seconds(piece, hw: Hardware, e: int) -> float:
     """Seconds of one piece's forward and backward on a whole device (as ``compute_seconds``)."""
     matmul = 3 * piece.flops / (hw.flops * hw.flops_efficiency) + 3 * piece.attn_flops / hw.attention_flops
-    return matmul + elementwise_seconds(*hw.host.elementwise_classes(piece.elementwise), hw, e)
+    return (matmul + elementwise_seconds(*hw.host.elementwise_classes(piece.elementwise), hw, e)
+            + hw.host.module_seconds(piece.modules))
 
 
 def optimizer_seconds(param_elements: float, hw: Hardware) -> float:

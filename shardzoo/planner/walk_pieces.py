@@ -18,6 +18,7 @@ order, priced by the layout's cost object as parallelize builds it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -211,7 +212,8 @@ def _pieces(ctx: Context, steps: list[Step], untie: bool = False) -> list[Piece]
             started.add(owner.name)
             out += attention_pieces(ctx, owner)
         reads_saved = step.style == "row" and relu_parent == parent
-        out += step_pieces(ctx, step, untie=untie, input_saved=not reads_saved)
+        pieces = step_pieces(ctx, step, untie=untie, input_saved=not reads_saved) or [Piece()]
+        out += [dataclasses.replace(pieces[0], modules=pieces[0].modules + 1), *pieces[1:]]  # one module call
         if step.style is None and step.width and _is_activation(step.module):
             relu_parent = parent if _is_relu(step.module) else None
     return out

@@ -147,3 +147,35 @@ def test_the_backend_of_the_hardware_prices_its_broadcasts():
     per_byte = 100 * 4 * 7 / 8 / a100.intra_bandwidth
     assert nccl == pytest.approx(per_byte + 100 * 7 * a100.intra_latency)
     assert gloo == pytest.approx(per_byte + 100 * 3 * a100.intra_latency)
+
+
+def test_each_module_call_costs_its_fixed_host_time_on_a_cpu_only():
+    """A walked stage counts one call per module its forward runs (hooks on the real model count
+    them here); the CPU host adds ``module_call_seconds`` per call, with checkpointing the
+    blocks' forward half again; an accelerator adds nothing."""
+    import torch
+
+    from shardzoo.layers.tensor_layout import LAYOUTS
+    from shardzoo.models.gpt2 import GPT2_SPEC
+    from shardzoo.planner.model import Batch, assemble
+    from shardzoo.planner.walked import family_shape
+
+    config = GPT2_SPEC.config(**GPT2_SPEC.tiny_config(layers=2, vocab=32, ffn=64, hidden=16, heads=2))
+    shape = family_shape(GPT2_SPEC, config, "tiny")
+    cost = assemble(shape, shape.parts(LAYOUTS["1d"].costs(1, 1, 4), Batch(1, 8, 1, "ring", 4)))
+    ran = []
+    leaves = [m for m in shape.walk.model.modules() if next(m.children(), None) is None]
+    handles = [m.register_forward_pre_hook(lambda *_: ran.append(1)) for m in leaves]
+    try:
+        with torch.no_grad():
+            shape.walk.model(torch.zeros(1, 8, dtype=torch.long, device=next(shape.walk.model.parameters()).device))
+    finally:
+        for h in handles:
+            h.remove()
+    assert cost.modules == len(ran) and cost.block_modules * 2 < len(ran)
+    hw = dataclasses.replace(HARDWARE["a100"], host=CPU)
+    timed = dataclasses.replace(hw, host=dataclasses.replace(CPU, module_call_seconds=1e-4))
+    for ckpt, calls_run in ((False, cost.modules), (True, cost.modules + cost.blocks * cost.block_modules / 2)):
+        extra = compute_seconds(cost, ckpt, timed, 4) - compute_seconds(cost, ckpt, hw, 4)
+        assert extra == pytest.approx(calls_run * 1e-4, rel=1e-9)
+    assert DEDICATED.module_seconds(cost.modules) == 0.0
