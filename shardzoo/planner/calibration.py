@@ -7,12 +7,12 @@ cache-sized tensors, the gloo bandwidth and per-message latency between two loca
 memory a rank process holds before any model (torch, gloo) and the memory bandwidth (reported
 only); and those of its host model, :class:`~shardzoo.planner.host_cpu.TimeSharedCpu`: the
 elementwise bandwidths over large and huge tensors, the fixed cost of a module call (forward
-and backward of tiny transformer blocks, per module) and the latency of a message with 2 and 4
+and backward of a tiny model's training step, per module call) and the latency of a message with 2 and 4
 busy ranks per core, where it waits for a core. The result is cached in ``$SHARDZOO_CACHE_DIR``
 (default ``~/.cache/shardzoo``) as ``hardware-<host>.json`` and reused.
 
 The measuring here is the least the planner needs at run time: the rank's runtime memory comes
-from one tiny training step (:func:`_tiny_training_rss`). Checking the planner's predictions
+from a few tiny training steps (:func:`_tiny_training`), as does the fixed cost of a module call. Checking the planner's predictions
 against real runs is benchmark code (bench/_measure.py, bench/plan.py).
 """
 
@@ -118,43 +118,6 @@ def _measure_attention(reps: int = 3) -> float:
     return 3 * 4 * 4 * 512 * 512 * 64 / _median_seconds(lambda: flash_attention(q, k, v).sum().backward(), reps)
 
 
-def _tiny_block(hidden: int = 16, heads: int = 2):
-    """A pre-LN transformer block of plain torch modules: 7 module calls (2 LayerNorms, 4
-    Linears, a GELU) and the attention, reshapes and residual adds between them."""
-    import torch.nn.functional as F
-    from torch import nn
-
-    class TinyBlock(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.ln_1, self.qkv, self.proj = nn.LayerNorm(hidden), nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
-            self.ln_2, self.fc1, self.act = nn.LayerNorm(hidden), nn.Linear(hidden, 4 * hidden), nn.GELU()
-            self.fc2 = nn.Linear(4 * hidden, hidden)
-
-        def forward(self, x):  # [b, s, hidden] -> same
-            b, s, h = x.shape
-            q, k, v = self.qkv(self.ln_1(x)).view(b, s, 3, heads, h // heads).permute(2, 0, 3, 1, 4)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h)
-            x = x + self.proj(y)
-            return x + self.fc2(self.act(self.fc1(self.ln_2(x))))
-
-    return TinyBlock()
-
-
-TINY_BLOCK_MODULES = 7
-
-
-def _measure_module_call(blocks: int = 4, reps: int = 15) -> float:
-    """Seconds of one module call of a transformer block, forward and backward, on tensors
-    too small to cost anything but the call itself (Python, dispatch, autograd): a chain of
-    tiny blocks over [1, 8, 16], per module."""
-    import torch
-
-    chain = torch.nn.Sequential(*[_tiny_block() for _ in range(blocks)])
-    x = torch.randn(1, 8, 16, requires_grad=True)
-    return _median_seconds(lambda: chain(x).sum().backward(), reps) / (blocks * TINY_BLOCK_MODULES)
-
-
 def _measure_mem_bandwidth(n_bytes: int = 64 << 20) -> float:
     import torch
 
@@ -163,9 +126,12 @@ def _measure_mem_bandwidth(n_bytes: int = 64 << 20) -> float:
     return 2 * n_bytes / _median_seconds(lambda: dst.copy_(src), 5)  # read + write
 
 
-def _tiny_training_rss() -> int:
-    """RSS of a rank that has trained a tiny model (dp=2, DDP, AdamW, two steps): torch, gloo,
-    shardzoo's code and the allocator's arenas, before any real model."""
+def _tiny_training(steps: int = 9) -> tuple[int, float]:
+    """(RSS, seconds per module call) of a rank training a tiny model of a causal LM family
+    (dp=2, DDP, AdamW): the RSS after it holds torch, gloo, shardzoo's code and the allocator's
+    arenas, before any real model; a forward and backward there costs nothing but the calls
+    themselves (Python, dispatch, autograd, the hooks of the engines), so its median time over
+    the module calls of its forward is the fixed cost of one call."""
     import torch
 
     from shardzoo.comm.mesh_cache import cached_mesh
@@ -179,13 +145,23 @@ def _tiny_training_rss() -> int:
     wrapped = data_parallel(model, mesh, zero=0)
     optimizer = zero_optimizer(wrapped, torch.optim.AdamW, lr=1e-4)
     ids = torch.randint(0, 16, (1, 5), generator=torch.Generator().manual_seed(mesh.dp_rank))
-    for _ in range(2):
+    calls = []
+    leaves = [m for m in model.modules() if next(m.children(), None) is None]
+    handles = [m.register_forward_pre_hook(lambda *_: calls.append(1)) for m in leaves]
+    times = []
+    for i in range(steps):
         optimizer.zero_grad(set_to_none=True)
+        start = time.perf_counter()
         model.loss(wrapped(model.shard_input(ids[:, :-1])), model.shard_target(ids[:, 1:])).backward()
+        times.append(time.perf_counter() - start)
         optimizer.step()
+        if i == 0:
+            for h in handles:
+                h.remove()
     torch.distributed.barrier()
     with open("/proc/self/status") as f:
-        return next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)
+        rss = next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)
+    return rss, statistics.median(times[1:]) / len(calls)
 
 
 def _gloo_probe(small: int, large: int, reps: int) -> dict:
@@ -206,11 +182,11 @@ def _gloo_probe(small: int, large: int, reps: int) -> dict:
             out.append(time.perf_counter() - start)
         return statistics.median(out)
 
-    out = {"small": timed(small), "large": timed(large), "rss": _tiny_training_rss()}
+    out = {"small": timed(small), "large": timed(large)}
+    out["rss"], out["module_call"] = _single_thread(_tiny_training)
     for key, measure in (("flops", _measure_flops), ("attention", _measure_attention),
                          ("elementwise", _measure_norm_bandwidth), ("large_elementwise", _measure_loss_bandwidth),
-                         ("huge_elementwise", lambda: _measure_loss_bandwidth(1024)),
-                         ("module_call", _measure_module_call)):
+                         ("huge_elementwise", lambda: _measure_loss_bandwidth(1024))):
         dist.barrier()
         out[key] = _single_thread(measure)
     return out
@@ -325,7 +301,7 @@ def calibrate(use_cache: bool = True) -> Hardware:
                   attention_flops=rate("attention"), elementwise_bandwidth=rate("elementwise"), backend="gloo", host=host,
                   source=f"measured on {platform.node()} at {time.strftime('%Y-%m-%d %H:%M')}: on 2 local ranks at "
                          f"once, one thread each, fp32 matmul, attention, LayerNorm (small tensors) and cross entropy "
-                         f"(8 and 32 MiB of logits) per core, a module call of tiny transformer blocks; gloo all_reduce between the 2 ranks, alone and with 2 and 4 busy "
+                         f"(8 and 32 MiB of logits) per core, a module call of a tiny model's training step; gloo all_reduce between the 2 ranks, alone and with 2 and 4 busy "
                          f"ranks per core after short and long matmuls; rank RSS after a tiny training step; memory copy")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"

@@ -30,8 +30,8 @@ class TimeSharedCpu(DedicatedDevices):
     with ``shared_chunk`` seconds of single-core compute between messages (0: not measured, the
     link latency is scaled by ranks / cores); shared_latency_2x_long / _4x_long: the same with
     ``shared_chunk_long`` seconds between messages (0: not measured, the short figures serve for
-    every chunk); module_call_seconds: the fixed CPU time of one module call of a transformer
-    block, forward and backward, on one core (0: not measured)."""
+    every chunk); module_call_seconds: the fixed CPU time of one module call of a training
+    step, forward and backward, on one core (0: not measured)."""
 
     cores: int = 1
     large_elementwise_bandwidth: float = 0.0
