@@ -7,13 +7,14 @@ cache-sized tensors, the gloo bandwidth and per-message latency between two loca
 memory a rank process holds before any model (torch, gloo) and the memory bandwidth (reported
 only); and those of its host model, :class:`~shardzoo.planner.host_cpu.TimeSharedCpu`: the
 elementwise bandwidths over large and huge tensors, the fixed cost of a module call (forward
-and backward of a tiny model's training step, per module call) and the latency of a message with 2 and 4
-busy ranks per core, where it waits for a core. The result is cached in ``$SHARDZOO_CACHE_DIR``
-(default ``~/.cache/shardzoo``) as ``hardware-<host>.json`` and reused.
+and backward of a tiny model's training step, per module call) and the latency of a message
+with 2 and 4 busy ranks per core, where it waits for a core. The result is cached in
+``$SHARDZOO_CACHE_DIR`` (default ``~/.cache/shardzoo``) as ``hardware-<host>.json`` and reused.
 
-The measuring here is the least the planner needs at run time: the rank's runtime memory comes
-from a few tiny training steps (:func:`_tiny_training`), as does the fixed cost of a module call. Checking the planner's predictions
-against real runs is benchmark code (bench/_measure.py, bench/plan.py).
+The measuring here is the least the planner needs at run time: the rank's runtime memory and
+the fixed cost of a module call come from a few tiny training steps (:func:`_tiny_training`).
+Checking the planner's predictions against real runs is benchmark code (bench/_measure.py,
+bench/plan.py).
 """
 
 from __future__ import annotations
@@ -301,8 +302,9 @@ def calibrate(use_cache: bool = True) -> Hardware:
                   attention_flops=rate("attention"), elementwise_bandwidth=rate("elementwise"), backend="gloo", host=host,
                   source=f"measured on {platform.node()} at {time.strftime('%Y-%m-%d %H:%M')}: on 2 local ranks at "
                          f"once, one thread each, fp32 matmul, attention, LayerNorm (small tensors) and cross entropy "
-                         f"(8 and 32 MiB of logits) per core, a module call of a tiny model's training step; gloo all_reduce between the 2 ranks, alone and with 2 and 4 busy "
-                         f"ranks per core after short and long matmuls; rank RSS after a tiny training step; memory copy")
+                         f"(8 and 32 MiB of logits) per core, a module call of a tiny model's training step; gloo "
+                         f"all_reduce between the 2 ranks, alone and with 2 and 4 busy ranks per core after short and "
+                         f"long matmuls; rank RSS after a few tiny training steps; memory copy")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
