@@ -95,7 +95,8 @@ def validate_world(world: int, args, hw) -> dict:
 
     for c in chosen:
         got = launch(c)
-        rows.append(dict(candidate=c, step_s=max(r["step_s"] for r in got), launches=[max(r["step_s"] for r in got)],
+        step_s = max(r["step_s"] for r in got)
+        rows.append(dict(candidate=c, step_s=step_s, launches=[step_s],
                          peak=max(r["peak_rss"] for r in got), base=max(r["base_rss"] for r in got)))
         print(f"world {world}: {c.describe()}: step {rows[-1]['step_s']:.3f} s (predicted {c.step_seconds:.3f}), "
               f"peak {rows[-1]['peak'] / 2**20:.0f} MiB (predicted {c.peak_bytes_per_rank / 2**20:.0f}; "

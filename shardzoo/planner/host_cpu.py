@@ -141,12 +141,13 @@ def time_shared_cpu_from_json(data: dict, path: str, positive) -> TimeSharedCpu:
     """A TimeSharedCpu from a cache file's ``host`` object (untrusted: every field checked;
     ``positive(name, value, path)`` raises on a value that is not a positive finite number)."""
     names = {f.name for f in fields(TimeSharedCpu)}
+    measured = {f.name for f in fields(TimeSharedCpu) if isinstance(f.default, float)}  # 0: not measured
     unknown = sorted(k for k in data if k not in names and k != "kind")
     if unknown:
         raise ValueError(f"{path}: unknown host fields {unknown}; delete the file and calibrate again")
     kwargs = {k: data[k] for k in names if k in data}
     for k, v in kwargs.items():
-        if k in SHARED or k.endswith("elementwise_bandwidth") or k == "module_call_seconds":
+        if k in measured:
             if v == 0 and not isinstance(v, bool):
                 continue  # 0: not measured
             positive(k, v, path)

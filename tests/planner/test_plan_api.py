@@ -141,6 +141,11 @@ def test_calibration_cache_is_reused_and_checked(tmp_path, monkeypatch):
         json.dump({"version": calibration.CACHE_VERSION, "hardware": stored}, f)
     with pytest.raises(ValueError, match="cores=0 must be a positive integer"):
         calibration.calibrate()
+    stored["host"]["cores"], stored["host"]["module_call_seconds"] = 2, -1e-4  # a measured figure: 0 or positive
+    with open(path, "w") as f:
+        json.dump({"version": calibration.CACHE_VERSION, "hardware": stored}, f)
+    with pytest.raises(ValueError, match="module_call_seconds=-0.0001 must be a positive finite number"):
+        calibration.calibrate()
     with open(path, "w") as f:
         f.write("{not json")
     with pytest.raises(ValueError, match="is not valid JSON"):
