@@ -81,8 +81,8 @@ def check_collective(op, shape, dim, dim2, dtype_name, seed, src):
     y.backward(gs[r])
     exp_y, exp_g = _expected(op, xs, gs, r, p, dim, dim2, src)
     assert y.dtype == dtype and x.grad.dtype == dtype
-    assert_close(y, exp_y, f"{op} forward", scale=p)
-    assert_close(x.grad, exp_g, f"{op} backward", scale=p)
+    assert_close(y, exp_y, f"{op} forward", terms=p, parts=p)
+    assert_close(x.grad, exp_g, f"{op} backward", terms=p, parts=p)
     return tuple(y.shape)
 
 

@@ -62,12 +62,15 @@ def auto_backend(nprocs: int) -> str:
 
 
 def threads_per_rank(nprocs: int) -> int:
-    """This machine's cores shared between the ranks: cores // nprocs, at least 1."""
+    """This machine's cores shared between the ranks: cores // nprocs, at least 1, and at most
+    OMP_NUM_THREADS where that is set (so a run pinned to one thread stays on one)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
         cores = os.cpu_count() or 1
-    return max(1, cores // nprocs)
+    threads = max(1, cores // nprocs)
+    cap = os.environ.get("OMP_NUM_THREADS", "")
+    return min(threads, int(cap)) if cap.isdigit() and int(cap) > 0 else threads
 
 
 def _worker_main(rank, world, port, backend, threads, timeout_s, stack_path, conn) -> None:

@@ -11,8 +11,9 @@
 """
 
 from shardzoo.testing.asserts import TOLERANCES, assert_close, assert_close_conditioned, error_messages, tolerance
-from shardzoo.testing.dtypes import DTYPES, dtypes
+from shardzoo.testing.dtypes import DTYPES, dtypes, model_terms, reorder_bound, rms_of
 from shardzoo.testing.pools import cached_mesh, close_pools, get_pool, run_on_ranks
 
-__all__ = ["DTYPES", "dtypes", "TOLERANCES", "assert_close", "assert_close_conditioned", "tolerance", "cached_mesh",
+__all__ = ["DTYPES", "dtypes", "TOLERANCES", "assert_close", "assert_close_conditioned", "tolerance", "reorder_bound",
+           "model_terms", "rms_of", "cached_mesh",
            "close_pools", "get_pool", "run_on_ranks"]

@@ -8,10 +8,12 @@ hypothesis example on 8 ranks costs a round trip of a few milliseconds.
 from __future__ import annotations
 
 import atexit
+import os
 from typing import Any, Callable
 
 from shardzoo.comm.mesh_cache import MESH_CACHE_SIZE, cached_mesh  # noqa: F401  (part of shardzoo.testing)
 from shardzoo.comm.workers import WorkerPool
+from shardzoo.testing import margins
 
 DEFAULT_TIMEOUT_S = 120.0
 _pools: dict[int, WorkerPool] = {}
@@ -32,6 +34,8 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
     ``fn`` must be a module-level function; inside it torch.distributed is initialised with
     ``world_size`` ranks, so it can build a ``ParallelMesh``. Failures re-raise here with the
     failing rank and its remote traceback."""
+    if os.environ.get(margins.ENV):  # label the workers' margin records with the running test
+        return get_pool(world_size).run(margins.labelled, margins.test_id(), fn, *args, timeout=timeout)
     return get_pool(world_size).run(fn, *args, timeout=timeout)
 
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from shardzoo.layers.sequence import gather_sequence, shard_padding_mask, shard_sequence
 from shardzoo.testing import assert_close, assert_close_conditioned
-from shardzoo.testing.dtypes import SEQUENCE_BF16_TOL, dtypes
+from shardzoo.testing.dtypes import SEQUENCE_BF16_TOL, TINY_MODEL_TERMS, dtypes
 
 DTYPES = dtypes("fp32", "fp64", "bf16")
 MASK_KINDS = ["none", "random", "right_pad", "rank_padded", "all_padded"]
@@ -101,14 +101,14 @@ def compare(actual, expected, dtype, what):
     for i, (name, a, e) in enumerate(zip(names, actual, expected)):
         if serial is not None and dtype != torch.bfloat16:
             assert a.dtype == dtype, f"{what} {name} dtype {a.dtype} != {dtype}"
-            assert_close_conditioned(a, serial[i], e, f"{what} {name}", scale=4.0)
+            assert_close_conditioned(a, serial[i], e, f"{what} {name}", terms=TINY_MODEL_TERMS)
             continue
         assert a.dtype == dtype, f"{what} {name} dtype {a.dtype} != {dtype}"
         if dtype == torch.bfloat16:
             rtol, atol = SEQUENCE_BF16_TOL["out" if name == "out" else "grad"]
             torch.testing.assert_close(a.double(), e, rtol=rtol, atol=atol, msg=lambda m: f"{what} {name}: {m}")
         else:
-            assert_close(a, e.to(dtype), f"{what} {name}", scale=4.0)
+            assert_close(a, e.to(dtype), f"{what} {name}", terms=TINY_MODEL_TERMS)
 
 
 # dropout probability and seed of the dropout cases (a seed above 2**32)

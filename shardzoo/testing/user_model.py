@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardzoo.testing.asserts import assert_close_conditioned
+from shardzoo.testing.dtypes import TINY_MODEL_TERMS
 from shardzoo.testing.pools import cached_mesh
 
 PLAN = {
@@ -121,12 +122,13 @@ def check_user_model(mesh_kwargs: dict, sp_mode: str = "ring", padded: bool = Fa
     with torch.no_grad():
         for p in parallel.parameters():
             p -= p.grad
-    assert_close_conditioned(loss.detach(), loss_s, loss_x, "loss")
-    assert_close_conditioned(shardzoo.gather_logits(parallel, logits.detach()), logits_s, logits_x, "logits")
+    assert_close_conditioned(loss.detach(), loss_s, loss_x, "loss", terms=TINY_MODEL_TERMS)
+    assert_close_conditioned(shardzoo.gather_logits(parallel, logits.detach()), logits_s, logits_x, "logits",
+                             terms=TINY_MODEL_TERMS)
     full, reference, exact_state = shardzoo.full_state_dict(parallel), serial.state_dict(), exact.state_dict()
     assert set(full) == set(reference), sorted(set(full) ^ set(reference))
     for name, value in reference.items():
-        assert_close_conditioned(full[name], value, exact_state[name], f"{name} after a step", scale=4.0)
+        assert_close_conditioned(full[name], value, exact_state[name], f"{name} after a step", terms=TINY_MODEL_TERMS)
     return max((full[n] - v).abs().max().item() for n, v in reference.items())
 
 
@@ -146,4 +148,4 @@ def assert_params_match(parallel: nn.Module, serial: nn.Module, exact: nn.Module
 
     full, exact_state = shardzoo.full_state_dict(parallel), exact.state_dict()
     for name, value in serial.state_dict().items():
-        assert_close_conditioned(full[name], value, exact_state[name], f"{name} after a step", scale=4.0)
+        assert_close_conditioned(full[name], value, exact_state[name], f"{name} after a step", terms=TINY_MODEL_TERMS)

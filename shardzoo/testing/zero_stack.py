@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from shardzoo.testing import assert_close_conditioned, cached_mesh
+from shardzoo.testing.dtypes import TINY_MODEL_TERMS
 
 CONFIG = dict(n_layer=2, n_embd=32, n_head=4, vocab_size=37, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0,
               attn_pdrop=0.0)
@@ -131,7 +132,7 @@ def assert_weights(got: dict, serial, what: str) -> None:
     missing = set(w32) - set(got)
     assert not missing, f"{what}: missing {sorted(missing)}"
     for name in got.keys() & w32.keys():
-        assert_close_conditioned(got[name], w32[name], w64[name], f"{what} {name}")
+        assert_close_conditioned(got[name], w32[name], w64[name], f"{what} {name}", terms=TINY_MODEL_TERMS)
 
 
 # -- optimizer state, checkpoints -------------------------------------------------------------

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardzoo.layers.cross_entropy import vocab_parallel_cross_entropy
-from shardzoo.testing import assert_close, cached_mesh, dtypes, run_on_ranks
+from shardzoo.testing import assert_close_conditioned, cached_mesh, dtypes, run_on_ranks
 
 DTYPES = dtypes("fp32", "fp64")
 
@@ -31,11 +31,19 @@ def check_cross_entropy(case, group_axes=None):
     target = torch.where(torch.rand(shape, generator=gen) < case["p_ignore"], torch.full_like(target, ignore), target)
     grad_out = torch.randn(shape if case["reduction"] == "none" else (), generator=gen, dtype=torch.float64).to(dtype)
 
-    full = logits.clone().requires_grad_(True)
     kwargs = dict(ignore_index=ignore, label_smoothing=case["smoothing"], reduction=case["reduction"])
-    ref = F.cross_entropy(full.flatten(0, -2), target.flatten(), **kwargs)
-    ref = ref.reshape(shape) if case["reduction"] == "none" else ref
-    ref.backward(grad_out)
+
+    def serial(in_dtype):
+        """F.cross_entropy on the full logits (the same rounded values) in ``in_dtype``: loss, logits grad."""
+        full = logits.detach().to(in_dtype).clone().requires_grad_(True)
+        ref = F.cross_entropy(full.flatten(0, -2), target.flatten(), **kwargs)
+        ref = ref.reshape(shape) if case["reduction"] == "none" else ref
+        ref.backward(grad_out.to(in_dtype))
+        return ref.detach(), full.grad
+
+    ref, ref_grad = serial(dtype)
+    exact, exact_grad = serial(torch.float64)  # how far the serial run itself is from exact
+    gauge, gauge_grad = serial(torch.float32) if dtype == torch.float64 else (None, None)
 
     per_rank = -(-vocab // p)
     padded = torch.cat([logits, torch.full((*shape, per_rank * p - vocab), 50.0, dtype=dtype)], -1)
@@ -47,10 +55,21 @@ def check_cross_entropy(case, group_axes=None):
     if case["reduction"] == "mean" and not bool((target != ignore).any()):
         assert torch.isnan(loss) and torch.isnan(ref), "mean over zero counted targets is nan, as in torch"
         return float("nan")
-    scale = 10 * p
-    assert_close(loss, ref.detach(), "loss", scale)
-    expected = torch.cat([full.grad, torch.zeros(*shape, per_rank * p - vocab, dtype=dtype)], -1)
-    assert_close(local.grad, expected[..., r * per_rank:(r + 1) * per_rank], "logits grad", scale)
+    # The softmax sums over the vocabulary, the mean over the tokens. A loss near 0 is the
+    # difference of a log-sum-exp and a target logit, each of the logits' size; a gradient element
+    # near 0 is the difference of a probability and a target weight, each up to |grad_out| / count.
+    # exp turns an absolute error of a logit into a relative error of its probability
+    tol = dict(terms=vocab + target.numel(), parts=p, condition=1 + float(logits.abs().max()))
+    count = int((target != ignore).sum()) if case["reduction"] == "mean" else 1
+    assert_close_conditioned(loss, ref, exact, "loss", floor=float(logits.abs().max()), gauge=gauge, **tol)
+
+    def padded_block(grad):
+        return torch.cat([grad, torch.zeros(*shape, per_rank * p - vocab, dtype=grad.dtype)], -1)[
+            ..., r * per_rank:(r + 1) * per_rank]
+
+    assert_close_conditioned(local.grad, padded_block(ref_grad), padded_block(exact_grad), "logits grad",
+                             floor=float(grad_out.abs().max()) / max(count, 1),
+                             gauge=None if gauge_grad is None else padded_block(gauge_grad), **tol)
     return float(loss.detach().sum())
 
 

@@ -44,8 +44,10 @@ def check_embedding(case):
     y_ref.backward(gy)
     y = par.gather_output(par(par.shard_input(ids)))
     y.backward(gy)
-    assert_close(y, y_ref.detach(), "output", tp)
-    assert_close(gather_full(par.weight.grad, get_shard_spec(par, "weight"), mesh), serial.weight.grad, "weight grad", tp)
+    tol = dict(terms=case["batch"] * case["seq"], parts=tp)  # a row's gradient sums over the tokens
+    assert_close(y, y_ref.detach(), "output", **tol)
+    assert_close(gather_full(par.weight.grad, get_shard_spec(par, "weight"), mesh), serial.weight.grad,
+                 "weight grad", **tol)
     spec = get_shard_spec(par, "weight")
     padding_rows = par.weight[spec.valid_local()[0].stop:]
     assert not padding_rows.any() and not par.weight.grad[spec.valid_local()[0].stop:].any()

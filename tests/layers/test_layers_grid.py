@@ -15,7 +15,6 @@ from torch import nn
 from shardzoo.layers import layouts
 from shardzoo.testing import assert_close, run_on_ranks
 from shardzoo.testing.grid import BATCH_PARTS, DTYPES, classes, hidden_parts_of, mesh_of, world_of
-from shardzoo.testing.dtypes import GRID_SCALE
 from shardzoo.testing.serial_twin import (check_grads_match, check_state_matches, compare_module, data_seed, perturbed,
                                           randn)
 from shardzoo.testing.tied_classifier import check_checkpoint_round_trip, check_tied_classifier
@@ -227,11 +226,13 @@ def check_lm(case):
     w = randn(dseed + 1, loss.shape, loss.dtype)  # weights every per-token loss differently
     (loss * w).sum().backward()
     (loss_p * w).sum().backward()
-    assert_close(head_p.gather_output(logits_p.detach()), logits.detach(), "logits", GRID_SCALE)
-    assert_close(loss_p.detach(), loss.detach(), f"loss ({reduction})", GRID_SCALE)
-    check_grads_match(emb_p, emb, mesh, "embedding")
+    # logits over hidden, the loss over the vocabulary and the tokens, the table's gradient over the tokens
+    terms = h + v + 2 * case["batch"] * case["seq"]
+    assert_close(head_p.gather_output(logits_p.detach()), logits.detach(), "logits", terms=terms, parts=mesh.tp_size)
+    assert_close(loss_p.detach(), loss.detach(), f"loss ({reduction})", terms=terms, parts=mesh.tp_size)
+    check_grads_match(emb_p, emb, mesh, "embedding", terms=terms)
     if not case["tied"]:
-        check_grads_match(head_p, head, mesh, "head")
+        check_grads_match(head_p, head, mesh, "head", terms=terms)
     return float(loss_p.detach().sum())
 
 

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from shardzoo.layers.batch_loss import shift_labels
 from shardzoo.testing import assert_close, cached_mesh, run_on_ranks
+from shardzoo.testing.dtypes import TINY_MODEL_TERMS
 from shardzoo.testing.hf_twins import converted, grads_vs_reference, hf_gpt2, hf_opt, shardzoo_twin
 from shardzoo.testing.meshes import with_world
 
@@ -25,7 +26,7 @@ def test_shift_labels_is_transformers_causal_shift():
     shifted = shift_labels(labels)
     assert shifted[:, -1].eq(-100).all() and torch.equal(shifted[:, :-1], labels[:, 1:])
     assert_close(F.cross_entropy(logits.flatten(0, 1), shifted.flatten()), ForCausalLMLoss(logits, labels, 11),
-                 "shifted cross entropy")
+                 "shifted cross entropy", terms=TINY_MODEL_TERMS)
     assert torch.equal(shift_labels(labels, ignore_index=-1)[:, -1], torch.full((3,), -1))
     with pytest.raises(ValueError, match=r"shape \(7,\) must be \[batch, seq\]"):
         shift_labels(labels[0])
@@ -67,13 +68,14 @@ def labels_case(family, layout, seed):
     logits = model(model.shard_input(ids.chunk(mesh.dp_size)[mesh.dp_rank]))
     loss = model.loss(logits, labels=mine)
     loss.backward()
-    assert_close(loss.detach(), out.loss.detach(), f"{family} {layout} loss(labels=)")
+    assert_close(loss.detach(), out.loss.detach(), f"{family} {layout} loss(labels=)", terms=TINY_MODEL_TERMS)
     grads_vs_reference(model, mesh, grads, f"{family} {layout} labels=")
     real = (shift_labels(labels) if model.causal else labels).ne(-100).sum()
     assert int(model.count_targets(labels=mine)) == int(real)
     # the positional target is scored as given: transformers' logits against the unshifted labels
     unshifted = model.loss(logits.detach(), model.shard_target(mine))
-    assert_close(unshifted, F.cross_entropy(out.logits.detach().flatten(0, 1), labels.flatten()), "loss(target)")
+    assert_close(unshifted, F.cross_entropy(out.logits.detach().flatten(0, 1), labels.flatten()), "loss(target)",
+                 terms=TINY_MODEL_TERMS)
     with pytest.raises(ValueError, match="either target .* or labels=.*not both"):
         model.loss(logits, model.shard_target(mine), labels=mine)
     return True

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from shardzoo.models.spec import family_names
 from shardzoo.testing import assert_close, cached_mesh, run_on_ranks
+from shardzoo.testing.dtypes import TINY_MODEL_TERMS
 from shardzoo.testing.hf_twins import LAYOUTS
 
 VOCAB = 101  # not divisible by 2, 4 or 8: every tp layout pads the vocabulary
@@ -220,13 +221,13 @@ def check_family(family, world, dirs, refs, inputs):
                 assert not hasattr(model.bert, "pooler")
             with torch.no_grad():
                 out = _forward(model, family, inputs)
-                assert_close(out, refs[variant], f"{layout} {variant} output", scale=5)
+                assert_close(out, refs[variant], f"{layout} {variant} output", terms=TINY_MODEL_TERMS)
                 if variant == "bert_base":  # BertModel file -> the bare encoder, pooler included
                     assert model.head_name is None and not hasattr(model, "cls")
                     hidden = model(model.shard_input(inputs["ids"]), model.shard_mask(inputs["mask"]),
                                    model.shard_input(inputs["types"]))
                     assert_close(model.gather_pooled(model.pool(hidden)), refs["bert_base_pooled"],
-                                 f"{layout} {variant} pooled", scale=5)
+                                 f"{layout} {variant} pooled", terms=TINY_MODEL_TERMS)
             padding += _padding(model)
     return padding
 
@@ -262,7 +263,7 @@ def check_pipeline_stages(hf_dir, ref, inputs):
         hidden = torch.empty(BATCH, SEQ, model.config.n_embd)
         dist.recv(hidden, first)
         logits = model.gather_output(model(hidden))
-    assert_close(logits, ref, "last stage logits", scale=5)
+    assert_close(logits, ref, "last stage logits", terms=TINY_MODEL_TERMS)
     return sorted(n for n, _ in model.named_parameters())
 
 
@@ -285,13 +286,13 @@ def check_variants(dirs, refs, inputs):
     for (name, a), (_, b) in zip(single.state_dict().items(), sharded.state_dict().items()):
         assert torch.equal(a, b), f"sharded index: {name}"
     with torch.no_grad():
-        assert_close(_forward(sharded, "gpt2", inputs), refs["gpt2"], "sharded index logits", scale=5)
+        assert_close(_forward(sharded, "gpt2", inputs), refs["gpt2"], "sharded index logits", terms=TINY_MODEL_TERMS)
 
     # GPT2Model file (no "transformer." prefix, causal-mask buffers): complete for a tied model
     base = GPT2.from_pretrained(dirs["gpt2_base"], mesh=mesh).eval()
     assert base.load_result == ([], [])
     with torch.no_grad():
-        assert_close(_forward(base, "gpt2", inputs), refs["gpt2"], "GPT2Model file logits", scale=5)
+        assert_close(_forward(base, "gpt2", inputs), refs["gpt2"], "GPT2Model file logits", terms=TINY_MODEL_TERMS)
     # an untied GPT2Model file lacks only the LM head
     untied = GPT2.from_pretrained(dirs["gpt2_untied_base"], mesh=mesh, strict=False)
     assert untied.load_result == (["lm_head.weight"], [])
@@ -309,7 +310,7 @@ def check_variants(dirs, refs, inputs):
         assert torch.equal(a, b), f"gamma/beta names: {name}"
     assert BERT.from_pretrained(dirs["bert"], mesh=mesh, pooler=True).load_result == (POOLER, [])
     with torch.no_grad():
-        assert_close(_forward(legacy, "bert", inputs), refs["bert"], "gamma/beta logits", scale=5)
+        assert_close(_forward(legacy, "bert", inputs), refs["bert"], "gamma/beta logits", terms=TINY_MODEL_TERMS)
 
     # fp16 file into the fp32 model: the fp16 values, upcast
     half = GPT2.from_pretrained(dirs["gpt2_fp16"], mesh=mesh)

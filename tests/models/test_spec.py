@@ -10,6 +10,7 @@ from shardzoo.checkpoint.adapters import export_adapter
 from shardzoo.models import GPT2, GPT2Config, all_specs, spec_named, spec_of
 from shardzoo.models.families import FAMILIES, family_named, family_of
 from shardzoo.testing import assert_close, cached_mesh, run_on_ranks
+from shardzoo.testing.dtypes import TINY_MODEL_TERMS
 from shardzoo.testing.hf_twins import hf_gpt2
 
 
@@ -81,4 +82,4 @@ def test_user_subclass_loads_pretrained(tmp_path):
     ids = torch.randint(0, hf.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
     want = hf(ids).logits.detach()
     for got in run_on_ranks(load_subclass, 2, str(tmp_path), ids):
-        assert_close(got, want, "MyGPT2 logits", scale=5)
+        assert_close(got, want, "MyGPT2 logits", terms=TINY_MODEL_TERMS)

@@ -5,8 +5,8 @@ across dp sizes, ZeRO stages and tp_modes (model and AdamW state), convert, and 
 import pytest
 import torch
 
-from shardzoo.testing import run_on_ranks
-from shardzoo.testing.dtypes import ZERO_BF16_REL_TOL
+from shardzoo.testing import assert_close, run_on_ranks
+from shardzoo.testing.dtypes import TINY_MODEL_TERMS, ZERO_BF16_REL_TOL
 from shardzoo.testing.zero_stack import (CLIP, assert_weights, load_into, no_sync_leaves_grads_local, save_load_after_eval,
                                          save_between_forward_and_backward, single_rank_group_is_noop, train_and_save, train_bf16, train_pipelined, trained_weights, world_of,
                                          wrapped_in_place, wrapping_errors)
@@ -30,7 +30,8 @@ def test_pipeline_pp2_dp2_tp2_zero3_equals_serial(zero_serial):
     assert len(got) == 2  # one report per stage
     weights = {**got[0][0], **got[1][0]}
     assert_weights(weights, zero_serial, "pp2 dp2 tp2 zero=3")
-    torch.testing.assert_close(torch.tensor(got[0][1]), torch.tensor(zero_serial[2]), rtol=1e-5, atol=0)
+    assert_close(torch.tensor(got[0][1]), torch.tensor(zero_serial[2]), "pipelined global_grad_norm",
+                 terms=TINY_MODEL_TERMS)
 
 
 def test_accumulation_without_reduce_equals_one_batch(zero_serial):
@@ -39,7 +40,8 @@ def test_accumulation_without_reduce_equals_one_batch(zero_serial):
     results = run_on_ranks(trained_weights, world_of("1d"), "1d", (0, 3), torch.float32, CLIP, 2)[0]
     for zero, (weights, norms) in results.items():
         assert_weights(weights, zero_serial, f"accumulated zero={zero}")
-        torch.testing.assert_close(torch.tensor(norms), torch.tensor(zero_serial[2]), rtol=1e-5, atol=0)
+        assert_close(torch.tensor(norms), torch.tensor(zero_serial[2]), f"accumulated zero={zero} global_grad_norm",
+                     terms=TINY_MODEL_TERMS)
     for zero in (0, 3):
         assert all(run_on_ranks(no_sync_leaves_grads_local, world_of("1d"), "1d", zero)), zero
 
@@ -132,7 +134,7 @@ def test_custom_module_of_shardzoo_layers_with_plain_adamw_equals_serial(zero):
     got, ref = run_on_ranks(custom_model_steps, 4, zero)[0]
     assert got.keys() == ref.keys()
     for k, v in ref.items():
-        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=f"zero={zero}: {k}")
+        assert_close(got[k], v, f"zero={zero}: {k}", terms=TINY_MODEL_TERMS)
 
 
 @pytest.mark.parametrize("zero", [2, 3])

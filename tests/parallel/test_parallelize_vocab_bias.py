@@ -12,6 +12,7 @@ from torch import nn
 
 from shardzoo.testing import run_on_ranks
 from shardzoo.testing.asserts import assert_close_conditioned, error_messages
+from shardzoo.testing.dtypes import TINY_MODEL_TERMS
 from shardzoo.testing.meshes import with_world
 from shardzoo.testing.pools import cached_mesh
 
@@ -126,12 +127,13 @@ def check_encoder(mesh_kwargs: dict, padded: bool) -> bool:
     with torch.no_grad():
         for p in parallel.parameters():
             p -= p.grad
-    assert_close_conditioned(loss.detach(), loss_s, loss_x, "loss")
-    assert_close_conditioned(shardzoo.gather_logits(parallel, logits.detach()), logits_s, logits_x, "logits")
+    assert_close_conditioned(loss.detach(), loss_s, loss_x, "loss", terms=TINY_MODEL_TERMS)
+    assert_close_conditioned(shardzoo.gather_logits(parallel, logits.detach()), logits_s, logits_x, "logits",
+                             terms=TINY_MODEL_TERMS)
     full, reference, exact_state = shardzoo.full_state_dict(parallel), serial.state_dict(), exact.state_dict()
     assert set(full) == set(reference), sorted(set(full) ^ set(reference))
     for name, value in reference.items():
-        assert_close_conditioned(full[name], value, exact_state[name], f"{name} after a step", scale=4.0)
+        assert_close_conditioned(full[name], value, exact_state[name], f"{name} after a step", terms=TINY_MODEL_TERMS)
     return True
 
 
