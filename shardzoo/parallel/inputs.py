@@ -26,6 +26,8 @@ same value on every rank.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -47,6 +49,7 @@ class Parallelized:
         self.head, self.embedding = head, embedding
         self.key_padding_mask: torch.Tensor | None = None
         self.cu_seqlens: torch.Tensor | None = None  # this forward's packed documents (sp > 1)
+        self.num_targets = None  # this forward's num_targets= (the step's real targets), for the loss
         tpl = layout_of(mesh)
         self.input_layout = tpl.activation
         self.mask_layout = tpl.linear_output(tpl.activation)  # the attention's batch rows
@@ -73,11 +76,14 @@ def install(model: nn.Module, state: Parallelized) -> None:
     """Register the input-splitting pre-hook and record the head's output layout."""
     if state.head is not None:
         state.target_layout = layout_of(state.mesh).after(model.get_submodule(state.head))
+        if not hasattr(model, "count_targets"):  # model.count_targets(labels): the step's count
+            model.count_targets = functools.partial(count_targets, model)
     model.register_forward_pre_hook(lambda m, a, k: _split_inputs(state, a, k), with_kwargs=True)
 
 
 def _split_inputs(state: Parallelized, args: tuple, kwargs: dict):
     args, kwargs = list(args), dict(kwargs)
+    state.num_targets = kwargs.pop("num_targets", None) if state.hf else None  # for the loss (hf_model.py)
     seq = None
     state.cu_seqlens = _packed_documents(state, kwargs.get("position_ids"), kwargs.get("attention_mask"))
     if kwargs.get("input_ids") is not None:
@@ -173,6 +179,25 @@ def lm_loss(model: nn.Module, logits: torch.Tensor, labels: torch.Tensor, *, ign
     state, model = _state(model)
     target = shard_labels(state, labels, ignore_index)
     return local_loss(state, model, logits, target, ignore_index=ignore_index, num_targets=num_targets)
+
+
+def count_targets(model: nn.Module, labels, ignore_index: int = -100) -> torch.Tensor:
+    """Real targets of the whole step, int64, the same on every rank: ``labels`` is this dp
+    replica's full labels [B, S] (as ``labels=`` takes them), or the list of the step's
+    micro-batches' labels; shifted first for a causal LM, as the loss scores them. One
+    all-reduce over dp. Pass it as ``num_targets=`` to every micro-batch's forward (or
+    ``lm_loss``), so their losses are shares of the step's mean and the gradients add up."""
+    state, model = _state(model)
+    blocks = [labels] if torch.is_tensor(labels) else list(labels)
+    if not blocks or any(b.dim() != 2 for b in blocks):
+        raise ValueError(f"count_targets takes this dp replica's full labels [batch, seq], or a list of the step's "
+                         f"micro-batches' labels; got {[tuple(b.shape) for b in blocks] or 'an empty list'}")
+    if state.causal:
+        blocks = [batch_loss.shift_labels(b, ignore_index) for b in blocks]
+    local = sum((b != ignore_index).sum() for b in blocks).to(torch.int64).reshape(1)
+    if state.mesh.device_mesh.device_type == "cuda":  # NCCL reduces CUDA tensors only
+        local = local.cuda()
+    return batch_loss.sum_over_axes(local, state.mesh, ("dp",)).reshape(())
 
 
 def gather_logits(model: nn.Module, logits: torch.Tensor) -> torch.Tensor:
