@@ -31,7 +31,7 @@ import functools
 import torch
 from torch import nn
 
-from shardzoo.layers import batch_loss
+from shardzoo.layers import batch_loss, replicas
 from shardzoo.layers.packing import cu_seqlens_from_position_ids
 from shardzoo.layers.sequence import gather_sequence, shard_positions, shard_sequence
 from shardzoo.layers.shard_spec import unwrap_ddp
@@ -50,6 +50,8 @@ class Parallelized:
         self.key_padding_mask: torch.Tensor | None = None
         self.cu_seqlens: torch.Tensor | None = None  # this forward's packed documents (sp > 1)
         self.num_targets = None  # this forward's num_targets= (the step's real targets), for the loss
+        self.check_inputs = "first"  # compare the tp / sp ranks' inputs: "first" forward, "every" forward, "never"
+        self.inputs_checked = False
         tpl = layout_of(mesh)
         self.input_layout = tpl.activation
         self.mask_layout = tpl.linear_output(tpl.activation)  # the attention's batch rows
@@ -84,6 +86,7 @@ def install(model: nn.Module, state: Parallelized) -> None:
 def _split_inputs(state: Parallelized, args: tuple, kwargs: dict):
     args, kwargs = list(args), dict(kwargs)
     state.num_targets = kwargs.pop("num_targets", None) if state.hf else None  # for the loss (hf_model.py)
+    _check_same_inputs(state, args, kwargs)
     seq = None
     state.cu_seqlens = _packed_documents(state, kwargs.get("position_ids"), kwargs.get("attention_mask"))
     if kwargs.get("input_ids") is not None:
@@ -112,6 +115,34 @@ def _split_inputs(state: Parallelized, args: tuple, kwargs: dict):
     if state.hf and "use_cache" not in kwargs:
         kwargs["use_cache"] = False  # a cache of sharded keys is no cache of the sequence
     return tuple(args), kwargs
+
+
+CHECK_INPUTS = ("first", "every", "never")
+_CHECKED = ("input_ids", "attention_mask", "labels", "position_ids")
+
+
+def _check_same_inputs(state: Parallelized, args: list, kwargs: dict) -> None:
+    """Every tp and sp rank of this dp replica must be given the same full batch: on the first
+    forward (``check_inputs="every"`` or ``SHARDZOO_DEBUG=1``: on every one), one checksum per
+    input (ids, mask, labels, positions) compared over the tp and sp axes (one small int64
+    all-reduce per axis of size > 1). Ranks of a tp group fed different rows otherwise train on
+    a mix of them with no error (the embedding's and the loss's all-reduces mix the ranks'
+    inputs into the same replicated values, so even checkpoint.save's replica check passes)."""
+    every = state.check_inputs == "every" or replicas.debug_mode()
+    if state.check_inputs == "never" or (state.inputs_checked and not every):
+        return
+    mesh = state.mesh
+    if mesh.size("sp", "tp") == 1:
+        return
+    tensors = [kwargs.get(name) for name in _CHECKED] + [args[0] if args and torch.is_tensor(args[0]) else None]
+    device = next((t.device for t in tensors if torch.is_tensor(t)), None)
+    sums = torch.stack([replicas.checksum(t) if torch.is_tensor(t) else torch.zeros((), dtype=torch.int64, device=device)
+                        for t in tensors]) if device is not None else torch.zeros(1, dtype=torch.int64)
+    replicas.check_same_input(sums, mesh, who="the parallelized model's forward (input_ids, attention_mask, labels, "
+                                              "position_ids; checked on the first forward, or on every one with "
+                                              "parallelize(..., check_inputs='every'))",
+                              fix="pass it whole: the model splits it over tp and sp itself")
+    state.inputs_checked = True
 
 
 def _packed_documents(state: Parallelized, positions, mask) -> torch.Tensor | None:
