@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from shardzoo.layers import batch_loss
-from shardzoo.parallel import hf_attention, inputs
+from shardzoo.parallel import generation, hf_attention, inputs
 from shardzoo.parallel.plan import is_norm, style_of
 
 
@@ -114,12 +114,14 @@ def complete_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
 
 
 def install(model: nn.Module, state: inputs.Parallelized) -> None:
-    """The global-mean vocab-parallel loss as the model's ``loss_function``, and, with sp > 1,
-    shardzoo's ring / Ulysses attention as its attention implementation."""
+    """The global-mean vocab-parallel loss as the model's ``loss_function``, with sp > 1
+    shardzoo's ring / Ulysses attention as its attention implementation, and a ``generate``
+    that reads whole logits (generation.py)."""
     if state.head is not None:
         model.loss_function = functools.partial(_loss, state, model)
     if state.mesh.sp_size > 1:
         hf_attention.use_sequence_parallel_attention(model, state)
+    generation.install(model, state)  # generate reads whole logits; refused under sp
 
 
 def _loss(state, model, logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index: int = -100,
