@@ -1,6 +1,6 @@
 """``model.generate`` on a model loaded with ``shardzoo.from_pretrained`` gives the serial
 transformers model's tokens (greedy), in 1d tp=2 and 2d tp=4 (batch rows split too), with and
-without the KV cache, from a left-padded batch; under sp it is refused, naming sp and the fix."""
+without the KV cache, from a left-padded batch and from one row; under sp it is refused, naming sp and the fix."""
 
 import pytest
 import torch
@@ -21,8 +21,8 @@ def _prompt():
     return ids.masked_fill(mask == 0, 0), mask
 
 
-def _generate(model, use_cache):
-    ids, mask = _prompt()
+def _generate(model, use_cache, rows=2):
+    ids, mask = (t[:rows] for t in _prompt())
     with torch.no_grad():
         return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
                               use_cache=use_cache, pad_token_id=0)
@@ -32,7 +32,7 @@ def _parallel_generate(model_dir, mesh_kwargs):
     import shardzoo
 
     model = shardzoo.from_pretrained(model_dir, cached_mesh(**mesh_kwargs)).eval()
-    return [_generate(model, use_cache) for use_cache in (False, True)]
+    return [_generate(model, use_cache) for use_cache in (False, True)] + [_generate(model, True, rows=1)]
 
 
 @pytest.mark.parametrize("mesh_kwargs, world", [(dict(tp=2), 2), (dict(tp=4, tp_mode="2d"), 4)], ids=["1d", "2d"])
@@ -44,9 +44,10 @@ def test_generate_equals_serial(tmp_path, mesh_kwargs, world):
     expected = _generate(serial, True)
     assert torch.equal(_generate(serial, False), expected)
     assert len(set(expected[:, -NEW_TOKENS:].flatten().tolist())) > 2  # not a degenerate repetition
+    single = _generate(serial, True, rows=1)  # one row: kept whole on every row rank of the grids
     for rank, outs in enumerate(run_on_ranks(_parallel_generate, world, model_dir, mesh_kwargs)):
-        for use_cache, got in zip((False, True), outs):
-            assert torch.equal(got, expected), f"rank {rank}, use_cache={use_cache}: {got.tolist()} vs {expected.tolist()}"
+        for what, got, want in zip(("no cache", "cache", "one row"), outs, (expected, expected, single)):
+            assert torch.equal(got, want), f"rank {rank}, {what}: {got.tolist()} vs {want.tolist()}"
 
 
 def _generate_under_sp(model_dir):
