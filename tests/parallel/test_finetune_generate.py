@@ -1,5 +1,5 @@
 """``model.generate`` on a model loaded with ``shardzoo.from_pretrained`` gives the serial
-transformers model's tokens (greedy), in 1d tp=2 and 2d tp=4 (batch rows split too), with and
+transformers model's tokens (greedy), in 1d tp=2, 2d tp=4 and 3d tp=8 (batch rows split too), with and
 without the KV cache, from a left-padded batch and from one row; under sp it is refused, naming sp and the fix."""
 
 import pytest
@@ -15,13 +15,14 @@ NEW_TOKENS = 5
 def _prompt():
     from shardzoo.testing.finetune import VOCAB
 
-    ids = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(1, VOCAB, (4, 6), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[1, :2] = 0  # left-padded, as generation batches are
+    mask[3, :3] = 0
     return ids.masked_fill(mask == 0, 0), mask
 
 
-def _generate(model, use_cache, rows=2):
+def _generate(model, use_cache, rows=4):  # 4 rows: what 3d's batch split (tp_x * tp_y) takes
     ids, mask = (t[:rows] for t in _prompt())
     with torch.no_grad():
         return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
@@ -35,7 +36,8 @@ def _parallel_generate(model_dir, mesh_kwargs):
     return [_generate(model, use_cache) for use_cache in (False, True)] + [_generate(model, True, rows=1)]
 
 
-@pytest.mark.parametrize("mesh_kwargs, world", [(dict(tp=2), 2), (dict(tp=4, tp_mode="2d"), 4)], ids=["1d", "2d"])
+@pytest.mark.parametrize("mesh_kwargs, world", [(dict(tp=2), 2), (dict(tp=4, tp_mode="2d"), 4),
+                                                (dict(tp=8, tp_mode="3d"), 8)], ids=["1d", "2d", "3d"])
 def test_generate_equals_serial(tmp_path, mesh_kwargs, world):
     from shardzoo.testing.finetune import load_serial, save_tiny_llama
 
