@@ -227,3 +227,43 @@ def _dtensor_op_after_an_equal_mesh_closed():
 
 def test_closed_mesh_leaves_no_cached_dtensor_spec():
     assert all(run_on_ranks(_dtensor_op_after_an_equal_mesh_closed, 2))
+
+
+_TORCHRUN_SCRIPT = """
+import sys
+import torch.distributed as dist
+import shardzoo
+
+mesh = shardzoo.ParallelMesh(tp=2)  # no launch(), no init_process_group: torchrun's environment only
+sys.stdout.write(f"RANK {dist.get_rank()} TP {mesh.tp_rank} BACKEND {dist.get_backend()}\\n")
+"""
+
+
+def test_mesh_starts_the_group_under_torchrun_environment(tmp_path):
+    """A script run as torchrun runs it (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set, no group
+    yet) builds ParallelMesh(tp=2) directly: the mesh starts the default group itself (gloo on
+    CPU), as shardzoo.launch does."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    script = tmp_path / "job.py"
+    script.write_text(_TORCHRUN_SCRIPT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for rank, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, err[-3000:]
+        assert f"RANK {rank} TP {rank} BACKEND gloo" in out, out + err[-2000:]

@@ -51,3 +51,18 @@ def test_console_program_help_and_info(capsys):
 
     assert main(["info"]) == 0  # the same entry point, in this process: no second torch import
     assert f"shardzoo {shardzoo.__version__}" in capsys.readouterr().out
+
+
+def test_training_helpers_are_reachable_from_the_top_level():
+    """The names the README and the planner's run lines give (``shardzoo.models.training.autocast``,
+    ``clip_grad_norm_``) resolve after a plain ``import shardzoo``, in a fresh interpreter."""
+    code = ("import shardzoo\n"
+            "from shardzoo.models import training\n"
+            "assert shardzoo.models.training is training\n"
+            "assert shardzoo.clip_grad_norm_ is training.clip_grad_norm_\n"
+            "assert shardzoo.autocast is training.autocast\n"
+            "assert {'clip_grad_norm_', 'autocast'} <= set(shardzoo.__all__)\n")
+    # the attribute must exist before anything imports the submodule: check it first
+    out = subprocess.run([sys.executable, "-c", "import shardzoo\nshardzoo.models.training\n" + code],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]

@@ -63,13 +63,17 @@ def config_to_json(config) -> tuple[dict | None, str | None]:
     """(config as a JSON dict, its class path); accepts None, a dict or a dataclass instance."""
     if config is None:
         return None, None
-    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+    if hasattr(config, "to_json_string"):  # a transformers config (a dataclass too, in transformers 5): its own
+        # JSON, which writes dtype=torch.float32 as "float32" where dataclasses.asdict keeps the torch.dtype
+        data = json.loads(config.to_json_string(use_diff=False))
+        name = f"{type(config).__module__}.{type(config).__qualname__}"
+    elif dataclasses.is_dataclass(config) and not isinstance(config, type):
         cls = type(config)
         data = dataclasses.asdict(config)
         name = f"{cls.__module__}.{cls.__qualname__}"
     elif isinstance(config, dict):
         data, name = dict(config), None
-    elif hasattr(config, "to_dict"):  # a transformers PretrainedConfig
+    elif hasattr(config, "to_dict"):
         data, name = config.to_dict(), f"{type(config).__module__}.{type(config).__qualname__}"
     else:
         raise CheckpointError(f"config must be a dict or a dataclass instance; got {type(config).__name__}. "

@@ -36,7 +36,8 @@ def init_from_env(backend: str = "auto", timeout: float = 600.0) -> None:
     if dist.is_initialized():
         return
     world = int(os.environ["WORLD_SIZE"])
-    backend = auto_backend(world) if backend == "auto" else backend
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # NCCL needs a GPU per rank of this node
+    backend = auto_backend(local) if backend == "auto" else backend
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))

@@ -70,10 +70,16 @@ def _infer_sizes(sizes: dict[str, int | None], world: int) -> dict[str, int]:
 
 
 def _start_serial_group(sizes: dict[str, int | None], timeout: float | None) -> None:
-    """With no process group, a mesh of one rank (every size 1 or None) starts a one-process
-    group itself (launch.init_single_process), so the serial twin runs in a notebook or a plain
-    script; anything larger needs the processes a launcher starts."""
+    """With no process group: under torchrun's environment, the default group of the world
+    torchrun started (launch.init_from_env); else a mesh of one rank (every size 1 or None)
+    starts a one-process group itself (launch.init_single_process), so the serial twin runs in
+    a notebook or a plain script; anything larger needs the processes a launcher starts."""
     _check_size_values(sizes)
+    from shardzoo.comm.launch import init_from_env, under_torchrun
+
+    if dist.is_available() and under_torchrun():  # torchrun's RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+        init_from_env(timeout=600.0 if timeout is None else timeout)  # gloo on CPU, NCCL on CUDA, as launch does
+        return
     larger = {k: v for k, v in sizes.items() if v not in (1, None)}
     launched = int(os.environ.get("WORLD_SIZE", "1") or "1")
     if dist.is_available() and not larger and launched == 1:

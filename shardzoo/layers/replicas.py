@@ -188,11 +188,12 @@ def check_replicas(model: nn.Module, mesh=None, what: str = "the model") -> None
         f"optimizer after shardzoo.data_parallel or average_grads")
 
 
-def check_same_input(x_full: torch.Tensor, mesh, who: str = "shard_input") -> None:
+def check_same_input(x_full: torch.Tensor, mesh, who: str = "shard_input", fix: str | None = None) -> None:
     """Raise :class:`ReplicaMismatchError` unless every tp and sp rank of this dp replica holds
     the same ``x_full`` (any shape). Collective over those ranks: one int64 all-reduce of
     (tp x sp) entries per sp / tp mesh axis of size > 1 (the axes' own groups, so no group is
-    created, and a pipeline's first stage may call it alone)."""
+    created, and a pipeline's first stage may call it alone). ``fix``: the error's advice
+    (default: take each rank's part through shard_input)."""
     axes = tuple(a for a in ("sp",) + mesh.tp_sub_axes if mesh.size(a) > 1)
     if not axes:
         return
@@ -208,8 +209,9 @@ def check_same_input(x_full: torch.Tensor, mesh, who: str = "shard_input") -> No
     for g, v in enumerate(sums.tolist()):
         values.setdefault(v, []).append(ranks[g])
     split = "; ".join(f"ranks {r}" for r in values.values())
+    fix = fix or "take its own part through shard_input"
     raise ReplicaMismatchError(
         f"{who}: the tp / sp ranks of one dp replica were given different inputs of shape {tuple(x_full.shape)} "
         f"(groups of ranks with equal inputs: {split}). Every tp and sp rank must get the same full batch and "
-        f"take its own part through shard_input; feed each dp replica (mesh.dp_rank) its own rows instead, e.g. "
+        f"{fix}; feed each dp replica (mesh.dp_rank) its own rows instead, e.g. "
         f"draw the batch with a generator seeded alike on every rank and take batch.chunk(mesh.dp_size)[mesh.dp_rank]")

@@ -90,12 +90,13 @@ def build_on_meta(config, dtype=None) -> nn.Module:
 
 
 def from_pretrained(model_dir: str, mesh, plan: dict | None = None, *, dtype: torch.dtype | None = None,
-                    sp_mode: str = "ring", device=None) -> nn.Module:
+                    sp_mode: str = "ring", device=None, check_inputs: str = "first") -> nn.Module:
     """A transformers model from ``model_dir`` parallelized over ``mesh`` (module docstring),
     each rank reading only its slices. Collective. ``dtype``: of the parameters (default the
-    torch default, as transformers); ``device``: of the storage (default: CPU)."""
+    torch default, as transformers); ``device``: of the storage (default: CPU);
+    ``check_inputs``: as :func:`shardzoo.parallelize`'s."""
     config = read_config(model_dir)
-    model = parallelize(build_on_meta(config, dtype), mesh, plan, sp_mode=sp_mode)
+    model = parallelize(build_on_meta(config, dtype), mesh, plan, sp_mode=sp_mode, check_inputs=check_inputs)
     materialize(model, device or "cpu")
     load_weights(model, model_dir)
     return model

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import functools
 
+import torch
 from torch import nn
 
-from shardzoo.parallel import hf_attention, inputs
+from shardzoo.layers import batch_loss
+from shardzoo.parallel import generation, hf_attention, inputs
 from shardzoo.parallel.plan import is_norm, style_of
 
 
@@ -112,16 +114,37 @@ def complete_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
 
 
 def install(model: nn.Module, state: inputs.Parallelized) -> None:
-    """The global-mean vocab-parallel loss as the model's ``loss_function``, and, with sp > 1,
-    shardzoo's ring / Ulysses attention as its attention implementation."""
+    """The global-mean vocab-parallel loss as the model's ``loss_function``, with sp > 1
+    shardzoo's ring / Ulysses attention as its attention implementation, and a ``generate``
+    that reads whole logits (generation.py)."""
     if state.head is not None:
         model.loss_function = functools.partial(_loss, state, model)
     if state.mesh.sp_size > 1:
         hf_attention.use_sequence_parallel_attention(model, state)
+    generation.install(model, state)  # generate reads whole logits; refused under sp
 
 
 def _loss(state, model, logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index: int = -100,
           **kwargs):
     # labels are this rank's targets already (inputs.shard_labels, in the forward pre-hook);
     # the logits are upcast as transformers' own causal-LM loss does
-    return inputs.local_loss(state, model, logits.float(), labels, ignore_index=ignore_index)
+    num_targets = _step_targets(state, num_items_in_batch)
+    return inputs.local_loss(state, model, logits.float(), labels, ignore_index=ignore_index, num_targets=num_targets)
+
+
+def _step_targets(state, num_items_in_batch):
+    """The step's real targets over every replica, to divide the loss by: ``num_targets=`` of
+    the forward (the whole step's, e.g. ``model.count_targets``), or transformers' own
+    ``num_items_in_batch=`` as its Trainer passes it (this dp replica's real targets over the
+    step's micro-batches; every tp and sp rank of the replica holds the same count), summed
+    over dp here; None: this call's own count."""
+    if num_items_in_batch is None:
+        return state.num_targets
+    if state.num_targets is not None:
+        raise ValueError(f"pass either num_targets={state.num_targets} (the whole step's real targets, e.g. "
+                         f"model.count_targets) or num_items_in_batch={num_items_in_batch} (this dp replica's), not both")
+    mesh = state.mesh
+    count = torch.as_tensor(num_items_in_batch, dtype=torch.float64).reshape(1)
+    if mesh.device_mesh.device_type == "cuda":  # NCCL reduces CUDA tensors only
+        count = count.cuda()
+    return batch_loss.sum_over_axes(count, mesh, ("dp",)).reshape(())

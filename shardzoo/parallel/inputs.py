@@ -26,10 +26,12 @@ same value on every rank.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
-from shardzoo.layers import batch_loss
+from shardzoo.layers import batch_loss, replicas
 from shardzoo.layers.packing import cu_seqlens_from_position_ids
 from shardzoo.layers.sequence import gather_sequence, shard_positions, shard_sequence
 from shardzoo.layers.shard_spec import unwrap_ddp
@@ -47,6 +49,9 @@ class Parallelized:
         self.head, self.embedding = head, embedding
         self.key_padding_mask: torch.Tensor | None = None
         self.cu_seqlens: torch.Tensor | None = None  # this forward's packed documents (sp > 1)
+        self.num_targets = None  # this forward's num_targets= (the step's real targets), for the loss
+        self.check_inputs = "first"  # compare the tp / sp ranks' inputs: "first" forward, "every" forward, "never"
+        self.inputs_checked = False
         tpl = layout_of(mesh)
         self.input_layout = tpl.activation
         self.mask_layout = tpl.linear_output(tpl.activation)  # the attention's batch rows
@@ -73,11 +78,15 @@ def install(model: nn.Module, state: Parallelized) -> None:
     """Register the input-splitting pre-hook and record the head's output layout."""
     if state.head is not None:
         state.target_layout = layout_of(state.mesh).after(model.get_submodule(state.head))
+        if not hasattr(model, "count_targets"):  # model.count_targets(labels): the step's count
+            model.count_targets = functools.partial(count_targets, model)
     model.register_forward_pre_hook(lambda m, a, k: _split_inputs(state, a, k), with_kwargs=True)
 
 
 def _split_inputs(state: Parallelized, args: tuple, kwargs: dict):
     args, kwargs = list(args), dict(kwargs)
+    state.num_targets = kwargs.pop("num_targets", None) if state.hf else None  # for the loss (hf_model.py)
+    _check_same_inputs(state, args, kwargs)
     seq = None
     state.cu_seqlens = _packed_documents(state, kwargs.get("position_ids"), kwargs.get("attention_mask"))
     if kwargs.get("input_ids") is not None:
@@ -106,6 +115,34 @@ def _split_inputs(state: Parallelized, args: tuple, kwargs: dict):
     if state.hf and "use_cache" not in kwargs:
         kwargs["use_cache"] = False  # a cache of sharded keys is no cache of the sequence
     return tuple(args), kwargs
+
+
+CHECK_INPUTS = ("first", "every", "never")
+_CHECKED = ("input_ids", "attention_mask", "labels", "position_ids")
+
+
+def _check_same_inputs(state: Parallelized, args: list, kwargs: dict) -> None:
+    """Every tp and sp rank of this dp replica must be given the same full batch: on the first
+    forward (``check_inputs="every"`` or ``SHARDZOO_DEBUG=1``: on every one), one checksum per
+    input (ids, mask, labels, positions) compared over the tp and sp axes (one small int64
+    all-reduce per axis of size > 1). Ranks of a tp group fed different rows otherwise train on
+    a mix of them with no error (the embedding's and the loss's all-reduces mix the ranks'
+    inputs into the same replicated values, so even checkpoint.save's replica check passes)."""
+    every = state.check_inputs == "every" or replicas.debug_mode()
+    if state.check_inputs == "never" or (state.inputs_checked and not every):
+        return
+    mesh = state.mesh
+    if mesh.size("sp", "tp") == 1:
+        return
+    tensors = [kwargs.get(name) for name in _CHECKED] + [args[0] if args and torch.is_tensor(args[0]) else None]
+    device = next((t.device for t in tensors if torch.is_tensor(t)), None)
+    sums = torch.stack([replicas.checksum(t) if torch.is_tensor(t) else torch.zeros((), dtype=torch.int64, device=device)
+                        for t in tensors]) if device is not None else torch.zeros(1, dtype=torch.int64)
+    replicas.check_same_input(sums, mesh, who="the parallelized model's forward (input_ids, attention_mask, labels, "
+                                              "position_ids; checked on the first forward, or on every one with "
+                                              "parallelize(..., check_inputs='every'))",
+                              fix="pass it whole: the model splits it over tp and sp itself")
+    state.inputs_checked = True
 
 
 def _packed_documents(state: Parallelized, positions, mask) -> torch.Tensor | None:
@@ -173,6 +210,25 @@ def lm_loss(model: nn.Module, logits: torch.Tensor, labels: torch.Tensor, *, ign
     state, model = _state(model)
     target = shard_labels(state, labels, ignore_index)
     return local_loss(state, model, logits, target, ignore_index=ignore_index, num_targets=num_targets)
+
+
+def count_targets(model: nn.Module, labels, ignore_index: int = -100) -> torch.Tensor:
+    """Real targets of the whole step, int64, the same on every rank: ``labels`` is this dp
+    replica's full labels [B, S] (as ``labels=`` takes them), or the list of the step's
+    micro-batches' labels; shifted first for a causal LM, as the loss scores them. One
+    all-reduce over dp. Pass it as ``num_targets=`` to every micro-batch's forward (or
+    ``lm_loss``), so their losses are shares of the step's mean and the gradients add up."""
+    state, model = _state(model)
+    blocks = [labels] if torch.is_tensor(labels) else list(labels)
+    if not blocks or any(b.dim() != 2 for b in blocks):
+        raise ValueError(f"count_targets takes this dp replica's full labels [batch, seq], or a list of the step's "
+                         f"micro-batches' labels; got {[tuple(b.shape) for b in blocks] or 'an empty list'}")
+    if state.causal:
+        blocks = [batch_loss.shift_labels(b, ignore_index) for b in blocks]
+    local = sum((b != ignore_index).sum() for b in blocks).to(torch.int64).reshape(1)
+    if state.mesh.device_mesh.device_type == "cuda":  # NCCL reduces CUDA tensors only
+        local = local.cuda()
+    return batch_loss.sum_over_axes(local, state.mesh, ("dp",)).reshape(())
 
 
 def gather_logits(model: nn.Module, logits: torch.Tensor) -> torch.Tensor:

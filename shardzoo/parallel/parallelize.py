@@ -50,7 +50,7 @@ def state_of(model: nn.Module):
 
 
 def parallelize(model: nn.Module, mesh, plan: dict[str, str] | None = None, *, sp_mode: str = "ring",
-                causal: bool | None = None, checkpointing: bool = False) -> nn.Module:
+                causal: bool | None = None, checkpointing: bool = False, check_inputs: str = "first") -> nn.Module:
     """Split ``model`` over ``mesh``'s tp layout (1d, 2d, 2.5d, 3d) and sp, in place; returns it.
 
     Args:
@@ -68,6 +68,10 @@ def parallelize(model: nn.Module, mesh, plan: dict[str, str] | None = None, *, s
         checkpointing: recompute each block in backward (activation checkpointing): every
             child of the model's lists of repeated blocks (checkpointing.py), under
             ``torch.utils.checkpoint`` with the SDPA mode and the dropout streams replayed.
+        check_inputs: "first" (default), "every" or "never": compare the inputs the tp and sp
+            ranks of a dp replica were given (a checksum of the ids, mask, labels and positions,
+            one small all-reduce per axis) on the first forward, on every forward, or never;
+            different inputs raise, naming the ranks (inputs.py).
 
     Afterwards ``model(input_ids=[B, S], attention_mask=[B, S], labels=[B, S], ...)`` takes the
     full tensors of this dp replica on every tp and sp rank; ``out.loss`` is the global token
@@ -78,6 +82,8 @@ def parallelize(model: nn.Module, mesh, plan: dict[str, str] | None = None, *, s
                          f"parallelize a fresh model")
     if sp_mode not in SP_MODES:
         raise ValueError(f"parallelize: sp_mode={sp_mode!r} is not one of {SP_MODES}")
+    if check_inputs not in inputs.CHECK_INPUTS:
+        raise ValueError(f"parallelize: check_inputs={check_inputs!r} is not one of {inputs.CHECK_INPUTS}")
     if mesh.pp_size != 1:
         raise ValueError(f"parallelize builds one pipeline stage holding the whole model; got pp={mesh.pp_size}. "
                          f"Use pp=1 (pipelines of a parallelized transformers model are not built yet: "
@@ -94,6 +100,7 @@ def parallelize(model: nn.Module, mesh, plan: dict[str, str] | None = None, *, s
                                        check=lambda planned: _refuse_hf_positions(model, planned, hf, mesh))
     state = inputs.Parallelized(model, mesh, sp_mode, hf, causal=causal, head=_find(planned, "lm_head"),
                                 embedding=_find(planned, "vocab_embedding"))
+    state.check_inputs = check_inputs
     model.__dict__[_STATE] = state
     if hf:
         hf_model.install(model, state)  # loss function, sp attention (before the attention configs are copied)

@@ -46,8 +46,13 @@ def zero_optimizer(models: nn.Module | list[nn.Module], optimizer_class=torch.op
 def no_sync(models: nn.Module | list[nn.Module]):
     """Accumulate gradients locally for the backwards run inside (no dp reduction): DDP's
     ``no_sync``, FSDP2's ``set_requires_gradient_sync(False)``. The first backward after the
-    block reduces the sum of every micro-batch's gradients; scale each micro-batch's loss by
-    1 / micro-batches for the mean. Under FSDP2 the unsharded gradients are kept (full
+    block reduces the sum of every micro-batch's gradients. Give every micro-batch's loss the
+    step's count of real targets, not a 1 / micro-batches factor (with padding the micro-batches
+    hold different counts): ``num_targets=model.count_targets(step_labels)`` to the forward of a
+    parallelized model (or to ``lm_loss`` / a family's ``model.loss``), or transformers'
+    ``num_items_in_batch=`` (this dp replica's real targets of the step, as its Trainer
+    passes it). Each loss is then its share of the step's mean and the gradients simply add up
+    to those of one large batch. Under FSDP2 the unsharded gradients are kept (full
     tensor-parallel piece) until that backward."""
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
