@@ -313,19 +313,27 @@ def _norm(name: str, module: nn.Module, tpl) -> nn.Module:
 
 def _check_plain(name: str, module: nn.Module) -> None:
     """Raise unless ``module`` equals its plain norm on a random input (with random weights
-    when ``module`` is on the meta device: the formula is what is checked)."""
+    when ``module`` is on the meta device: the formula is what is checked).
+
+    The probe runs on a float64 copy of ``module``, whatever the model's dtype: a bf16 norm
+    that computes in fp32 and casts back (transformers' LlamaRMSNorm) rounds differently from
+    a plain bf16 norm, which is rounding, not another formula. In float64 the two agree to the
+    precision the module computes in (at worst fp32 inside), far inside the bound below, while
+    a norm of another formula (Gemma's ``x * (1 + w)``) misses it by the size of its weights."""
     if type(module) in (nn.LayerNorm, nn.RMSNorm):  # torch's own, affine or not: plain by definition
         return
+    probe_module = copy.deepcopy(module)
     if any(p.is_meta for p in module.parameters()):
-        module = copy.deepcopy(module).to_empty(device="cpu")
+        probe_module = probe_module.to_empty(device="cpu")
         with torch.no_grad():
-            for p in module.parameters():
+            for p in probe_module.parameters():
                 p.normal_()
-    plain = _plain_norm(name, module)
+    probe_module = probe_module.to(torch.float64)
+    plain = _plain_norm(name, probe_module)
     weight = plain.weight
-    probe = torch.randn(3, plain.normalized_shape[0], dtype=weight.dtype, device=weight.device)
+    probe = torch.randn(3, plain.normalized_shape[0], dtype=torch.float64, device=weight.device)
     with torch.no_grad():
-        ok = torch.allclose(module(probe).float(), plain(probe).float(), rtol=1e-4, atol=1e-5)
+        ok = torch.allclose(probe_module(probe).double(), plain(probe), rtol=1e-4, atol=1e-5)
     if not ok:
         raise ValueError(f"{name} ({type(module).__name__}) does not compute a plain {type(plain).__name__} "
                          f"(y = norm(x) * weight [+ bias]); shardzoo cannot split it as 'norm'. Plan it as "
