@@ -45,6 +45,7 @@ class Parallelized:
                  embedding: str | None):
         self.mesh, self.sp_mode, self.hf, self.causal = mesh, sp_mode, hf, causal
         self.head, self.embedding = head, embedding
+        self.grads_averaged_over: tuple[str, ...] = ("sp",)  # by backward() itself (sp_grads.py)
         self.key_padding_mask: torch.Tensor | None = None
         self.cu_seqlens: torch.Tensor | None = None  # this forward's packed documents (sp > 1)
         tpl = layout_of(mesh)

@@ -23,7 +23,7 @@ from shardzoo.layers.attention_core import SP_MODES
 from shardzoo.layers.tensor_layout import layout_of
 from shardzoo.parallel import checkpointing as block_checkpointing
 from shardzoo.parallel import heads as head_counts
-from shardzoo.parallel import hf_model, inputs, linears, sdpa_mode
+from shardzoo.parallel import hf_model, inputs, linears, sdpa_mode, sp_grads
 from shardzoo.parallel.classifier import build_classifier
 from shardzoo.parallel.dense import build_dense
 from shardzoo.parallel.dropouts import build_dropout, is_dropout
@@ -72,7 +72,10 @@ def parallelize(model: nn.Module, mesh, plan: dict[str, str] | None = None, *, s
     Afterwards ``model(input_ids=[B, S], attention_mask=[B, S], labels=[B, S], ...)`` takes the
     full tensors of this dp replica on every tp and sp rank; ``out.loss`` is the global token
     mean (the same on every rank) and ``out.logits`` this rank's block, which
-    :func:`~shardzoo.parallel.inputs.gather_logits` assembles. Collective over the mesh."""
+    :func:`~shardzoo.parallel.inputs.gather_logits` assembles. After ``out.loss.backward()``
+    every gradient is the serial one for this dp replica's rows: summed over tp by the layers
+    and over sp by a hook on each parameter (sp_grads.py); ``data_parallel`` adds dp only.
+    Collective over the mesh."""
     if state_of(model) is not None:
         raise ValueError(f"{type(model).__name__} is parallelized already (over {state_of(model).mesh!r}); "
                          f"parallelize a fresh model")
@@ -101,6 +104,7 @@ def parallelize(model: nn.Module, mesh, plan: dict[str, str] | None = None, *, s
         sdpa_mode.install(model, state, attention)
     head_counts.make_local(attention)
     inputs.install(model, state)
+    sp_grads.install(model, mesh)  # the sp ranks' gradients averaged by backward() itself
     install_checkpointing(model, state, checkpointing)
     return model
 
