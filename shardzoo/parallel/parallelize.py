@@ -94,6 +94,7 @@ def parallelize(model: nn.Module, mesh, plan: dict[str, str] | None = None, *, s
                              f"plan={{'<module pattern>': 'column' | 'row' | 'norm' | ...}} (docs/parallelize.md)")
     planned, attention = split_modules(model, mesh, plan, causal=causal, checkpointing=checkpointing,
                                        config_heads=hf_model.config_heads(model),
+                                       whole_tables=hf or mesh.sp_size == 1,
                                        check=lambda planned: _refuse_hf_positions(model, planned, hf, mesh))
     state = inputs.Parallelized(model, mesh, sp_mode, hf, causal=causal, head=_find(planned, "lm_head"),
                                 embedding=_find(planned, "vocab_embedding"))
@@ -110,18 +111,21 @@ def parallelize(model: nn.Module, mesh, plan: dict[str, str] | None = None, *, s
 
 
 def split_modules(model: nn.Module, mesh, plan: dict[str, str], *, causal: bool, checkpointing: bool = False,
-                  config_heads=None, check=None, partial: bool = False) -> tuple[dict, dict]:
+                  config_heads=None, check=None, partial: bool = False,
+                  whole_tables: bool = False) -> tuple[dict, dict]:
     """Replace every module ``plan`` covers by the mesh's layout block, in place, after checking
     all of them (nothing changes when a check fails); the engine step both ``parallelize`` and
     the model families' stage builder (models/pipeline.py) take. ``check(planned)``: a further
     check before anything moves. ``partial``: the model is one pipeline stage of a model the plan
-    describes, so entries matching no module here are fine. Returns ({name: (serial module, style, pattern)}, the
+    describes, so entries matching no module here are fine. ``whole_tables``: in 1d an
+    ``nn.Embedding`` the plan does not cover is kept whole (its indices are whole on every tp
+    rank) instead of refused. Returns ({name: (serial module, style, pattern)}, the
     attention modules (heads.py), whose head counts the caller makes local once its hooks
     that read the global counts are installed)."""
     plan = check_plan(plan)
     tpl = layout_of(mesh)
     planned = _planned_modules(model, plan, partial)
-    _refuse_uncovered(model, planned, tpl)
+    _refuse_uncovered(model, planned, tpl, whole_tables)
     if checkpointing:
         block_checkpointing.block_names(model)  # raises when there are no blocks
     if check is not None:
@@ -218,15 +222,27 @@ def _check_kind(name: str, module: nn.Module, style: str, pattern: str) -> None:
                          f"LayerNorm or RMSNorm; change the style or the pattern")
 
 
-def _refuse_uncovered(model: nn.Module, planned: dict, tpl) -> None:
+def _refuse_uncovered(model: nn.Module, planned: dict, tpl, whole_tables: bool = False) -> None:
     """Every Linear, Conv1D, Embedding or norm (and, in the grid layouts, any module holding
     weights) must be covered by the plan: its input is split by the layout. With tp > 1 so
-    must every dropout module with p > 0 (_refuse_dropout)."""
+    must every dropout module with p > 0 (_refuse_dropout). ``whole_tables``: except, in 1d,
+    an ``nn.Embedding``: it reads integer indices, which 1d never splits over tp, so kept
+    whole it computes what it computes serially (as transformers keeps an unplanned one).
+    Under sp that holds for a transformers model, whose ``position_ids`` the input hook makes
+    global, not for a table of one's own that may be indexed by local positions."""
     covered = tuple(f"{n}." for n, (_, style, _) in planned.items() if style not in KEEPS_CHILDREN)
     for name, module in model.named_modules():
         if not name or name in planned or name.startswith(covered):
             continue
         _refuse_dropout(name, module, tpl)
+        if tpl.mode == "1d" and isinstance(module, nn.Embedding):
+            if whole_tables:
+                continue
+            if tpl.mesh.sp_size > 1:
+                raise ValueError(f"{name} (Embedding) is not in the plan; under sp={tpl.mesh.sp_size} a table of a "
+                                 f"module of one's own may be indexed by local positions 0..S/sp-1; plan it: "
+                                 f"plan[{name!r}] = 'position_embedding' (positions), or 'vocab_embedding' / "
+                                 f"'replicate' (token ids)")
         holds_weights = next(module.parameters(recurse=False), None) is not None
         if is_weighted_kind(module) or (holds_weights and tpl.mode != "1d"):
             kind = type(module).__name__

@@ -70,11 +70,11 @@ def _step(model, batch, lr: float = 1.0):
 
 
 def check_against_serial(kind: str, mesh_kwargs: dict, sp_mode: str = "ring", zero: int = 0,
-                         dtype: torch.dtype = torch.float32, wrap: bool = True) -> dict:
+                         dtype: torch.dtype = torch.float32, wrap: bool = True, plan: dict | None = None) -> dict:
     """On every rank: parallelize a tiny ``kind`` model on the cached mesh of ``mesh_kwargs``,
     wrap it with ``data_parallel(zero=...)`` (parameters in ``dtype``; ``wrap=False``: no
     wrapper, the gradients as ``backward()`` leaves them), run one SGD step on this dp
-    replica's rows, and assert loss, gathered logits, the global gradient norm and every full
+    replica's rows (``plan``: passed to ``parallelize``; None: the model's own), and assert loss, gathered logits, the global gradient norm and every full
     parameter equal the serial step's. Returns the largest differences (for reports)."""
     import shardzoo
 
@@ -86,7 +86,7 @@ def check_against_serial(kind: str, mesh_kwargs: dict, sp_mode: str = "ring", ze
     out_s, out_x = _step(serial, batch), _step(exact, batch)
 
     mesh = cached_mesh(**mesh_kwargs)
-    shardzoo.parallelize(parallel, mesh, sp_mode=sp_mode)
+    shardzoo.parallelize(parallel, mesh, plan, sp_mode=sp_mode)
     wrapped = shardzoo.data_parallel(parallel, mesh, zero=zero) if wrap else parallel
     rows = slice(mesh.dp_rank * BATCH // mesh.dp_size, (mesh.dp_rank + 1) * BATCH // mesh.dp_size)
     ids, mask, labels = (t[rows] for t in batch)
