@@ -9,10 +9,10 @@ ZeroRedundancyOptimizer), composed with every tensor-parallel layout, sp and pip
 See docs/data_parallel.md.
 """
 
-from shardzoo.parallel.inputs import gather_logits, lm_loss
+from shardzoo.parallel.inputs import gather_logits, gather_output, lm_loss
 from shardzoo.parallel.parallelize import parallelize
 from shardzoo.parallel.data_parallel import DataParallelInfo, block_units, data_parallel, ddp_of, info_of
 from shardzoo.parallel.zero import no_sync, zero_optimizer
 
-__all__ = ["parallelize", "gather_logits", "lm_loss", "DataParallelInfo", "block_units", "data_parallel", "ddp_of",
+__all__ = ["parallelize", "gather_logits", "gather_output", "lm_loss", "DataParallelInfo", "block_units", "data_parallel", "ddp_of",
            "info_of", "no_sync", "zero_optimizer"]

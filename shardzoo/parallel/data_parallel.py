@@ -2,7 +2,9 @@
 
 Every rank's loss is the mean over its own tokens, so the gradient of the global mean is the
 average of the ranks' gradients over dp and sp (sp ranks hold other tokens of the same rows);
-every stage averages over that group, ``mesh.group("dp", "sp")``:
+every stage averages over that group, ``mesh.group("dp", "sp")``, except that DDP (zero 0 / 1)
+of a model made by ``shardzoo.parallelize``, whose ``backward()`` averages over sp itself
+(parallel/sp_grads.py), averages over dp only:
 
 ====== ============================================= ==========================================
 zero   engine                                        sharded over the dp (x sp) group
@@ -103,14 +105,15 @@ class _OwnForward(nn.Module):
             self.model.__dict__["forward"] = engine
 
 
-def _ddp_in_place(model: nn.Module, mesh) -> nn.Module:
-    """Wrap ``model`` in torch DDP over dp x sp and route ``model(...)`` through it."""
+def _ddp_in_place(model: nn.Module, info: DataParallelInfo) -> nn.Module:
+    """Wrap ``model`` in torch DDP over ``info``'s group (dp x sp, or dp where backward()
+    averages over sp already) and route ``model(...)`` through it."""
     from torch.nn.parallel import DistributedDataParallel
 
     # a stage's microbatches all run backward before the reduction; DDP's bucket rebuild after
     # the first step counts every microbatch's hooks and fails, which find_unused_parameters skips
-    ddp = DistributedDataParallel(_OwnForward(model), process_group=mesh.group("dp", "sp"),
-                                  find_unused_parameters=mesh.pp_size > 1)
+    ddp = DistributedDataParallel(_OwnForward(model), process_group=info.group,
+                                  find_unused_parameters=info.mesh.pp_size > 1)
     # kept outside _modules: registering DDP (which holds the model) would make a cycle of submodules
     model.__dict__[_DDP] = ddp
     model.__dict__["forward"] = ddp  # nn.Module.__call__ runs the model's hooks, then this
@@ -231,7 +234,10 @@ def data_parallel(model: nn.Module, mesh, zero: int = 0, *, mixed_precision: str
         second call is refused like any double wrapping).
     """
     _check_args(model, mesh, zero, mixed_precision, offload, reshard_after_forward)
-    axes = tuple(a for a in ("dp", "sp") if mesh.size(a) > 1)
+    # a parallelized model's backward() averages over sp already: DDP adds dp only (FSDP2
+    # still shards over dp x sp, where averaging the equal sp gradients again changes nothing)
+    done = () if zero >= 2 else getattr(model.__dict__.get("_shardzoo_parallel"), "grads_averaged_over", ())
+    axes = tuple(a for a in ("dp", "sp") if mesh.size(a) > 1 and a not in done)
     info = DataParallelInfo(zero, mesh, axes or ("dp",), noop=not axes)
     if info.noop:
         setattr(model, _MARK, info)
@@ -241,4 +247,4 @@ def data_parallel(model: nn.Module, mesh, zero: int = 0, *, mixed_precision: str
         setattr(model, _MARK, info)
         return model
     setattr(model, _MARK, info)
-    return _ddp_in_place(model, mesh)
+    return _ddp_in_place(model, info)

@@ -47,6 +47,7 @@ class Parallelized:
                  embedding: str | None):
         self.mesh, self.sp_mode, self.hf, self.causal = mesh, sp_mode, hf, causal
         self.head, self.embedding = head, embedding
+        self.grads_averaged_over: tuple[str, ...] = ("sp",)  # by backward() itself (sp_grads.py)
         self.key_padding_mask: torch.Tensor | None = None
         self.cu_seqlens: torch.Tensor | None = None  # this forward's packed documents (sp > 1)
         self.num_targets = None  # this forward's num_targets= (the step's real targets), for the loss
@@ -159,10 +160,41 @@ def _packed_documents(state: Parallelized, positions, mask) -> torch.Tensor | No
 def _ids(state: Parallelized, ids: torch.Tensor) -> torch.Tensor:
     if torch.is_floating_point(ids) and ids.dim() == 4:  # pixels [B, C, H, W]: the embedding makes the sequence
         return layout_of(state.mesh).shard_batch(ids, state.input_layout)
+    if torch.is_floating_point(ids) and ids.dim() == 3:  # activations [B, S, H]
+        return shard_activations(state, ids)
     if ids.dim() != 2:
-        raise ValueError(f"a parallelized model takes input_ids [batch, seq] of this dp replica; got shape "
-                         f"{tuple(ids.shape)}")
+        raise ValueError(f"a parallelized model takes input_ids [batch, seq] of this dp replica, pixels [batch, "
+                         f"channels, height, width] or float activations [batch, seq, hidden]; got shape "
+                         f"{tuple(ids.shape)} ({ids.dtype})")
     return state.shard(ids, state.input_layout)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by ``factor``."""
+
+    @staticmethod
+    def forward(ctx, x, factor: float):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+def shard_activations(state: Parallelized, x: torch.Tensor) -> torch.Tensor:
+    """Full float activations [B, S, H] of this dp replica -> this rank's block of the layout's
+    activations (batch rows and hidden block of the tp layout, then the sp shard, zigzag for a
+    causal model). Differentiable: ``x``'s gradient is the full one on every rank.
+
+    :func:`gather_output` hands the gradient back sp times larger (the convention of the loss,
+    whose sp ranks' shares ``backward()`` averages, sp_grads.py); it is divided here again."""
+    tpl = layout_of(state.mesh)
+    x = tpl.shard_hidden(x, state.input_layout)
+    if state.mesh.sp_size > 1:
+        x = shard_sequence(_ScaleGrad.apply(x, 1.0 / state.mesh.sp_size), state.mesh.sp_group, 1,
+                           zigzag=state.zigzag)
+    return x
 
 
 def _device(args, kwargs):
@@ -229,6 +261,29 @@ def count_targets(model: nn.Module, labels, ignore_index: int = -100) -> torch.T
     if state.mesh.device_mesh.device_type == "cuda":  # NCCL reduces CUDA tensors only
         local = local.cuda()
     return batch_loss.sum_over_axes(local, state.mesh, ("dp",)).reshape(())
+
+
+def gather_output(model: nn.Module, y: torch.Tensor) -> torch.Tensor:
+    """A parallelized model's local output block ``y`` in the layout's activations [b, s, h]
+    (the block its float input [B, S, H] became, as a stack of blocks returns it) -> the full
+    [B, S, H] of this dp replica, on every rank (collective over tp and sp; differentiable).
+
+    A loss computed from the result on every rank backpropagates into this rank's block only;
+    under sp the gradient is handed back sp times larger, the convention of shardzoo's losses,
+    so that ``backward()``'s average over sp (sp_grads.py) gives every parameter its serial
+    gradient."""
+    model = unwrap_ddp(model)
+    state = model.__dict__.get("_shardzoo_parallel")
+    if state is None:
+        raise ValueError(f"{type(model).__name__} was not made by shardzoo.parallelize; pass the parallelized model")
+    if y.dim() != 3:
+        raise ValueError(f"gather_output takes the model's local [batch, seq, hidden] output; got shape "
+                         f"{tuple(y.shape)}. For a model's logits use shardzoo.gather_logits")
+    full = layout_of(state.mesh).gather_hidden(y, state.input_layout)
+    if state.mesh.sp_size == 1:
+        return full
+    full = _ScaleGrad.apply(full, float(state.mesh.sp_size))
+    return gather_sequence(full, state.mesh.sp_group, 1, zigzag=state.zigzag)
 
 
 def gather_logits(model: nn.Module, logits: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from shardzoo.layers.attention_core import SP_MODES
 from shardzoo.layers.tensor_layout import layout_of
 from shardzoo.parallel import checkpointing as block_checkpointing
 from shardzoo.parallel import heads as head_counts
-from shardzoo.parallel import hf_model, inputs, linears, sdpa_mode
+from shardzoo.parallel import hf_model, inputs, linears, sdpa_mode, sp_grads
 from shardzoo.parallel.classifier import build_classifier
 from shardzoo.parallel.dense import build_dense
 from shardzoo.parallel.dropouts import build_dropout, is_dropout
@@ -76,7 +76,10 @@ def parallelize(model: nn.Module, mesh, plan: dict[str, str] | None = None, *, s
     Afterwards ``model(input_ids=[B, S], attention_mask=[B, S], labels=[B, S], ...)`` takes the
     full tensors of this dp replica on every tp and sp rank; ``out.loss`` is the global token
     mean (the same on every rank) and ``out.logits`` this rank's block, which
-    :func:`~shardzoo.parallel.inputs.gather_logits` assembles. Collective over the mesh."""
+    :func:`~shardzoo.parallel.inputs.gather_logits` assembles. After ``out.loss.backward()``
+    every gradient is the serial one for this dp replica's rows: summed over tp by the layers
+    and over sp by a hook on each parameter (sp_grads.py); ``data_parallel`` adds dp only.
+    Collective over the mesh."""
     if state_of(model) is not None:
         raise ValueError(f"{type(model).__name__} is parallelized already (over {state_of(model).mesh!r}); "
                          f"parallelize a fresh model")
@@ -97,6 +100,7 @@ def parallelize(model: nn.Module, mesh, plan: dict[str, str] | None = None, *, s
                              f"plan={{'<module pattern>': 'column' | 'row' | 'norm' | ...}} (docs/parallelize.md)")
     planned, attention = split_modules(model, mesh, plan, causal=causal, checkpointing=checkpointing,
                                        config_heads=hf_model.config_heads(model),
+                                       whole_tables=hf or mesh.sp_size == 1,
                                        check=lambda planned: _refuse_hf_positions(model, planned, hf, mesh))
     state = inputs.Parallelized(model, mesh, sp_mode, hf, causal=causal, head=_find(planned, "lm_head"),
                                 embedding=_find(planned, "vocab_embedding"))
@@ -108,23 +112,27 @@ def parallelize(model: nn.Module, mesh, plan: dict[str, str] | None = None, *, s
         sdpa_mode.install(model, state, attention)
     head_counts.make_local(attention)
     inputs.install(model, state)
+    sp_grads.install(model, mesh)  # the sp ranks' gradients averaged by backward() itself
     install_checkpointing(model, state, checkpointing)
     return model
 
 
 def split_modules(model: nn.Module, mesh, plan: dict[str, str], *, causal: bool, checkpointing: bool = False,
-                  config_heads=None, check=None, partial: bool = False) -> tuple[dict, dict]:
+                  config_heads=None, check=None, partial: bool = False,
+                  whole_tables: bool = False) -> tuple[dict, dict]:
     """Replace every module ``plan`` covers by the mesh's layout block, in place, after checking
     all of them (nothing changes when a check fails); the engine step both ``parallelize`` and
     the model families' stage builder (models/pipeline.py) take. ``check(planned)``: a further
     check before anything moves. ``partial``: the model is one pipeline stage of a model the plan
-    describes, so entries matching no module here are fine. Returns ({name: (serial module, style, pattern)}, the
+    describes, so entries matching no module here are fine. ``whole_tables``: in 1d an
+    ``nn.Embedding`` the plan does not cover is kept whole (its indices are whole on every tp
+    rank) instead of refused. Returns ({name: (serial module, style, pattern)}, the
     attention modules (heads.py), whose head counts the caller makes local once its hooks
     that read the global counts are installed)."""
     plan = check_plan(plan)
     tpl = layout_of(mesh)
     planned = _planned_modules(model, plan, partial)
-    _refuse_uncovered(model, planned, tpl)
+    _refuse_uncovered(model, planned, tpl, whole_tables)
     if checkpointing:
         block_checkpointing.block_names(model)  # raises when there are no blocks
     if check is not None:
@@ -221,15 +229,27 @@ def _check_kind(name: str, module: nn.Module, style: str, pattern: str) -> None:
                          f"LayerNorm or RMSNorm; change the style or the pattern")
 
 
-def _refuse_uncovered(model: nn.Module, planned: dict, tpl) -> None:
+def _refuse_uncovered(model: nn.Module, planned: dict, tpl, whole_tables: bool = False) -> None:
     """Every Linear, Conv1D, Embedding or norm (and, in the grid layouts, any module holding
     weights) must be covered by the plan: its input is split by the layout. With tp > 1 so
-    must every dropout module with p > 0 (_refuse_dropout)."""
+    must every dropout module with p > 0 (_refuse_dropout). ``whole_tables``: except, in 1d,
+    an ``nn.Embedding``: it reads integer indices, which 1d never splits over tp, so kept
+    whole it computes what it computes serially (as transformers keeps an unplanned one).
+    Under sp that holds for a transformers model, whose ``position_ids`` the input hook makes
+    global, not for a table of one's own that may be indexed by local positions."""
     covered = tuple(f"{n}." for n, (_, style, _) in planned.items() if style not in KEEPS_CHILDREN)
     for name, module in model.named_modules():
         if not name or name in planned or name.startswith(covered):
             continue
         _refuse_dropout(name, module, tpl)
+        if tpl.mode == "1d" and isinstance(module, nn.Embedding):
+            if whole_tables:
+                continue
+            if tpl.mesh.sp_size > 1:
+                raise ValueError(f"{name} (Embedding) is not in the plan; under sp={tpl.mesh.sp_size} a table of a "
+                                 f"module of one's own may be indexed by local positions 0..S/sp-1; plan it: "
+                                 f"plan[{name!r}] = 'position_embedding' (positions), or 'vocab_embedding' / "
+                                 f"'replicate' (token ids)")
         holds_weights = next(module.parameters(recurse=False), None) is not None
         if is_weighted_kind(module) or (holds_weights and tpl.mode != "1d"):
             kind = type(module).__name__
@@ -320,19 +340,27 @@ def _norm(name: str, module: nn.Module, tpl) -> nn.Module:
 
 def _check_plain(name: str, module: nn.Module) -> None:
     """Raise unless ``module`` equals its plain norm on a random input (with random weights
-    when ``module`` is on the meta device: the formula is what is checked)."""
+    when ``module`` is on the meta device: the formula is what is checked).
+
+    The probe runs on a float64 copy of ``module``, whatever the model's dtype: a bf16 norm
+    that computes in fp32 and casts back (transformers' LlamaRMSNorm) rounds differently from
+    a plain bf16 norm, which is rounding, not another formula. In float64 the two agree to the
+    precision the module computes in (at worst fp32 inside), far inside the bound below, while
+    a norm of another formula (Gemma's ``x * (1 + w)``) misses it by the size of its weights."""
     if type(module) in (nn.LayerNorm, nn.RMSNorm):  # torch's own, affine or not: plain by definition
         return
+    probe_module = copy.deepcopy(module)
     if any(p.is_meta for p in module.parameters()):
-        module = copy.deepcopy(module).to_empty(device="cpu")
+        probe_module = probe_module.to_empty(device="cpu")
         with torch.no_grad():
-            for p in module.parameters():
+            for p in probe_module.parameters():
                 p.normal_()
-    plain = _plain_norm(name, module)
+    probe_module = probe_module.to(torch.float64)
+    plain = _plain_norm(name, probe_module)
     weight = plain.weight
-    probe = torch.randn(3, plain.normalized_shape[0], dtype=weight.dtype, device=weight.device)
+    probe = torch.randn(3, plain.normalized_shape[0], dtype=torch.float64, device=weight.device)
     with torch.no_grad():
-        ok = torch.allclose(module(probe).float(), plain(probe).float(), rtol=1e-4, atol=1e-5)
+        ok = torch.allclose(probe_module(probe).double(), plain(probe), rtol=1e-4, atol=1e-5)
     if not ok:
         raise ValueError(f"{name} ({type(module).__name__}) does not compute a plain {type(plain).__name__} "
                          f"(y = norm(x) * weight [+ bias]); shardzoo cannot split it as 'norm'. Plan it as "

@@ -71,12 +71,12 @@ def _step(model, batch, lr: float = 1.0):
 
 
 def check_against_serial(kind: str, mesh_kwargs: dict, sp_mode: str = "ring", zero: int = 0,
-                         dtype: torch.dtype = torch.float32) -> dict:
+                         dtype: torch.dtype = torch.float32, wrap: bool = True, plan: dict | None = None) -> dict:
     """On every rank: parallelize a tiny ``kind`` model on the cached mesh of ``mesh_kwargs``,
-    wrap it with ``data_parallel(zero=...)`` (parameters in ``dtype``), run one SGD step on this dp replica's rows, and
-    assert loss, gathered logits, the global gradient norm and every full parameter equal the
-    serial step's. Returns
-    the largest differences (for reports)."""
+    wrap it with ``data_parallel(zero=...)`` (parameters in ``dtype``; ``wrap=False``: no
+    wrapper, the gradients as ``backward()`` leaves them), run one SGD step on this dp
+    replica's rows (``plan``: passed to ``parallelize``; None: the model's own), and assert loss, gathered logits, the global gradient norm and every full
+    parameter equal the serial step's. Returns the largest differences (for reports)."""
     import shardzoo
 
     batch = padded_batch()
@@ -87,8 +87,8 @@ def check_against_serial(kind: str, mesh_kwargs: dict, sp_mode: str = "ring", ze
     out_s, out_x = _step(serial, batch), _step(exact, batch)
 
     mesh = cached_mesh(**mesh_kwargs)
-    shardzoo.parallelize(parallel, mesh, sp_mode=sp_mode)
-    wrapped = shardzoo.data_parallel(parallel, mesh, zero=zero)
+    shardzoo.parallelize(parallel, mesh, plan, sp_mode=sp_mode)
+    wrapped = shardzoo.data_parallel(parallel, mesh, zero=zero) if wrap else parallel
     rows = slice(mesh.dp_rank * BATCH // mesh.dp_size, (mesh.dp_rank + 1) * BATCH // mesh.dp_size)
     ids, mask, labels = (t[rows] for t in batch)
     out_p = wrapped(input_ids=ids, attention_mask=mask, labels=labels)
@@ -96,7 +96,8 @@ def check_against_serial(kind: str, mesh_kwargs: dict, sp_mode: str = "ring", ze
     from shardzoo.models.training import global_grad_norm
 
     norm = global_grad_norm(wrapped, mesh)  # each distinct piece once: kv copies and replicas skipped
-    optimizer = shardzoo.zero_optimizer(wrapped, torch.optim.SGD, lr=1.0)
+    optimizer = shardzoo.zero_optimizer(wrapped, torch.optim.SGD, lr=1.0) if wrap else \
+        torch.optim.SGD(parallel.parameters(), lr=1.0)
     optimizer.step()
 
     real = mask.bool()

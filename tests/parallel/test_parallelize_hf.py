@@ -37,6 +37,41 @@ def test_transformers_model_equals_serial(case):
     run_on_ranks(check_against_serial, CASES[case][2], *CASES[case][:2], *CASES[case][3:])
 
 
+# (model, ParallelMesh kwargs, world, zero or None: no data_parallel wrapper)
+SP_GRADIENTS = {
+    "llama-tp2-sp2-unwrapped": ("llama", dict(tp=2, sp=2), 4, None),
+    "gpt2-tp2-sp2-unwrapped": ("gpt2", dict(tp=2, sp=2), 4, None),
+    "gpt2-dp2-sp2-ddp": ("gpt2", dict(dp=2, sp=2), 4, 0),
+    "llama-dp2-sp2-zero2": ("llama", dict(dp=2, sp=2), 4, 2),
+}
+
+
+@pytest.mark.parametrize("case", list(SP_GRADIENTS))
+def test_gradients_are_summed_over_sp_by_backward(case):
+    """The gradients are right after ``loss.backward()`` for every axis parallelize split, with no
+    wrapper to remember; ``data_parallel`` then adds dp only (sp is not summed a second time)."""
+    kind, mesh_kwargs, world, zero = SP_GRADIENTS[case]
+    run_on_ranks(check_against_serial, world, kind, mesh_kwargs, "ring", zero or 0, torch.float32, zero is not None)
+
+
+def _plan_without_embedding(kind: str) -> dict:
+    """transformers' own plan for the blocks and the head, the norms as 'sequence_parallel':
+    no entry for the token embedding."""
+    from shardzoo.testing.hf_parallel import tiny_causal_lm
+
+    model = tiny_causal_lm(kind)
+    norms = {"layers.*.input_layernorm", "layers.*.post_attention_layernorm", "norm"}
+    return {**model.config.base_model_tp_plan, **type(model)._tp_plan, **dict.fromkeys(norms, "sequence_parallel")}
+
+
+@pytest.mark.parametrize("mesh_kwargs, world", [(dict(tp=2), 2), (dict(tp=2, sp=2), 4)])
+def test_plan_without_the_embedding_keeps_it_whole_in_1d(mesh_kwargs, world):
+    """In 1d the token embedding reads whole token ids on every tp rank: unplanned, it is kept
+    whole, and the model equals serial (loss, logits, every weight after a step)."""
+    run_on_ranks(check_against_serial, world, "llama", mesh_kwargs, "ring", 0, torch.float32, True,
+                 _plan_without_embedding("llama"))
+
+
 @pytest.mark.parametrize("sp_mode", ["ring", "ulysses"])
 def test_packed_documents_equal_documents_one_by_one(sp_mode):
     """transformers' packed format through a parallelized Llama at tp=2, sp=2."""

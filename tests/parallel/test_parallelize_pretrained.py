@@ -75,3 +75,42 @@ def _missing_dir(path):
 
 def test_missing_directory_is_named(tmp_path):
     run_on_ranks(_missing_dir, 2, str(tmp_path / "nowhere"))
+
+
+def _bf16_load(kind, mesh_kwargs, src):
+    import transformers
+
+    import shardzoo
+    from shardzoo.testing import assert_close_conditioned
+    from shardzoo.testing.hf_parallel import padded_batch
+
+    ids, mask, _ = padded_batch()
+    serial = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval()
+    exact = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float64).eval()
+    model = shardzoo.from_pretrained(src, cached_mesh(**mesh_kwargs), dtype=torch.bfloat16).eval()
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    with torch.no_grad():
+        logits = shardzoo.gather_logits(model, model(input_ids=ids, attention_mask=mask).logits)
+        expected = serial(input_ids=ids, attention_mask=mask).logits
+        truth = exact(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    assert_close_conditioned(logits[real], expected[real], truth[real], f"{kind} bf16 logits")
+
+
+@pytest.mark.parametrize("kind, mesh_kwargs, world", [
+    ("llama", dict(tp=2), 2),
+    ("qwen2", dict(tp=4, tp_mode="2d"), 4),
+])
+def test_bf16_checkpoint_loads_and_equals_the_serial_bf16_model(tmp_path, kind, mesh_kwargs, world):
+    """A checkpoint loaded in bf16, as users load them: its RMSNorm (computed in fp32 and cast
+    back, with weights away from 1) is recognised as a plain RMSNorm, and the logits equal the
+    serial bf16 model's."""
+    from shardzoo.testing.hf_parallel import tiny_causal_lm
+
+    model = tiny_causal_lm(kind)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(str(tmp_path))
+    run_on_ranks(_bf16_load, world, kind, mesh_kwargs, str(tmp_path))

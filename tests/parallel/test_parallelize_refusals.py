@@ -33,9 +33,13 @@ def _refusal(mesh_kwargs, edit: str):
         plan["blocks.*.ln_1"] = "column"
     elif edit == "no-match":
         plan["blocks.*.mlp.up_proj"] = "column"
-    elif edit == "odd-norm":
+    elif edit in ("odd-norm", "odd-norm-bf16"):
         model.ln_f = OnePlusRMSNorm(32)
         plan["ln_f"] = "norm"
+        if edit == "odd-norm-bf16":  # the probe judges the formula, not the model's dtype
+            model = model.to(torch.bfloat16)
+    elif edit == "positions-uncovered":  # 1d keeps token tables whole, but not a table indexed by local positions
+        del plan["pos"]
     elif edit == "unknown-head-count":
         model.blocks[0].attn.num_heads_total = 4
     elif edit == "heads":  # 4 heads on 8 parts
@@ -60,6 +64,9 @@ def _refusal(mesh_kwargs, edit: str):
     ("wrong-kind", dict(tp=2), 2, ["blocks.0.ln_1", "LayerNorm", "nn.Linear"]),
     ("no-match", dict(tp=2), 2, ["blocks.*.mlp.up_proj", "match no module"]),
     ("odd-norm", dict(tp=2), 2, ["ln_f", "OnePlusRMSNorm", "plain RMSNorm"]),
+    ("odd-norm-bf16", dict(tp=2), 2, ["ln_f", "OnePlusRMSNorm", "plain RMSNorm"]),
+    ("positions-uncovered", dict(tp=2, sp=2), 4, ["pos (Embedding)", "sp=2", "'position_embedding'"]),
+    ("positions-uncovered", dict(tp=4, tp_mode="2d"), 4, ["pos (Embedding)", "not in the plan"]),
     ("unknown-head-count", dict(tp=2), 2, ["blocks.0.attn.num_heads_total", "head count"]),
     ("heads", dict(tp=8), 8, ["4 heads", "4 kv heads", "head parts that work: [1, 2, 4]"]),
     ("dropout-uncovered", dict(tp=2), 2, ["drop (Dropout, p=0.1)", "not in the plan", 'plan it "dropout"']),
