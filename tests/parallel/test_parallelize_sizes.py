@@ -52,9 +52,11 @@ def sgd_step(model, batch):
     return out.loss.detach(), out.logits.detach()
 
 
-def check_sizes(overrides: dict, mesh_kwargs: dict, rows: int, seq: int = SEQ, sp_mode: str = "ring") -> None:
+def check_sizes(overrides: dict, mesh_kwargs: dict, rows: int, seq: int = SEQ, sp_mode: str = "ring",
+                save_to: str | None = None) -> None:
     """On every rank: loss, gathered logits [rows, seq, V] and every full weight after one SGD
-    step of a parallelized tiny Llama equal the serial model's (fp64 bounds fp32's rounding)."""
+    step of a parallelized tiny Llama equal the serial model's (fp64 bounds fp32's rounding);
+    ``save_to``: also ``save_pretrained`` there and load it back with transformers."""
     import shardzoo
 
     serial = tiny_llama(**overrides)
@@ -82,6 +84,14 @@ def check_sizes(overrides: dict, mesh_kwargs: dict, rows: int, seq: int = SEQ, s
     for name, value in reference.items():
         assert full[name].shape == value.shape, f"{name}: {tuple(full[name].shape)} != {tuple(value.shape)}"
         assert_close_conditioned(full[name], value, exact_state[name], f"{name} after a step", scale=4.0)
+    if save_to is not None:
+        import transformers
+
+        shardzoo.save_pretrained(parallel, save_to)
+        loaded = transformers.LlamaForCausalLM.from_pretrained(save_to).state_dict()
+        for name, value in reference.items():
+            assert loaded[name].shape == value.shape, f"saved {name}: {tuple(loaded[name].shape)}"
+            assert torch.equal(loaded[name], full[name]), f"saved {name} differs from full_state_dict's"
 
 
 BATCHES = {  # name: (ParallelMesh kwargs and world, batch rows)
@@ -98,6 +108,25 @@ def test_any_batch_size_equals_serial(case):
     trimmed from the gathered logits."""
     (mesh_kwargs, world), rows = BATCHES[case]
     run_on_ranks(check_sizes, world, {}, mesh_kwargs, rows)
+
+
+WIDTHS = {  # name: (ParallelMesh kwargs and world, batch rows); MLP inner width 37, vocabulary 99
+    "1d-tp2": (with_world(tp=2), 2),
+    "1d-tp4": (with_world(tp=4), 3),
+    "2d-tp4": (with_world(tp=4, tp_mode="2d"), 3),
+    "2.5d-tp8-d2": (with_world(tp=8, tp_mode="2.5d", tp_depth=2), 2),
+}
+
+
+@pytest.mark.parametrize("case", list(WIDTHS))
+def test_widths_tp_does_not_divide_equal_serial(case, tmp_path):
+    """transformers' tp tester's tiny Llama: intermediate_size=37 and a vocabulary of 99 are
+    padded with zeros (exact: padded gate / up rows and down columns add 0, padded logits are
+    outside the softmax); full_state_dict and save_pretrained give the unpadded tensors."""
+    (mesh_kwargs, world), rows = WIDTHS[case]
+    overrides = dict(intermediate_size=37, vocab_size=99)
+    run_on_ranks(check_sizes, world, overrides, mesh_kwargs, rows, SEQ, "ring",
+                 str(tmp_path / "saved") if case == "1d-tp4" else None)
 
 
 class _TokenTable(torch.nn.Module):
