@@ -7,11 +7,14 @@ implementation it has no mask function for, so the attention is causal by the mo
 ``is_causal`` and takes the padding mask the input hook split for this rank
 (inputs.Parallelized.key_padding_mask), or the packed documents' boundaries (``cu_seqlens``).
 The q heads are this rank's; fewer kv heads (grouped-query attention) travel as they are, and
-only the kv heads go round the ring.
+only the kv heads go round the ring. A sliding window shorter than the sequence (Mistral,
+Qwen2's ``use_sliding_window``) is applied from the global positions of queries and keys
+(layers/window_attention.py), in either sp_mode.
 """
 
 from __future__ import annotations
 
+from shardzoo.layers.window_attention import window_attention
 from shardzoo.parallel.sdpa_mode import run_sequence_attention
 
 NAMES = {"ring": "shardzoo_ring", "ulysses": "shardzoo_ulysses"}
@@ -29,12 +32,25 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
     window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
     seq = query.shape[2] * mesh.sp_size
     if window is not None and seq > window:
-        raise ValueError(f"{type(module).__name__} uses a sliding window of {window} tokens, which shardzoo's "
-                         f"sequence-parallel attention does not apply; the sequence ({seq}) must be at most the "
-                         f"window, or use sp=1")
+        return _windowed(module, state, query, key, value, window, scaling, dropout), None
     out = run_sequence_attention(state, query, key, value, causal=bool(getattr(module, "is_causal", True)),
                                  softmax_scale=scaling, dropout_p=dropout, training=module.training)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _windowed(module, state, query, key, value, window: int, scaling, dropout: float):
+    """A sliding window of ``window`` tokens over a longer sequence (layers/window_attention.py)."""
+    who = f"{type(module).__name__} (sliding window of {window} tokens)"
+    if state.cu_seqlens is not None:
+        raise ValueError(f"{who}: packed documents with a sliding window are not split under sp; pass unpacked rows, "
+                         f"or use sp=1")
+    if dropout > 0.0 and module.training:
+        raise ValueError(f"{who}: attention dropout (p={dropout}) with a sliding window is not built under sp; set "
+                         f"the model's attention_dropout to 0, or use sp=1")
+    out = window_attention(query, key, value, group=state.mesh.sp_group, window=int(window),
+                           causal=bool(getattr(module, "is_causal", True)), zigzag=state.zigzag,
+                           key_padding_mask=state.key_padding_mask, softmax_scale=scaling)
+    return out.transpose(1, 2).contiguous()
 
 
 def register() -> None:

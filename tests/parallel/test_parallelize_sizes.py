@@ -21,16 +21,17 @@ from shardzoo.testing.pools import cached_mesh  # noqa: E402
 SEQ = 12
 
 
-def tiny_llama(seed: int = 0, **overrides):
-    """A 1-layer transformers Llama (hidden 32, 4 heads, 2 kv heads), fp32, from ``seed``;
-    ``overrides``: LlamaConfig fields."""
+def tiny_llama(seed: int = 0, kind: str = "Llama", **overrides):
+    """A 1-layer transformers ``kind`` causal LM (Llama, Mistral; hidden 32, 4 heads, 2 kv
+    heads), fp32, from ``seed``; ``overrides``: its config's fields."""
     import transformers
 
     config = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=96, max_position_embeddings=64, attn_implementation="sdpa")
     config.update(overrides)
     torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).float().train()
+    cls, config_cls = getattr(transformers, f"{kind}ForCausalLM"), getattr(transformers, f"{kind}Config")
+    return cls(config_cls(**config)).float().train()
 
 
 def batch_of(rows: int, vocab: int, seq: int = SEQ, seed: int = 0):
@@ -127,6 +128,14 @@ def test_widths_tp_does_not_divide_equal_serial(case, tmp_path):
     overrides = dict(intermediate_size=37, vocab_size=99)
     run_on_ranks(check_sizes, world, overrides, mesh_kwargs, rows, SEQ, "ring",
                  str(tmp_path / "saved") if case == "1d-tp4" else None)
+
+
+@pytest.mark.parametrize("sp_mode", ["ring", "ulysses"])
+def test_sliding_window_under_sp_equals_serial(sp_mode):
+    """Mistral with a window of 5 tokens over a sequence of 16 split over sp=2: every query
+    sees its last 5 keys, as the serial model's sliding-window mask."""
+    overrides = dict(kind="Mistral", sliding_window=5)
+    run_on_ranks(check_sizes, 2, overrides, dict(sp=2), 2, 16, sp_mode)
 
 
 class _TokenTable(torch.nn.Module):
