@@ -17,6 +17,13 @@ position, global key position): ``lse`` stays the undropped normaliser (blocks m
 dropout) and ``out = (P * Z / (1-p)) V``; backward redraws the same mask from the same seed.
 torch's fused CPU op cannot take a given mask, so "auto" runs CPU tensors with dropout on the
 torch reference.
+
+A sliding window (``window``, transformers' ``sliding_window``) masks by global positions: query
+at ``q_positions[i]`` sees the keys at ``k_positions[j] > q_positions[i] - window`` (with
+``causal``, also j <= i on the local indices). The reference applies it per chunk, the CPU
+fused op as an additive mask; the Triton kernel has no window, so "auto" runs a windowed call
+on CUDA tensors on the torch reference (ring attention passes a window only to the blocks the
+window cuts; blocks wholly inside it run unmasked, blocks wholly outside are not computed).
 """
 from __future__ import annotations
 
@@ -26,6 +33,7 @@ import torch
 
 from . import flash_attention_cpu as _cpu
 from . import flash_attention_ref as _ref
+from .flash_attention_ref import Band
 from .dropout_mask import dropout_keys
 from ._dispatch import HALF_AND_SINGLE, check_same_device, check_tensor, check_triton_float, resolve_backend
 
@@ -33,10 +41,20 @@ _FLOATS = HALF_AND_SINGLE + (torch.float64,)
 ATTENTION_BACKENDS = ("auto", "triton", "aten", "torch")
 
 
-def _resolve_attention_backend(backend, device, op, dropout=False, needs_delta=False) -> str:
-    """"auto": Triton for CUDA tensors, torch's fused CPU flash kernel ("aten") for CPU tensors
-    where this torch has it and there is no dropout (nor an lse gradient, ``needs_delta``),
-    else the pure-torch reference ("torch")."""
+def _resolve_attention_backend(backend, device, op, dropout=False, needs_delta=False, window=False) -> str:
+    """"auto": Triton for CUDA tensors (the torch reference with a ``window``), torch's fused CPU
+    flash kernel ("aten") for CPU tensors where this torch has it and there is no dropout (nor an
+    lse gradient, ``needs_delta``), else the pure-torch reference ("torch")."""
+    resolved = _resolve_unwindowed(backend, device, op, dropout, needs_delta)
+    if window and resolved == "triton":
+        if backend == "triton":
+            raise ValueError(f"{op}: backend='triton' has no sliding window; pass backend='auto' (the torch "
+                             "reference runs windowed blocks) or window=None")
+        return "torch"
+    return resolved
+
+
+def _resolve_unwindowed(backend, device, op, dropout, needs_delta) -> str:
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"{op}: backend={backend!r} is not one of {ATTENTION_BACKENDS}; pass 'auto' or one of "
                          "the others")
@@ -65,7 +83,8 @@ def _triton_module():
     return flash_attention_triton
 
 
-def _check_inputs(op, q, k, v, key_padding_mask, softmax_scale, backend, dropout=False, needs_delta=False):
+def _check_inputs(op, q, k, v, key_padding_mask, softmax_scale, backend, dropout=False, needs_delta=False,
+                  window=False):
     """Validate shapes / dtypes and return (backend, softmax_scale)."""
     for name, t, layout in (("q", q, "[B, H, Sq, D]"), ("k", k, "[B, H, Sk, D]"), ("v", v, "[B, H, Sk, D]")):
         check_tensor(op, name, t, ndim=4, dtypes=_FLOATS, layout=layout)
@@ -84,7 +103,7 @@ def _check_inputs(op, q, k, v, key_padding_mask, softmax_scale, backend, dropout
             raise ValueError(f"{op}: key_padding_mask shape {tuple(key_padding_mask.shape)} must be [B, Sk] = "
                              f"{(b, k.shape[2])} (True = attend)")
     check_same_device(op, q=q, k=k, v=v, key_padding_mask=key_padding_mask)
-    backend = _resolve_attention_backend(backend, q.device, op, dropout, needs_delta)
+    backend = _resolve_attention_backend(backend, q.device, op, dropout, needs_delta, window)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(d)
     softmax_scale = float(softmax_scale)
@@ -116,6 +135,17 @@ def _check_dropout_p(op, dropout_p) -> bool:
     return dropout_p > 0.0
 
 
+def _window(op, q, k, window, q_positions, k_positions):
+    """Validate the sliding window -> a Band, or None without one."""
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"{op}: window={window!r} must be an int >= 1 (query at position p sees the keys at "
+                         "positions > p - window), or None for no sliding window")
+    return Band(window, _positions(op, "q_positions", q_positions, q.shape[2], q.device),
+                _positions(op, "k_positions", k_positions, k.shape[2], q.device))
+
+
 def _dropout(op, q, k, dropout_p, dropout_seed, q_positions, k_positions, head_offset, batch_offset):
     """Validate the dropout arguments -> DropoutKeys, or None without dropout."""
     if not dropout_p:
@@ -135,7 +165,7 @@ def _dropout(op, q, k, dropout_p, dropout_seed, q_positions, k_positions, head_o
 
 def attention_block_forward(q, k, v, *, causal=False, key_padding_mask=None, softmax_scale=None, backend="auto",
                             dropout_p=0.0, dropout_seed=None, q_positions=None, k_positions=None, head_offset=0,
-                            batch_offset=0):
+                            batch_offset=0, window=None):
     """Attention of one query block against one key block.
 
     Args:
@@ -149,9 +179,12 @@ def attention_block_forward(q, k, v, *, causal=False, key_padding_mask=None, sof
         dropout_p: drop probability of the attention probabilities, in [0, 1).
         dropout_seed: Python int, required when dropout_p > 0; pass the same to the backward.
         q_positions: int64 [Sq], k_positions: int64 [Sk]: global sequence positions of the
-            query rows / key columns (default arange); they only select the dropout mask
-            (``causal`` stays top-left aligned on the local indices).
+            query rows / key columns (default arange); they select the dropout mask and the
+            window (``causal`` stays top-left aligned on the local indices).
         head_offset, batch_offset: global index of this block's first head / batch row.
+        window: optional int >= 1, a sliding window: query at position p sees only the keys at
+            positions > p - window (transformers' ``sliding_window``); Triton has none, so
+            "auto" runs CUDA tensors on the reference then.
 
     Returns:
         out [B, H, Sq, D] in q's dtype (accumulated in fp32) and lse [B, H, Sq] fp32, the
@@ -159,18 +192,20 @@ def attention_block_forward(q, k, v, *, causal=False, key_padding_mask=None, sof
     """
     op = "attention_block_forward"
     backend, scale = _check_inputs(op, q, k, v, key_padding_mask, softmax_scale, backend,
-                                   _check_dropout_p(op, dropout_p))
+                                   _check_dropout_p(op, dropout_p), window=window is not None)
     drop = _dropout(op, q, k, dropout_p, dropout_seed, q_positions, k_positions, head_offset, batch_offset)
+    band = _window(op, q, k, window, q_positions, k_positions)
+    extra = {} if band is None else dict(window=band)
     if backend == "triton":
         return _triton_module().attention_forward_triton(q, k, v, causal, key_padding_mask, scale, drop)
     if backend == "aten":
-        return _cpu.attention_forward_aten(q, k, v, causal, key_padding_mask, scale)
-    return _ref.attention_forward_torch(q, k, v, causal, key_padding_mask, scale, drop)
+        return _cpu.attention_forward_aten(q, k, v, causal, key_padding_mask, scale, **extra)
+    return _ref.attention_forward_torch(q, k, v, causal, key_padding_mask, scale, drop, **extra)
 
 
 def attention_block_backward(dout, q, k, v, out, lse, *, causal=False, key_padding_mask=None, softmax_scale=None,
                              backend="auto", dropout_p=0.0, dropout_seed=None, q_positions=None, k_positions=None,
-                             head_offset=0, batch_offset=0, lse_grad=None):
+                             head_offset=0, batch_offset=0, lse_grad=None, window=None):
     """Gradients of one attention block given a (possibly global) lse.
 
     Args:
@@ -189,8 +224,11 @@ def attention_block_backward(dout, q, k, v, out, lse, *, causal=False, key_paddi
     """
     op = "attention_block_backward"
     backend, scale = _check_inputs(op, q, k, v, key_padding_mask, softmax_scale, backend,
-                                   _check_dropout_p(op, dropout_p), needs_delta=lse_grad is not None)
+                                   _check_dropout_p(op, dropout_p), needs_delta=lse_grad is not None,
+                                   window=window is not None)
     drop = _dropout(op, q, k, dropout_p, dropout_seed, q_positions, k_positions, head_offset, batch_offset)
+    band = _window(op, q, k, window, q_positions, k_positions)
+    extra = {} if band is None else dict(window=band)
     for name, t in (("dout", dout), ("out", out)):
         check_tensor(op, name, t, dtypes=_FLOATS)
         if t.shape != q.shape:
@@ -205,8 +243,9 @@ def attention_block_backward(dout, q, k, v, out, lse, *, causal=False, key_paddi
         return _triton_module().attention_backward_triton(dout, q, k, v, out, lse, causal, key_padding_mask, scale,
                                                           drop, lse_grad)
     if backend == "aten":
-        return _cpu.attention_backward_aten(dout, q, k, v, out, lse, causal, key_padding_mask, scale)
-    return _ref.attention_backward_torch(dout, q, k, v, out, lse, causal, key_padding_mask, scale, drop, lse_grad)
+        return _cpu.attention_backward_aten(dout, q, k, v, out, lse, causal, key_padding_mask, scale, **extra)
+    return _ref.attention_backward_torch(dout, q, k, v, out, lse, causal, key_padding_mask, scale, drop, lse_grad,
+                                         **extra)
 
 
 class FlashAttentionFunction(torch.autograd.Function):
@@ -236,7 +275,7 @@ def draw_dropout_seed() -> int:
 
 def flash_attention(q, k, v, *, causal=False, key_padding_mask=None, softmax_scale=None, backend="auto",
                     dropout_p=0.0, dropout_seed=None, q_positions=None, k_positions=None, head_offset=0,
-                    batch_offset=0):
+                    batch_offset=0, window=None):
     """Memory-efficient attention, differentiable in q, k, v.
 
     q [B, H, Sq, D], k/v [B, H, Sk, D] -> out [B, H, Sq, D] in q's dtype. Arguments as in
@@ -247,5 +286,5 @@ def flash_attention(q, k, v, *, causal=False, key_padding_mask=None, softmax_sca
         dropout_seed = draw_dropout_seed()
     options = dict(causal=causal, softmax_scale=softmax_scale, backend=backend, dropout_p=dropout_p,
                    dropout_seed=dropout_seed, q_positions=q_positions, k_positions=k_positions,
-                   head_offset=head_offset, batch_offset=batch_offset)
+                   head_offset=head_offset, batch_offset=batch_offset, window=window)
     return FlashAttentionFunction.apply(q, k, v, key_padding_mask, options)

@@ -7,12 +7,30 @@ largest temporary is [B, H, QUERY_CHUNK, KEY_CHUNK]. Computes in fp32 (fp64 for 
 ``dropout`` (a :class:`~shardzoo.kernels.dropout_mask.DropoutKeys`, or None) drops attention
 probabilities with the stateless mask of ``dropout_mask``, drawn per chunk: lse stays the
 undropped normaliser, ``out = (P * Z / (1-p)) V``.
+
+``window`` (a :class:`Band`, or None) is a sliding window over global positions: query row i
+sees key column j only where ``k_positions[j] > q_positions[i] - size``, built per chunk.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from .dropout_mask import keep_mask
+
+
+class Band(NamedTuple):
+    """A sliding window of ``size`` tokens: query at global position p sees the keys at
+    positions > p - size. q_positions int64 [Sq], k_positions int64 [Sk]."""
+
+    size: int
+    q_positions: torch.Tensor
+    k_positions: torch.Tensor
+
+    def visible(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+        """Bool [q1-q0, k1-k0]: which keys of the chunk lie inside each row's window."""
+        return self.k_positions[None, k0:k1] > self.q_positions[q0:q1, None] - self.size
 
 KEY_CHUNK = 256
 QUERY_CHUNK = 1024
@@ -22,11 +40,14 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _visible(q0, q1, k0, k1, causal, key_padding_mask, device):
+def _visible(q0, q1, k0, k1, causal, key_padding_mask, device, window=None):
     """Bool mask broadcastable to [B, H, q1-q0, k1-k0], or None when every key is visible."""
     visible = None
     if key_padding_mask is not None:
         visible = key_padding_mask[:, None, None, k0:k1]
+    if window is not None:
+        band = window.visible(q0, q1, k0, k1)
+        visible = band if visible is None else visible & band
     if causal:
         rows = torch.arange(q0, q1, device=device)[:, None]
         cols = torch.arange(k0, k1, device=device)[None, :]
@@ -45,7 +66,7 @@ def _keep(dropout, q0, q1, k0, k1):
     return keep_mask(dropout.row_keys[:, :, q0:q1, None], dropout.col_keys[k0:k1], dropout.threshold)
 
 
-def attention_forward_torch(q, k, v, causal, key_padding_mask, softmax_scale, dropout=None):
+def attention_forward_torch(q, k, v, causal, key_padding_mask, softmax_scale, dropout=None, window=None):
     """Reference forward. q [B, H, Sq, D], k/v [B, H, Sk, D] -> (out [B, H, Sq, D] q.dtype, lse [B, H, Sq] fp32)."""
     ct = _compute_dtype(q.dtype)
     batch, heads, sq, dim = q.shape
@@ -62,7 +83,7 @@ def attention_forward_torch(q, k, v, causal, key_padding_mask, softmax_scale, dr
         for k0 in range(0, _key_end(q1, sk, causal), KEY_CHUNK):
             k1 = min(_key_end(q1, sk, causal), k0 + KEY_CHUNK)
             scores = qc @ k[:, :, k0:k1].to(ct).transpose(-1, -2)
-            visible = _visible(q0, q1, k0, k1, causal, key_padding_mask, q.device)
+            visible = _visible(q0, q1, k0, k1, causal, key_padding_mask, q.device, window)
             if visible is not None:
                 scores = scores.masked_fill(~visible, neg_inf)
             new_max = torch.maximum(row_max, scores.amax(-1))
@@ -84,7 +105,7 @@ def attention_forward_torch(q, k, v, causal, key_padding_mask, softmax_scale, dr
 
 
 def attention_backward_torch(dout, q, k, v, out, lse, causal, key_padding_mask, softmax_scale, dropout=None,
-                             lse_grad=None):
+                             lse_grad=None, window=None):
     """Reference backward with a possibly global ``lse``: P = exp(scale*S - lse).
 
     With dropout (mask Z, out the dropped output): dV = (P Z / (1-p))^T dO,
@@ -118,7 +139,7 @@ def attention_backward_torch(dout, q, k, v, out, lse, causal, key_padding_mask, 
             kc = k[:, :, k0:k1].to(ct)
             vc = v[:, :, k0:k1].to(ct)
             scores = (qc * softmax_scale) @ kc.transpose(-1, -2)
-            visible = _visible(q0, q1, k0, k1, causal, key_padding_mask, q.device)
+            visible = _visible(q0, q1, k0, k1, causal, key_padding_mask, q.device, window)
             if visible is not None:
                 scores = scores.masked_fill(~visible, float("-inf"))
             probs = torch.exp(scores - lse_c)

@@ -26,7 +26,8 @@ SP_MODES = ("ring", "ulysses")
 
 def sequence_attention(q, k, v, *, mesh, causal: bool, key_padding_mask=None, softmax_scale=None,
                        sp_mode: str = "ring", dropout_p: float = 0.0, training: bool = False, head_offset: int = 0,
-                       batch_offset: int = 0, cu_seqlens=None, zigzag: bool | None = None) -> torch.Tensor:
+                       batch_offset: int = 0, cu_seqlens=None, zigzag: bool | None = None,
+                       window: int | None = None) -> torch.Tensor:
     """q, k, v: [B, h, S/P, d] (this rank's heads and sequence shard) -> [B, h, S/P, d].
 
     ``key_padding_mask``: bool [B, S/P] (True = attend), sharded like k. ``dropout_p`` applies
@@ -36,8 +37,9 @@ def sequence_attention(q, k, v, *, mesh, causal: bool, key_padding_mask=None, so
     by ring attention or Ulysses also when sp = 1, since the block kernel alone has no documents.
     ``zigzag``: the dense shard layout (None: zigzag exactly when ``causal``); non-causal
     attention over zigzag shards (a causal model's encoder-style call) passes True, so the
-    dropout mask sees the global positions."""
-    common = dict(causal=causal, key_padding_mask=key_padding_mask, softmax_scale=softmax_scale)
+    dropout mask sees the global positions. ``window``: a causal sliding window (the query at p
+    sees the keys p - window < j <= p); the ring skips the blocks wholly outside it."""
+    common = dict(causal=causal, key_padding_mask=key_padding_mask, softmax_scale=softmax_scale, window=window)
     if dropout_p > 0.0 and training:
         common.update(dropout_p=dropout_p, dropout_seed=draw_dropout_seed(), head_offset=head_offset,
                       batch_offset=batch_offset)

@@ -9,8 +9,9 @@ Shards: causal attention over a dense sequence expects zigzag shards (``shard_se
 zigzag=True)``: rank r holds chunks r and 2P-1-r, so every rank does the same work); packed
 documents (``cu_seqlens`` or transformers' ``position_ids``) expect the per-document split of
 ``shard_sequence(..., cu_seqlens=...)``. Grouped-query attention: k, v have H_kv heads with
-H % H_kv == 0, query head h reads kv head h // (H / H_kv); only the H_kv heads travel.
-See docs/sequence_parallel.md.
+H % H_kv == 0, query head h reads kv head h // (H / H_kv); only the H_kv heads travel. A
+sliding window (``window``) masks by global positions and skips the blocks wholly outside it
+(ring_window.py). See docs/sequence_parallel.md.
 """
 
 from __future__ import annotations
@@ -89,6 +90,20 @@ def resolve_documents(who: str, cu_seqlens, position_ids, key_padding_mask, worl
     return split
 
 
+def check_window(who: str, window, causal: bool, total: int) -> int | None:
+    """The sliding window to apply: None when there is none or it covers the ``total`` tokens
+    (every key of a causal row is inside it), else the int; a ValueError for a bad one."""
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"{who}: window={window!r} must be an int >= 1 (transformers' sliding_window: the query at "
+                         "position p sees the keys at p - window < j <= p), or None for no sliding window")
+    if not causal:
+        raise ValueError(f"{who}: window={window} is a causal sliding window (keys p - window < j <= p); pass "
+                         "causal=True, or window=None for non-causal attention")
+    return None if window >= total else window
+
+
 def _check_dense(q, key_padding_mask, world, causal, zigzag) -> None:
     if causal and zigzag is False and world > 1:
         raise ValueError(
@@ -113,7 +128,7 @@ def _check_dense(q, key_padding_mask, world, causal, zigzag) -> None:
 
 def ring_attention(q, k, v, *, group, causal=False, cu_seqlens=None, return_lse=False, key_padding_mask=None,
                    softmax_scale=None, dropout_p=0.0, dropout_seed=None, head_offset=0, batch_offset=0, zigzag=None,
-                   position_ids=None, grad_tiles=None):
+                   position_ids=None, grad_tiles=None, window=None):
     """Exact attention over a sequence sharded across ``group`` (ring attention).
 
     Args:
@@ -146,6 +161,12 @@ def ring_attention(q, k, v, *, group, causal=False, cu_seqlens=None, return_lse=
             each 1/n of a K / V block round the ring on its own and computes it in row tiles
             (memory at the floor, more kernel calls); 0 sends whole blocks with the hops
             overlapped. None: 16 for CPU tensors, 0 for CUDA ones.
+        window: a causal sliding window (transformers' ``sliding_window``, needs ``causal``):
+            the query at global position p sees the keys j with p - window < j <= p (within its
+            document when packed). The blocks are cut at the zigzag chunks; a (query chunk, key
+            chunk) pair wholly outside every query's window is not computed (forward nor
+            backward), one wholly inside runs unmasked, one the window cuts gets the window
+            mask (on CUDA on the torch reference kernel). The K / V still make every hop.
 
     Returns:
         [batch, heads, seq/P, head_dim] in q's dtype, this rank's rows of the output (rows that
@@ -165,15 +186,17 @@ def ring_attention(q, k, v, *, group, causal=False, cu_seqlens=None, return_lse=
                               group_rank(group), q.shape[2])
     if split is None:
         _check_dense(q, key_padding_mask, world, causal, zigzag)
+    total = split.total if split is not None else world * q.shape[2]
+    window = check_window("ring_attention", window, bool(causal), total)
     if dropout_p and dropout_seed is None:
         dropout_seed = draw_dropout_seed()
     settings = RingSettings(group, bool(causal), softmax_scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
                             head_offset=head_offset, batch_offset=batch_offset,
                             zigzag=bool(causal) if zigzag is None else bool(zigzag),
                             grad_tiles=grad_tiles, split=split,
-                            return_lse=bool(return_lse))
+                            return_lse=bool(return_lse), window=window)
     return RingAttentionFunction.apply(q, k, v, key_padding_mask, settings)
 
 
 __all__ = ["ring_attention", "RingAttentionFunction", "RingSettings", "merge_block", "ring_blocks",
-           "accumulation_dtype", "CPU_GRAD_TILES", "check_gqa_shapes", "resolve_documents"]
+           "accumulation_dtype", "CPU_GRAD_TILES", "check_gqa_shapes", "check_window", "resolve_documents"]

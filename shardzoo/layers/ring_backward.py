@@ -24,9 +24,8 @@ from __future__ import annotations
 import torch
 
 from shardzoo.comm import RingExchange
-from shardzoo.comm.ops import group_rank, group_size
+from shardzoo.comm.ops import group_rank
 from shardzoo.kernels import attention_block_backward
-from shardzoo.layers.packing import tile_rect
 from shardzoo.layers.ring_core import (RingSettings, accumulation_dtype, chunks_round_ring, expand_kv, fold_kv_grad,
                                        pad_to, ring_blocks)
 
@@ -40,7 +39,8 @@ def ring_backward(dout, q, k, v, out, lse, dlse, key_padding_mask, settings: Rin
     return backward(dout, q, k, v, out, lse, dlse, key_padding_mask, settings)
 
 
-def _piece_backward(dout, q, k_block, v_block, out, lse, dlse, mask, piece, settings, me, source, col0=0):
+def _piece_backward(dout, q, k_block, v_block, out, lse, dlse, mask, piece, settings, me, source, col0=0,
+                    banded=False):
     """(dq, dk, dv) of one kernel call: rows r0:r1 here against key columns c0:c1 of ``source``,
     found at ``c0 - col0`` in the block in hand; dk / dv folded back to the kv heads."""
     r0, r1, c0, c1, causal = piece
@@ -50,7 +50,7 @@ def _piece_backward(dout, q, k_block, v_block, out, lse, dlse, mask, piece, sett
         dout[:, :, r0:r1], q[:, :, r0:r1], expand_kv(k_block[:, :, cols], groups),
         expand_kv(v_block[:, :, cols], groups), out[:, :, r0:r1], lse[:, :, r0:r1], causal=causal,
         key_padding_mask=mask[0][:, cols] if mask else None, lse_grad=None if dlse is None else dlse[:, :, r0:r1],
-        **settings.block_kwargs(q.shape[2], me, source, piece, q.device),
+        **settings.block_kwargs(q.shape[2], me, source, piece, q.device, banded),
     )  # fmt: skip
     return dq, fold_kv_grad(dk, groups), fold_kv_grad(dv, groups)
 
@@ -74,9 +74,9 @@ def _backward_overlapped(dout, q, k, v, out, lse, dlse, key_padding_mask, settin
             grads = [torch.zeros(kv_shape, dtype=acc, device=k.device) for _ in range(2)]
         else:  # the block's gradient so far arrives with it, one step behind the K / V
             grads = pending.wait()
-        for rect in plan.rects(me, source, settings.causal):
+        for rect, banded in settings.pieces(me, source, q.shape[2], None):
             dq_b, dk_b, dv_b = _piece_backward(dout, q, k_block, v_block, out, lse, dlse, mask, rect, settings, me,
-                                               source)
+                                               source, banded=banded)
             r0, r1, c0, c1, _ = rect
             dq[:, :, r0:r1] += dq_b
             grads[0][:, :, c0:c1] += dk_b
@@ -91,7 +91,6 @@ def _backward_chunked(dout, q, k, v, out, lse, dlse, key_padding_mask, settings:
     acc = accumulation_dtype(q.dtype)
     me, plan = group_rank(settings.group), settings.plan(q.shape[2])
     own, width = k.shape[2], plan.max_len
-    rects = {source: plan.rects(me, source, settings.causal) for source in range(group_size(settings.group))}
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)  # written chunk by chunk as each comes home
     row_tile = settings.tile(q.shape[2])
@@ -108,14 +107,13 @@ def _backward_chunked(dout, q, k, v, out, lse, dlse, key_padding_mask, settings:
                 dk[:, :, c0:end], dv[:, :, c0:end] = grads[0][:, :, : end - c0], grads[1][:, :, : end - c0]
             continue
         k_block, v_block, *mask = block
-        for rect in rects[source]:
-            for piece in tile_rect(rect, row_tile, (c0, c1)):
-                dq_t, dk_t, dv_t = _piece_backward(dout, q, k_block, v_block, out, lse, dlse, mask, piece, settings,
-                                                   me, source, col0=c0)
-                r0, r1, a, b, _ = piece
-                dq[:, :, r0:r1] += dq_t
-                grads[0][:, :, a - c0 : b - c0] += dk_t
-                grads[1][:, :, a - c0 : b - c0] += dv_t
-                del dq_t, dk_t, dv_t  # free before the next tile's kernel call
+        for piece, banded in settings.pieces(me, source, q.shape[2], row_tile, (c0, c1)):
+            dq_t, dk_t, dv_t = _piece_backward(dout, q, k_block, v_block, out, lse, dlse, mask, piece, settings,
+                                               me, source, col0=c0, banded=banded)
+            r0, r1, a, b, _ = piece
+            dq[:, :, r0:r1] += dq_t
+            grads[0][:, :, a - c0 : b - c0] += dk_t
+            grads[1][:, :, a - c0 : b - c0] += dv_t
+            del dq_t, dk_t, dv_t  # free before the next tile's kernel call
         del block, k_block, v_block, mask, grads
     return dq, dk, dv

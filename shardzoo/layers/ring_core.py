@@ -16,8 +16,10 @@ Which parts of a block are computed comes from a :class:`~shardzoo.layers.packin
 (``rects``): for a dense causal sequence the zigzag schedule (rank r holds chunks r and
 2P-1-r; every step after the first costs half a block), for packed documents (``cu_seqlens``)
 the same schedule per document, and nothing across documents. Blocks outside the mask are
-skipped, not masked. Grouped-query attention (k, v with H_kv < H heads) circulates the H_kv
-heads and repeats them for the kernel call only.
+skipped, not masked; with a sliding window (``RingSettings.window``) the blocks are cut at the
+zigzag chunks and those wholly outside every query's window are skipped too (ring_window.py).
+Grouped-query attention (k, v with H_kv < H heads) circulates the H_kv heads and repeats them
+for the kernel call only.
 
 Dropout on the probabilities runs inside the block kernel with a stateless mask of the global
 (batch, head, query position, key position): each block gets the global positions of its query
@@ -36,7 +38,8 @@ import torch.nn.functional as F
 from shardzoo.comm import RingExchange
 from shardzoo.comm.ops import group_rank, group_size
 from shardzoo.kernels import attention_block_forward
-from shardzoo.layers.packing import DocumentSplit, dense_split, tile_rect
+from shardzoo.layers.packing import DocumentSplit, dense_split
+from shardzoo.layers.ring_window import window_pieces
 from shardzoo.layers.sequence import shard_positions
 
 CPU_GRAD_TILES = 16  # on CPU a block runs as (up to) 16 row tiles x 16 key chunks (ring_backward.py)
@@ -106,6 +109,7 @@ class RingSettings:
     min_tile: int = 256  # smaller tiles cost more in kernel calls than their memory is worth
     split: DocumentSplit | None = None  # packed documents; None: one dense sequence
     return_lse: bool = False
+    window: int | None = None  # sliding window (causal): query at p sees keys in (p - window, p]
 
     def plan(self, local_len: int) -> DocumentSplit:
         """The split the shards follow: the packed one, or the dense one of ``local_len``."""
@@ -120,16 +124,25 @@ class RingSettings:
             return self.split.positions(rank, device)
         return shard_positions(length, rank, group_size(self.group), self.zigzag, device)
 
-    def block_kwargs(self, q_len: int, me: int, source: int, piece, device) -> dict:
+    def pieces(self, me: int, source: int, q_len: int, row_tile: int | None, cols=None):
+        """``(piece, banded)`` for the kernel calls of this rank's queries against ``source``'s
+        keys (ring_window.py): the plan's visible rects, cut by the window when there is one."""
+        return window_pieces(self.plan(q_len), me, source, self.causal, self.window, row_tile, cols)
+
+    def block_kwargs(self, q_len: int, me: int, source: int, piece, device, banded: bool = False) -> dict:
         """Keyword arguments of the block kernel for the ``piece`` (rows of this rank, cols of
-        ``source``)."""
+        ``source``); ``banded``: the piece needs the window mask."""
         kwargs = dict(softmax_scale=self.softmax_scale, backend=self.backend)
+        r0, r1, c0, c1, _ = piece
+        if banded or self.dropout_p > 0.0:
+            kwargs.update(q_positions=self.positions(me, q_len, device)[r0:r1],
+                          k_positions=self.positions(source, q_len, device)[c0:c1])
+        if banded:
+            kwargs.update(window=self.window)
         if self.dropout_p > 0.0:
-            r0, r1, c0, c1, _ = piece
             kwargs.update(
                 dropout_p=self.dropout_p, dropout_seed=self.dropout_seed, head_offset=self.head_offset,
-                batch_offset=self.batch_offset, q_positions=self.positions(me, q_len, device)[r0:r1],
-                k_positions=self.positions(source, q_len, device)[c0:c1],
+                batch_offset=self.batch_offset,
             )  # fmt: skip
         return kwargs
 
@@ -176,17 +189,16 @@ def ring_forward(q, k, v, key_padding_mask, settings: RingSettings) -> tuple[tor
         """Merge the visible part of ``block`` (keys ``cols`` of ``source``) into out / lse."""
         k_block, v_block, *mask = block
         groups = heads // k_block.shape[1]
-        for rect in plan.rects(me, source, settings.causal):
-            for piece in tile_rect(rect, row_tile, cols):
-                r0, r1, c0, c1, causal = piece
-                a, b = c0 - cols[0], c1 - cols[0]
-                block_out, block_lse = attention_block_forward(
-                    q[:, :, r0:r1], expand_kv(k_block[:, :, a:b], groups), expand_kv(v_block[:, :, a:b], groups),
-                    causal=causal, key_padding_mask=mask[0][:, a:b] if mask else None,
-                    **settings.block_kwargs(seq, me, source, piece, q.device),
-                )  # fmt: skip
-                merge_block(out[:, :, r0:r1], lse[:, :, r0:r1], block_out, block_lse)
-                del block_out, block_lse
+        for piece, banded in settings.pieces(me, source, seq, row_tile, cols):
+            r0, r1, c0, c1, causal = piece
+            a, b = c0 - cols[0], c1 - cols[0]
+            block_out, block_lse = attention_block_forward(
+                q[:, :, r0:r1], expand_kv(k_block[:, :, a:b], groups), expand_kv(v_block[:, :, a:b], groups),
+                causal=causal, key_padding_mask=mask[0][:, a:b] if mask else None,
+                **settings.block_kwargs(seq, me, source, piece, q.device, banded),
+            )  # fmt: skip
+            merge_block(out[:, :, r0:r1], lse[:, :, r0:r1], block_out, block_lse)
+            del block_out, block_lse
 
     if settings.grad_tiles:
         for c0, c1, source, block, _ in chunks_round_ring(settings.group, k, v, key_padding_mask, plan.max_len,

@@ -24,6 +24,11 @@ gathered sequence is put back into natural order before the kernel and returned 
 order after it; ``zigzag=False`` takes contiguous causal shards. Non-causal attention does not
 care about token order (the key padding mask is gathered in the same order as the keys).
 
+A sliding window (``window``, causal) is the kernel's own: after the all-to-all the rank holds
+the whole sequence (each document whole) in natural order for its heads, so the window is a
+plain band of the positions there (``flash_attention(window=...)``). Nothing is skipped but
+what the kernel skips; on CUDA the windowed kernel is the torch reference (Triton has no window).
+
 Dropout on the probabilities runs in the kernel with the stateless mask of the global (batch,
 head, query position, key position): after the all-to-all this rank's heads start at
 ``head_offset + rank * heads/P`` and the gathered tokens have the full-sequence positions (in
@@ -39,7 +44,7 @@ from shardzoo.comm import all_to_all
 from shardzoo.comm.ops import group_rank, group_size
 from shardzoo.kernels import flash_attention
 from shardzoo.kernels.flash_attention import draw_dropout_seed
-from shardzoo.layers.ring_attention import check_gqa_shapes, resolve_documents
+from shardzoo.layers.ring_attention import check_gqa_shapes, check_window, resolve_documents
 from shardzoo.layers.ring_core import pad_to
 from shardzoo.layers.sequence import from_zigzag_order, gather_padding_mask, to_zigzag_order
 
@@ -84,7 +89,7 @@ def _kv_to_heads(t: torch.Tensor, group, world: int) -> torch.Tensor:
     return all_to_all(t, group, scatter_dim=1, gather_dim=2)
 
 
-def _attend_documents(q, k, v, split, causal, softmax_scale, drop):
+def _attend_documents(q, k, v, split, causal, softmax_scale, drop, window=None):
     """Per-document attention over the natural-order sequence [B, h, S, d] (no cross-document
     block is ever formed), outputs concatenated."""
     outs, start = [], 0
@@ -95,14 +100,15 @@ def _attend_documents(q, k, v, split, causal, softmax_scale, drop):
             positions = torch.arange(start, start + length, device=q.device)
             extra = dict(drop, q_positions=positions, k_positions=positions)
         outs.append(flash_attention(q[:, :, part], k[:, :, part], v[:, :, part], causal=causal,
-                                    softmax_scale=softmax_scale, **extra))
+                                    softmax_scale=softmax_scale, window=check_window("ulysses_attention", window,
+                                                                                     causal, length), **extra))
         start += length
     return torch.cat(outs, 2)
 
 
 def ulysses_attention(q, k, v, *, group, causal=False, cu_seqlens=None, key_padding_mask=None, softmax_scale=None,
                       zigzag=None, dropout_p=0.0, dropout_seed=None, head_offset=0, batch_offset=0,
-                      position_ids=None):
+                      position_ids=None, window=None):
     """Exact attention over a sequence sharded across ``group``, by head-parallel all-to-all.
 
     Args:
@@ -122,6 +128,9 @@ def ulysses_attention(q, k, v, *, group, causal=False, cu_seqlens=None, key_padd
             in :func:`shardzoo.layers.ring_attention.ring_attention` (the same mask).
         position_ids: transformers' packed format instead of ``cu_seqlens``: the full [1, seq]
             position ids of the packed batch, restarting at 0 per document.
+        window: a causal sliding window (transformers' ``sliding_window``, needs ``causal``):
+            the query at position p sees the keys j with p - window < j <= p (within its
+            document when packed), applied by the kernel on the gathered sequence.
 
     Returns:
         [batch, heads, seq/P, head_dim] in q's dtype, this rank's rows (same layout as q).
@@ -131,12 +140,14 @@ def ulysses_attention(q, k, v, *, group, causal=False, cu_seqlens=None, key_padd
     _check_ulysses_inputs(q, k, key_padding_mask, world)
     split = resolve_documents("ulysses_attention", cu_seqlens, position_ids, key_padding_mask, world,
                               group_rank(group), q.shape[2])
+    window = check_window("ulysses_attention", window, bool(causal),
+                          split.total if split is not None else world * q.shape[2])
     drop = {}
     if dropout_p:
         drop = dict(dropout_p=dropout_p, dropout_seed=draw_dropout_seed() if dropout_seed is None else dropout_seed,
                     batch_offset=batch_offset, head_offset=head_offset + group_rank(group) * (q.shape[1] // world))
     if split is not None:
-        return _packed(q, k, v, group, world, split, causal, softmax_scale, drop)
+        return _packed(q, k, v, group, world, split, causal, softmax_scale, drop, window)
     # token order matters only to the causal mask: reorder zigzag shards only then
     reorder = causal and world > 1 and zigzag is not False
     if reorder and q.shape[2] % 2 != 0:
@@ -164,15 +175,17 @@ def ulysses_attention(q, k, v, *, group, causal=False, cu_seqlens=None, key_padd
         drop.update(q_positions=positions, k_positions=positions)
     groups = q_heads.shape[1] // k_heads.shape[1]
     k_heads, v_heads = (t.repeat_interleave(groups, 1) if groups > 1 else t for t in (k_heads, v_heads))
+    # the causal sequence is in natural order here (zigzag shards reordered), so the window's
+    # positions are the default arange
     out = flash_attention(q_heads, k_heads, v_heads, causal=causal, key_padding_mask=mask, softmax_scale=softmax_scale,
-                          **drop)
+                          window=window, **drop)
     if reorder:
         out = to_zigzag_order(out, world, 2)
     # [B, H/P, S, D] -> [B, H, S/P, D]
     return all_to_all(out, group, scatter_dim=2, gather_dim=1)
 
 
-def _packed(q, k, v, group, world, split, causal, softmax_scale, drop):
+def _packed(q, k, v, group, world, split, causal, softmax_scale, drop, window=None):
     """Packed documents: shards padded to the longest, all-to-all, natural order, per-document
     attention, back to the padded shards, all-to-all, padding dropped."""
     width, index = split.max_len, split.gather_index.to(q.device)
@@ -181,6 +194,6 @@ def _packed(q, k, v, group, world, split, causal, softmax_scale, drop):
     k_heads, v_heads = (_kv_to_heads(t, group, world).index_select(2, index) for t in (k, v))
     groups = q_heads.shape[1] // k_heads.shape[1]
     k_heads, v_heads = (t.repeat_interleave(groups, 1) if groups > 1 else t for t in (k_heads, v_heads))
-    out = _attend_documents(q_heads, k_heads, v_heads, split, causal, softmax_scale, drop)
+    out = _attend_documents(q_heads, k_heads, v_heads, split, causal, softmax_scale, drop, window)
     stream = out.new_zeros(out.shape[0], out.shape[1], world * width, out.shape[3]).index_copy(2, index, out)
     return all_to_all(stream, group, scatter_dim=2, gather_dim=1)[:, :, : split.local_len(group_rank(group))]

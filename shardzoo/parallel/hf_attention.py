@@ -7,7 +7,9 @@ implementation it has no mask function for, so the attention is causal by the mo
 ``is_causal`` and takes the padding mask the input hook split for this rank
 (inputs.Parallelized.key_padding_mask), or the packed documents' boundaries (``cu_seqlens``).
 The q heads are this rank's; fewer kv heads (grouped-query attention) travel as they are, and
-only the kv heads go round the ring.
+only the kv heads go round the ring. A sliding window (Mistral, Qwen2's
+``use_sliding_window``) goes to the ring or Ulysses as their ``window``: the ring masks by global
+positions and skips the blocks wholly outside it, Ulysses masks its gathered sequence.
 """
 
 from __future__ import annotations
@@ -27,14 +29,26 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
                            f"parallelized model; set the model's attention implementation back to 'sdpa'")
     mesh = state.mesh
     window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
-    seq = query.shape[2] * mesh.sp_size
-    if window is not None and seq > window:
-        raise ValueError(f"{type(module).__name__} uses a sliding window of {window} tokens, which shardzoo's "
-                         f"sequence-parallel attention does not apply; the sequence ({seq}) must be at most the "
-                         f"window, or use sp=1")
-    out = run_sequence_attention(state, query, key, value, causal=bool(getattr(module, "is_causal", True)),
-                                 softmax_scale=scaling, dropout_p=dropout, training=module.training)
+    causal = bool(getattr(module, "is_causal", True))
+    if window is not None and query.shape[2] * mesh.sp_size > window:
+        _check_window(module, state, int(window), causal, dropout)
+    out = run_sequence_attention(state, query, key, value, causal=causal, softmax_scale=scaling, dropout_p=dropout,
+                                 training=module.training, window=None if window is None else int(window))
     return out.transpose(1, 2).contiguous(), None
+
+
+def _check_window(module, state, window: int, causal: bool, dropout: float) -> None:
+    """The cases of a sliding window shorter than the sequence that are not built under sp."""
+    who = f"{type(module).__name__} (sliding window of {window} tokens)"
+    if not causal:
+        raise ValueError(f"{who}: a sliding window is applied to causal attention only; the module's is_causal is "
+                         f"False. Use sp=1 for it")
+    if state.cu_seqlens is not None:
+        raise ValueError(f"{who}: packed documents with a sliding window are not split under sp; pass unpacked rows, "
+                         f"or use sp=1")
+    if dropout > 0.0 and module.training:
+        raise ValueError(f"{who}: attention dropout (p={dropout}) with a sliding window is not built under sp; set "
+                         f"the model's attention_dropout to 0, or use sp=1")
 
 
 def register() -> None:

@@ -4,6 +4,10 @@
 full tensors of this dp replica on every tp and sp rank. A forward pre-hook (torch's own
 extension point; the model's forward is not touched) splits them:
 
+* a batch the layout's batch parts do not divide (a batch of 1 or 3 on a 2 x 2 grid) is padded
+  up to the next multiple by repeating its last row, with labels -100: the padded rows are
+  outside the loss, and :func:`gather_logits` trims them (a model without an 'lm_head', whose
+  outputs shardzoo does not gather, is refused such a batch);
 * ``input_ids``: along the batch axes of the layout's activations, then along sp (zigzag for
   causal models, so every sp rank does equal attention work); a floating-point 4-d first
   input (pixels [B, C, H, W]) along the batch axes only: its 'patch_embedding' makes the
@@ -27,6 +31,7 @@ same value on every rank.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 from torch import nn
@@ -57,14 +62,48 @@ class Parallelized:
         self.input_layout = tpl.activation
         self.mask_layout = tpl.linear_output(tpl.activation)  # the attention's batch rows
         self.target_layout = tpl.activation
+        self.rows: int | None = None  # this forward's batch rows, before padding
+        self.padded_rows: int | None = None  # ... after: a multiple of the batch parts
 
     @property
     def zigzag(self) -> bool:
         return self.causal and self.mesh.sp_size > 1
 
-    def shard(self, t: torch.Tensor, layout) -> torch.Tensor:
-        """[B, S, ...] -> this rank's [b, s, ...]: batch rows of ``layout`` (None, or a batch
-        of 1 broadcast over rows: kept whole), then the sp shard."""
+    def batch_parts(self) -> int:
+        """How many blocks the batch is cut into (the same for inputs, masks and targets)."""
+        return math.lcm(*(lay.batch_parts(self.mesh) for lay in (self.input_layout, self.mask_layout,
+                                                                  self.target_layout)))
+
+    def start_batch(self, rows: int, model: nn.Module) -> None:
+        """Record this forward's batch of ``rows`` and the rows it is padded to; refuse it where
+        the padding could not be trimmed (no 'lm_head')."""
+        parts = self.batch_parts()
+        self.rows, self.padded_rows = rows, -(-rows // parts) * parts
+        if self.padded_rows != rows and self.head is None:
+            axes = "*".join(f"{a}={self.mesh.size(a)}" for a in self.input_layout.batch_axes)
+            raise ValueError(f"a batch of {rows} rows does not split over the {self.mesh.tp_mode} layout's {parts} "
+                             f"batch parts ({axes}), and {type(model).__name__} has no 'lm_head' whose loss and "
+                             f"gathered logits shardzoo pads and trims; pass a batch of a multiple of {parts} rows "
+                             f"(e.g. {self.padded_rows})")
+
+    def pad(self, t: torch.Tensor, fill=None) -> torch.Tensor:
+        """[rows, ...] -> [padded_rows, ...]: the last row repeated (valid ids, masks and
+        positions), or ``fill`` (labels: the ignore index); other tensors unchanged."""
+        if self.rows is None or self.padded_rows == self.rows or t.shape[0] != self.rows:
+            return t
+        extra = (self.padded_rows - self.rows, *t.shape[1:])
+        return torch.cat([t, t[-1:].expand(extra) if fill is None else t.new_full(extra, fill)])
+
+    def trim(self, t: torch.Tensor) -> torch.Tensor:
+        """A gathered [padded_rows, ...] output -> this forward's [rows, ...]."""
+        return t[:self.rows] if self.rows is not None and t.shape[0] == self.padded_rows else t
+
+    def shard(self, t: torch.Tensor, layout, fill=None) -> torch.Tensor:
+        """[B, S, ...] -> this rank's [b, s, ...]: padded (:meth:`pad`), batch rows of
+        ``layout`` (None, or one row broadcast over a larger batch: kept whole), then the sp
+        shard."""
+        if layout is not None:
+            t = self.pad(t, fill)
         if layout is not None and t.shape[0] != 1:
             t = layout_of(self.mesh).shard_batch(t, layout)
         if self.mesh.sp_size > 1:
@@ -81,15 +120,20 @@ def install(model: nn.Module, state: Parallelized) -> None:
         state.target_layout = layout_of(state.mesh).after(model.get_submodule(state.head))
         if not hasattr(model, "count_targets"):  # model.count_targets(labels): the step's count
             model.count_targets = functools.partial(count_targets, model)
-    model.register_forward_pre_hook(lambda m, a, k: _split_inputs(state, a, k), with_kwargs=True)
+    model.register_forward_pre_hook(lambda m, a, k: _split_inputs(state, m, a, k), with_kwargs=True)
 
 
-def _split_inputs(state: Parallelized, args: tuple, kwargs: dict):
+def _split_inputs(state: Parallelized, model: nn.Module, args: tuple, kwargs: dict):
     args, kwargs = list(args), dict(kwargs)
     state.num_targets = kwargs.pop("num_targets", None) if state.hf else None  # for the loss (hf_model.py)
     _check_same_inputs(state, args, kwargs)
     seq = None
     state.cu_seqlens = _packed_documents(state, kwargs.get("position_ids"), kwargs.get("attention_mask"))
+    first = kwargs.get("input_ids")
+    first = args[0] if first is None and args and torch.is_tensor(args[0]) else first
+    state.rows = state.padded_rows = None
+    if first is not None and first.dim() >= 1:
+        state.start_batch(first.shape[0], model)
     if kwargs.get("input_ids") is not None:
         seq = kwargs["input_ids"].shape[-1]
         kwargs["input_ids"] = _ids(state, kwargs["input_ids"])
@@ -159,7 +203,7 @@ def _packed_documents(state: Parallelized, positions, mask) -> torch.Tensor | No
 
 def _ids(state: Parallelized, ids: torch.Tensor) -> torch.Tensor:
     if torch.is_floating_point(ids) and ids.dim() == 4:  # pixels [B, C, H, W]: the embedding makes the sequence
-        return layout_of(state.mesh).shard_batch(ids, state.input_layout)
+        return layout_of(state.mesh).shard_batch(state.pad(ids), state.input_layout)
     if torch.is_floating_point(ids) and ids.dim() == 3:  # activations [B, S, H]
         return shard_activations(state, ids)
     if ids.dim() != 2:
@@ -209,7 +253,7 @@ def shard_labels(state: Parallelized, labels: torch.Tensor, ignore_index: int = 
     causal LM (position t predicts token t + 1, the last position ignored)."""
     if state.causal:
         labels = batch_loss.shift_labels(labels, ignore_index)
-    return state.shard(labels, state.target_layout)
+    return state.shard(labels, state.target_layout, fill=ignore_index)
 
 
 def local_loss(state: Parallelized, model: nn.Module, logits: torch.Tensor, target: torch.Tensor, *,
@@ -288,7 +332,9 @@ def gather_output(model: nn.Module, y: torch.Tensor) -> torch.Tensor:
 
 def gather_logits(model: nn.Module, logits: torch.Tensor) -> torch.Tensor:
     """A parallelized model's local logits [b, s, V_l] -> the full [B, S, V] of this dp replica,
-    on every rank (collective over tp and sp; differentiable)."""
+    on every rank (collective over tp and sp; differentiable); the rows a batch was padded
+    with are dropped."""
     state, model = _state(model)
     full = model.get_submodule(state.head).gather_output(logits)
-    return gather_sequence(full, state.mesh.sp_group, 1, zigzag=state.zigzag, cu_seqlens=state.cu_seqlens)
+    full = gather_sequence(full, state.mesh.sp_group, 1, zigzag=state.zigzag, cu_seqlens=state.cu_seqlens)
+    return state.trim(full)

@@ -23,7 +23,7 @@ from shardzoo.layers.attention_core import SP_MODES
 from shardzoo.layers.tensor_layout import layout_of
 from shardzoo.parallel import checkpointing as block_checkpointing
 from shardzoo.parallel import heads as head_counts
-from shardzoo.parallel import hf_model, inputs, linears, sdpa_mode, sp_grads
+from shardzoo.parallel import hf_model, inputs, linears, padding, sdpa_mode, sp_grads
 from shardzoo.parallel.classifier import build_classifier
 from shardzoo.parallel.dense import build_dense
 from shardzoo.parallel.dropouts import build_dropout, is_dropout
@@ -279,32 +279,42 @@ def _build(model: nn.Module, planned: dict, tpl, attention, zigzag: bool) -> dic
     built: dict[str, nn.Module] = {}
     order = sorted(planned, key=lambda n: planned[n][1] != "vocab_embedding")
     for name in order:
-        module, style, _ = planned[name]
-        if style in ("replicate", "replicate_sum", *KEEPS_CHILDREN):
-            if style == "vocab_bias":
-                head_of_bias(name, module, planned)  # raises before anything moves
-            continue
-        if style == "lm_head":
-            built[name] = _lm_head(name, module, planned, built, tpl)
-        elif style in ("column", "row", "packed_column", "head_fused_column"):
-            built[name] = _linear(name, module, style, tpl, attention)
-        elif style == "norm":
-            built[name] = _norm(name, module, tpl)
-        elif style == "vocab_embedding":
-            built[name] = tpl.vocab_embedding(serial=module, device=module.weight.device)
-        elif style == "position_embedding":
-            built[name] = build_position_embedding(module, tpl, zigzag, name)
-        elif style == "dropout":
-            built[name] = build_dropout(module, tpl.mesh)
-        elif style == "dense":
-            built[name] = build_dense(module, tpl)
-        elif style == "patch_embedding":
-            built[name] = build_patch_embedding(module, tpl, model, zigzag)
-        elif style == "classifier":
-            built[name] = build_classifier(module, tpl)
-        else:
-            built[name] = tpl.embedding(serial=module, device=module.weight.device)
+        try:
+            _build_one(model, name, planned, built, tpl, attention, zigzag)
+        except ValueError as err:  # a layer's size rule: say which module broke it
+            if name in str(err):
+                raise
+            raise ValueError(f"{name} ({type(planned[name][0]).__name__}): {err}") from err
     return built
+
+
+def _build_one(model: nn.Module, name: str, planned: dict, built: dict, tpl, attention, zigzag: bool) -> None:
+    """Build ``planned[name]``'s parallel module into ``built`` (replicated styles: nothing)."""
+    module, style, _ = planned[name]
+    if style in ("replicate", "replicate_sum", *KEEPS_CHILDREN):
+        if style == "vocab_bias":
+            head_of_bias(name, module, planned)  # raises before anything moves
+        return
+    if style == "lm_head":
+        built[name] = _lm_head(name, module, planned, built, tpl)
+    elif style in ("column", "row", "packed_column", "head_fused_column"):
+        built[name] = _linear(name, module, style, tpl, attention)
+    elif style == "norm":
+        built[name] = _norm(name, module, tpl)
+    elif style == "vocab_embedding":
+        built[name] = tpl.vocab_embedding(serial=module, device=module.weight.device)
+    elif style == "position_embedding":
+        built[name] = build_position_embedding(module, tpl, zigzag, name)
+    elif style == "dropout":
+        built[name] = build_dropout(module, tpl.mesh)
+    elif style == "dense":
+        built[name] = build_dense(module, tpl)
+    elif style == "patch_embedding":
+        built[name] = build_patch_embedding(module, tpl, model, zigzag)
+    elif style == "classifier":
+        built[name] = build_classifier(module, tpl)
+    else:
+        built[name] = tpl.embedding(serial=module, device=module.weight.device)
 
 
 def _linear(name: str, module: nn.Module, style: str, tpl, attention) -> nn.Module:
@@ -315,6 +325,13 @@ def _linear(name: str, module: nn.Module, style: str, tpl, attention) -> nn.Modu
         return linears.build_packed(module, owner.packed[name] if owner is not None else 2, tpl)
     if owner is not None and name in owner.kv_projections and owner.replicated_kv:
         return linears.build_repeated_kv(name, module, style, tpl, owner)
+    serial = linears.serial_linear(module)
+    padding.check_hidden(name, serial, style, tpl)
+    if padding.inner_width(serial, style) % tpl.column_blocks():  # an MLP's intermediate: zero padding is exact
+        layer = padding.build_padded(serial, style, tpl)
+        if linears.is_conv1d(module):
+            linears.as_conv1d_storage(layer)
+        return layer
     return linears.build_linear(module, style, tpl)
 
 

@@ -41,9 +41,10 @@ _MODE = "_shardzoo_sdpa_mode"
 
 
 def run_sequence_attention(state, q, k, v, *, causal: bool, softmax_scale=None, dropout_p: float = 0.0,
-                           training: bool = False) -> torch.Tensor:
+                           training: bool = False, window: int | None = None) -> torch.Tensor:
     """q [b, h, s/P, d], k / v [b, h_kv, s/P, d] of this rank's heads and sequence shard ->
-    [b, h, s/P, d], attention over the whole sequence of ``state`` (inputs.Parallelized)."""
+    [b, h, s/P, d], attention over the whole sequence of ``state`` (inputs.Parallelized);
+    ``window``: a causal sliding window (sequence_attention)."""
     mesh = state.mesh
     if state.sp_mode == "ulysses" and not _ulysses_fits(k.shape[1], mesh.sp_size):
         rep = q.shape[1] // k.shape[1]  # Ulysses splits kv heads over sp, or copies them
@@ -53,7 +54,7 @@ def run_sequence_attention(state, q, k, v, *, causal: bool, softmax_scale=None, 
     return sequence_attention(q, k, v, mesh=mesh, causal=causal, key_padding_mask=state.key_padding_mask,
                               softmax_scale=softmax_scale, sp_mode=state.sp_mode, dropout_p=dropout_p,
                               training=training, head_offset=head_offset, batch_offset=batch_offset,
-                              cu_seqlens=state.cu_seqlens, zigzag=zigzag)
+                              cu_seqlens=state.cu_seqlens, zigzag=zigzag, window=window)
 
 
 def _ulysses_fits(kv_heads: int, sp: int) -> bool:

@@ -69,10 +69,6 @@ def check_walk(shape, costs, b: Batch) -> None:
                           f"parts that work: {head_parts_that_work(a.heads, a.kv_heads)}")
         if b.sp_mode == "ulysses":
             need("Ulysses", "the heads per tp rank", a.heads // parts, b.sp, f"sp={b.sp}")
-        window = sliding_window(a.module)
-        if b.sp > 1 and isinstance(window, int) and b.seq > window:
-            raise Illegal(f"{a.name} attends over a sliding window of {window} tokens, which the sequence-parallel "
-                          f"attention does not apply; the sequence {b.seq} must be at most {window} when sp > 1")
     if mode != "1d" and walk.held:
         name = next(n for held in walk.held.values() for n, _ in held)
         raise Illegal(f"{name} holds weights the plan does not cover, and the {mode} layout splits the activations "
@@ -84,14 +80,6 @@ def check_walk(shape, costs, b: Batch) -> None:
         raise Illegal("a transformers model's 'position_embedding' under sp maps the positions twice (parallelize "
                       "refuses it); plan it 'embedding'")
     local_batch(shape, costs, b)
-
-
-def sliding_window(module: nn.Module) -> int | None:
-    """The window an attention module passes to the attention function: its own
-    ``sliding_window`` (Qwen2: None on full-attention layers), else its config's (Mistral)."""
-    if "sliding_window" in vars(module):
-        return module.sliding_window
-    return getattr(getattr(module, "config", None), "sliding_window", None)
 
 
 def local_batch(shape, costs, b: Batch) -> tuple[int, int]:

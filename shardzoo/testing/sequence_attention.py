@@ -13,12 +13,15 @@ DTYPES = dtypes("fp32", "fp64", "bf16")
 MASK_KINDS = ["none", "random", "right_pad", "rank_padded", "all_padded"]
 
 
-def sdpa_reference(q, k, v, mask, causal, scale=None):
-    """Serial attention with an explicit bool mask; rows that see no key give 0, as the kernel."""
+def sdpa_reference(q, k, v, mask, causal, scale=None, window=None):
+    """Serial attention with an explicit bool mask; rows that see no key give 0, as the kernel.
+    ``window``: a sliding window, query i sees the keys j > i - window (transformers' convention)."""
     seq_q, seq_k = q.shape[2], k.shape[2]
     visible = torch.ones(q.shape[0], 1, seq_q, seq_k, dtype=torch.bool)
     if causal:
         visible &= torch.ones(seq_q, seq_k, dtype=torch.bool).tril()
+    if window is not None:
+        visible &= torch.arange(seq_k)[None, :] > torch.arange(seq_q)[:, None] - window
     if mask is not None:
         visible &= mask[:, None, None, :]
     has_key = visible.any(-1, keepdim=True)
@@ -62,19 +65,19 @@ class Reference(tuple):
     serial = None
 
 
-def _sdpa_grads(q, k, v, dout, mask, causal, dtype):
+def _sdpa_grads(q, k, v, dout, mask, causal, dtype, window=None):
     leaves = [t.detach().to(dtype).requires_grad_(True) for t in (q, k, v)]
-    out = sdpa_reference(*leaves, mask, causal)
+    out = sdpa_reference(*leaves, mask, causal, window=window)
     out.backward(dout.to(dtype))
     return (out.detach(), *(t.grad for t in leaves))
 
 
-def reference_grads(q, k, v, dout, mask, causal):
+def reference_grads(q, k, v, dout, mask, causal, window=None):
     """fp64 reference output and (dq, dk, dv) for the (possibly rounded) inputs, with the serial
-    run in the inputs' dtype as ``.serial`` (:class:`Reference`)."""
-    ref = Reference(_sdpa_grads(q, k, v, dout, mask, causal, torch.float64))
+    run in the inputs' dtype as ``.serial`` (:class:`Reference`); ``window`` as sdpa_reference."""
+    ref = Reference(_sdpa_grads(q, k, v, dout, mask, causal, torch.float64, window))
     if q.dtype != torch.bfloat16:
-        ref.serial = _sdpa_grads(q, k, v, dout, mask, causal, q.dtype)
+        ref.serial = _sdpa_grads(q, k, v, dout, mask, causal, q.dtype, window)
     return ref
 
 
