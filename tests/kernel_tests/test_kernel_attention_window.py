@@ -20,7 +20,8 @@ def test_kernel_window_equals_sdpa(backend, window):
     out = flash_attention(*leaves, causal=True, key_padding_mask=mask, window=window, backend=backend)
     out.backward(dout)
     for name, a, e in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in leaves)), expected):
-        assert_close(a, e, f"{backend} window={window} {name}")
+        # the kernel against SDPA in float64: softmax sums over the 12 keys, the output over them
+        assert_close(a, e, f"{backend} window={window} {name}", terms=2 * 12 + 8)
 
 
 def test_kernel_window_refuses_bad_window_and_triton():
