@@ -162,7 +162,7 @@ def run_layout(spec: dict) -> dict:
     """Build, train ``spec["steps"]`` steps (the first one warms up), measure the last ones."""
     from shardzoo import comm
     from shardzoo.models.pipeline import build_schedule, sync_tied_grads
-    from shardzoo.parallel import data_parallel, ddp_of, zero_optimizer
+    from shardzoo.parallel import data_parallel, ddp_of, info_of, zero_optimizer
     from shardzoo.comm.mesh_cache import cached_mesh
 
     mesh = cached_mesh(**spec["layout"])
@@ -175,7 +175,8 @@ def run_layout(spec: dict) -> dict:
     zero = spec.get("zero", 0)
     wrapped = data_parallel(model, mesh, zero=zero)  # the model itself, wrapped in place
     if zero <= 1 and ddp_of(wrapped) is not None:  # DDP, at zero 1 under a ZeroRedundancyOptimizer
-        ddp_of(wrapped).register_comm_hook((mesh.group("dp", "sp"), totals), counting_ddp_hook)
+        # DDP's own group: dp x sp, or dp for a parallelize'd model (its backward averages over sp)
+        ddp_of(wrapped).register_comm_hook((info_of(wrapped).group, totals), counting_ddp_hook)
     # FSDP2 (zero 2, 3) runs its own collectives, which neither comm.count nor the DDP hook sees
     opt = zero_optimizer(wrapped, torch.optim.AdamW, lr=1e-4)
     if hf:

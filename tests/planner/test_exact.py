@@ -179,6 +179,8 @@ def check_hf_exact(spec: dict, directory) -> None:
     _hf_spec(4, "1d", 2, sp=2, ckpt=True, config=tiny_llama(bias=True)),  # ring: the kv heads go round
     _hf_spec(4, "2d", 4, config=tiny_llama(kv_heads=1, bias=True)),  # 2 head parts, 1 kv head (and its bias) repeated
     _hf_spec(4, "2d", 4, ckpt=True, config=TINY_GPT2, model_type="gpt2"),
-], ids=["1d-tp4-gqa-ckpt", "1d-ulysses-zero1", "1d-ring-ckpt-bias", "2d-mqa-bias", "gpt2-2d-ckpt"])
+    # backward averages over sp (a counted all-reduce per parameter), DDP and the broadcasts over dp only
+    _hf_spec(4, "1d", 1, sp=2, zero=1),
+], ids=["1d-tp4-gqa-ckpt", "1d-ulysses-zero1", "1d-ring-ckpt-bias", "2d-mqa-bias", "gpt2-2d-ckpt", "dp2-sp2-zero1"])
 def test_exact_for_a_walked_transformers_llama(spec, tmp_path):
     check_hf_exact(spec, tmp_path)
