@@ -228,7 +228,15 @@ def run_layout(spec: dict) -> dict:
         times.append(time.perf_counter() - start)
         counted = counter.total_bytes
     return {"stage": mesh.pp_rank, "param_bytes": param_bytes, "counted": counted, **totals,
-            "step_s": statistics.median(times), "peak_rss": peak_rss or _rss_kib("VmHWM") * 1024, "base_rss": base_rss}
+            "optimizer_bytes": optimizer_state_bytes(opt), "step_s": statistics.median(times), "peak_rss": peak_rss or _rss_kib("VmHWM") * 1024, "base_rss": base_rss}
+
+
+def optimizer_state_bytes(opt) -> int:
+    """Bytes of the per-parameter state (AdamW's moments, not its step counts) this rank's
+    optimizer holds: a ZeroRedundancyOptimizer's own shard (``opt.optim``)."""
+    state = getattr(opt, "optim", opt).state
+    return sum(t.numel() * t.element_size() for entry in state.values() for k, t in entry.items()
+               if k != "step" and isinstance(t, torch.Tensor))
 
 
 # glibc's mallopt parameters; the largest mmap threshold it accepts on 64-bit hosts is the time

@@ -151,7 +151,8 @@ def check_hf_exact(spec: dict, directory) -> None:
     """The model's config written as ``save_pretrained`` writes it and planned from that
     directory, as ``shardzoo plan DIR`` plans it (a family's model_type: the model built from
     it, walked); every rank's channels and parameter bytes of a measured step
-    (bench/_measure.py, ``spec["hf"]``) equal the plan's."""
+    (bench/_measure.py, ``spec["hf"]``) equal the plan's, and the ranks' optimizer state adds
+    up to the memory model's."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -170,6 +171,11 @@ def check_hf_exact(spec: dict, directory) -> None:
         for k in CHANNELS:
             assert got[k] == want[k], f"rank {rank} {k}: sent {got[k]}, planned {want[k]} ({spec})"
         assert got["param_bytes"] == stage.params * 4 == cand.param_bytes_per_rank, f"rank {rank} ({spec})"
+    # the optimizer state, sharded over the ranks ZeRO 1 shards over (dp for a parallelize'd model): on
+    # average what the memory model holds per rank (ZeroRedundancyOptimizer splits by whole tensors)
+    memory = planned.pricer.price_variants(layout, stage, 0, (spec["checkpointing"],), (zero,))
+    held = sum(got["optimizer_bytes"] for got in measured)
+    assert held == memory[(spec["checkpointing"], zero)].memory.optimizer * layout.world, (held, spec)
     assert cand.comm_bytes_per_rank_per_step == max(sum((got[k] for k in CHANNELS), Fraction(0)) for got in measured)
 
 
