@@ -274,7 +274,7 @@ def test_checker_catches_upward_imports():
     ("from .. import comm", "shardzoo.layers.linear_1d", False, "shardzoo.comm"),
     ("from ..comm.mesh import ParallelMesh", "shardzoo.layers.linear_1d", False, "shardzoo.comm.mesh"),
     ("from shardzoo import ParallelMesh", "shardzoo.demo", False, "shardzoo"),
-    ("import importlib\nimportlib.import_module('.gpt2', 'shardzoo.models')", "shardzoo.models.families", False,
+    ("import importlib\nimportlib.import_module('.gpt2', 'shardzoo.models')", "shardzoo.models.spec", False,
      "shardzoo.models.gpt2"),
 ])
 def test_resolution(source, module, is_package, target):

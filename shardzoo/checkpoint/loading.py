@@ -21,7 +21,8 @@ from shardzoo.checkpoint.index import read_index
 from shardzoo.checkpoint.optim import load_optimizer, optimizer_tensors
 from shardzoo.checkpoint.reading import PieceReader, entries_of, verify
 from shardzoo.checkpoint.sync import Ranks, describe
-from shardzoo.checkpoint.tensors import LocalTensor, find_mesh, model_tensors
+from shardzoo.checkpoint.tensors import LocalTensor, model_tensors
+from shardzoo.layers.replicas import find_mesh
 
 
 class LoadResult(NamedTuple):

@@ -26,9 +26,10 @@ from shardzoo.checkpoint.optim import merge_metas, optimizer_tensors
 from shardzoo.checkpoint.plan import Offer, pieces_of_rank, plan_writes
 from shardzoo.checkpoint.safetensors_io import SafetensorsWriter, dtype_name
 from shardzoo.checkpoint.sync import Ranks, describe
-from shardzoo.checkpoint.tensors import LocalTensor, find_mesh, is_candidate_writer, model_tensors, volume
+from shardzoo.checkpoint.tensors import LocalTensor, is_candidate_writer, model_tensors, volume
 from shardzoo.layers import replicas
 from shardzoo.layers.dp_shard import reshard_fsdp
+from shardzoo.layers.replicas import find_mesh
 from shardzoo.layers.shard_spec import unwrap_ddp
 
 

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from shardzoo.checkpoint.errors import CheckpointError
 from shardzoo.layers.dp_shard import rank_piece, reshard_fsdp
+from shardzoo.layers.replicas import find_mesh
 from shardzoo.layers.shard_spec import ShardSpec, ShardSpecError, check_local, check_specs, get_shard_spec, unwrap_ddp
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, shape) in global coordinates
@@ -69,15 +70,6 @@ def fill_local(lt: LocalTensor, read) -> None:
         lt.tensor.zero_()  # this rank holds padding rows
     if volume(box[1]) > 0:
         read(box, lt.tensor[region])
-
-
-def find_mesh(model: nn.Module):
-    """The first ``.mesh`` found on ``model`` or its submodules (None for a plain serial model)."""
-    for module in model.modules():
-        mesh = getattr(module, "mesh", None)
-        if mesh is not None:
-            return mesh
-    return None
 
 
 def model_tensors(model: nn.Module) -> tuple[list[LocalTensor], dict[str, str]]:

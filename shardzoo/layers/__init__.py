@@ -1,8 +1,10 @@
 """Parallel layers for every tp_mode, ring / Ulysses attention, and ShardSpec.
 
-``layout_of(mesh)`` is the mode's :class:`TensorLayout`, the one factory models are written
-against. Every sharded parameter has a ShardSpec (shard_spec.py); every module has ``.mesh``,
-``from_serial(module, mesh, ...)`` and differentiable ``shard_input`` / ``gather_output``.
+``layout_of(mesh)`` is the mode's :class:`TensorLayout`, the one factory the engine and blocks of
+one's own are written against. Every sharded parameter has a ShardSpec (shard_spec.py); every
+module has ``.mesh``, ``from_serial(module, mesh, ...)`` and differentiable ``shard_input`` /
+``gather_output``. Ready attention and MLP blocks are plain modules (``shardzoo.models.Attention``
+/ ``MLP``) that ``shardzoo.parallelize`` splits with a plan, as it does the families built on them.
 """
 
 from shardzoo.layers.cross_entropy import vocab_parallel_cross_entropy
@@ -10,7 +12,7 @@ from shardzoo.layers.embedding_1d import Embedding1D, VocabParallelEmbedding1D
 from shardzoo.layers.embedding_2d import Embedding2D, VocabParallelEmbedding2D
 from shardzoo.layers.embedding_2p5d import Embedding2p5D, PatchEmbedding2p5D, VocabParallelEmbedding2p5D
 from shardzoo.layers.embedding_3d import Embedding3D, PatchEmbedding3D, VocabParallelEmbedding3D
-from shardzoo.layers.head_1d import Classifier1D, LMHead1D, ParallelLMHead1D
+from shardzoo.layers.head_1d import Classifier1D, LMHead1D
 from shardzoo.layers.head_2d import Classifier2D, LMHead2D
 from shardzoo.layers.head_2p5d import Classifier2p5D, LMHead2p5D
 from shardzoo.layers.head_3d import Classifier3D, LMHead3D
@@ -33,14 +35,11 @@ from shardzoo.layers.sequence import gather_padding_mask, gather_sequence, shard
 from shardzoo.layers.full_state import full_state_dict
 from shardzoo.layers.shard_spec import ShardSpec, gather_full, get_shard_spec, set_shard_spec
 from shardzoo.layers.ulysses import ulysses_attention
-from shardzoo.layers.attention import SelfAttention  # noqa: E402  (builds on the layers above)
-from shardzoo.layers.mlp import MLP  # noqa: E402
-from shardzoo.layers.tensor_layout import (Layout1D, Layout2D, Layout2p5D, Layout3D, TensorLayout,  # noqa: E402
-                                           layout_of)
+from shardzoo.layers.tensor_layout import Layout1D, Layout2D, Layout2p5D, Layout3D, TensorLayout, layout_of
 
 __all__ = [
     # 1D
-    "ParallelLinear1D", "VocabParallelEmbedding1D", "Embedding1D", "LMHead1D", "ParallelLMHead1D", "LayerNorm1D",
+    "ParallelLinear1D", "VocabParallelEmbedding1D", "Embedding1D", "LMHead1D", "LayerNorm1D",
     "RMSNorm1D", "Classifier1D", "PatchEmbedding1D",
     # 2D / 2.5D / 3D
     "ParallelLinear2D", "ParallelLinear2p5D", "ParallelLinear3D", "LayerNorm2D", "LayerNorm2p5D", "LayerNorm3D",
@@ -54,8 +53,8 @@ __all__ = [
     # sequence parallelism
     "ring_attention", "RingAttentionFunction", "ulysses_attention", "shard_sequence", "gather_sequence",
     "shard_padding_mask", "gather_padding_mask", "cu_seqlens_from_position_ids", "split_documents",
-    # blocks, and the one factory per tp_mode
-    "SelfAttention", "MLP", "TensorLayout", "Layout1D", "Layout2D", "Layout2p5D", "Layout3D", "layout_of",
+    # the one factory per tp_mode
+    "TensorLayout", "Layout1D", "Layout2D", "Layout2p5D", "Layout3D", "layout_of",
     # sharding metadata
     "ShardSpec", "full_state_dict", "gather_full", "get_shard_spec", "set_shard_spec",
 ]  # fmt: skip

@@ -19,9 +19,29 @@ import torch
 from shardzoo.kernels import flash_attention
 from shardzoo.kernels.flash_attention import draw_dropout_seed
 from shardzoo.layers.ring_attention import ring_attention
+from shardzoo.layers.tensor_layout import layout_of
 from shardzoo.layers.ulysses import ulysses_attention
 
 SP_MODES = ("ring", "ulysses")
+
+
+def check_heads(who: str, hidden_size: int, num_heads: int, mesh, sp_mode: str = "ring") -> None:
+    """Raise a message naming value, rule and fix unless the heads split over tp (the mesh's
+    layout says over which axis) and, for Ulysses, each tp rank's heads over sp."""
+    if hidden_size % num_heads != 0:
+        raise ValueError(f"{who} needs hidden_size divisible by num_heads; got hidden_size={hidden_size}, "
+                         f"num_heads={num_heads}. Choose num_heads that divides {hidden_size}")
+    tpl = layout_of(mesh)
+    _, parts = tpl.head_axis()
+    if num_heads % parts != 0:
+        raise ValueError(f"{who} needs num_heads divisible by {tpl.head_rule()}; got num_heads={num_heads}. Use a "
+                         f"head count that is a multiple of {parts} or a smaller tp")
+    if sp_mode not in SP_MODES:
+        raise ValueError(f"{who}: sp_mode={sp_mode!r} is not one of {SP_MODES}")
+    local, sp = num_heads // parts, mesh.sp_size
+    if sp_mode == "ulysses" and local % sp != 0:
+        raise ValueError(f"{who}(sp_mode='ulysses') needs the heads per tp rank ({local}) divisible by sp={sp}; "
+                         f"use sp_mode='ring', a smaller sp, or more heads")
 
 
 def sequence_attention(q, k, v, *, mesh, causal: bool, key_padding_mask=None, softmax_scale=None,

@@ -201,7 +201,3 @@ class Classifier1D(ParallelModule):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, num_classes={self.num_classes}, bias={self.bias is not None}"
                 + (", tied" if self.tied else ""))
-
-
-# the name before every mode's head was called LMHead<mode>; kept so existing code still imports
-ParallelLMHead1D = LMHead1D

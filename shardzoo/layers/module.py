@@ -16,6 +16,16 @@ from torch import nn
 _HOOKS = "_param_hooks"  # module attribute: {parameter name: fn(param) -> tensor used in forward}
 
 
+def linear_from(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    """An nn.Linear holding copies of ``weight`` [out, in] and ``bias`` [out] (a serial module
+    for ``from_serial`` made from tensors: a Conv1D's transposed weight, a padded one)."""
+    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=weight.dtype, device="meta")
+    lin.weight = nn.Parameter(weight.detach().clone())
+    if bias is not None:
+        lin.bias = nn.Parameter(bias.detach().clone())
+    return lin
+
+
 class ParallelModule(nn.Module):
     """``from_serial`` for every parallel layer (module docstring), and the identity
     ``shard_input`` / ``gather_output`` of a module whose activations are replicated."""

@@ -69,7 +69,8 @@ def copy_axes(spec, mesh) -> tuple[str, ...]:
     return tuple(a for a in mesh.axis_names if a != "pp" and a not in parted)
 
 
-def _find_mesh(model: nn.Module):
+def find_mesh(model: nn.Module):
+    """The first ``.mesh`` found on ``model`` or its submodules (None for a plain serial model)."""
     for module in model.modules():
         mesh = getattr(module, "mesh", None)
         if mesh is not None:
@@ -117,7 +118,7 @@ def replica_mismatches(model: nn.Module, mesh=None) -> list[str]:
     parameters] int64 matrix and one all-reduce sums it (over the world when pp = 1, else over
     the stage's ranks); every rank then compares each parameter within each group of ranks that
     hold the same piece."""
-    mesh = mesh or _find_mesh(model)
+    mesh = mesh or find_mesh(model)
     if mesh is None or not dist.is_initialized() or dist.get_world_size() == 1:
         return []
     stage = _stage_axes(mesh)
@@ -165,7 +166,7 @@ def check_replicas(model: nn.Module, mesh=None, what: str = "the model") -> None
     naming the parameters, the ranks and the likely causes. Collective over the world; cost:
     one checksum pass over every repeated piece and one int64 all-reduce of (ranks of a
     pipeline stage) x (parameters) entries (plus one flag over pp when pp > 1)."""
-    mesh = mesh or _find_mesh(model)
+    mesh = mesh or find_mesh(model)
     lines = replica_mismatches(model, mesh)
     if mesh is not None and mesh.pp_size > 1 and dist.is_initialized():
         flag = torch.tensor([len(lines)], dtype=torch.int64,

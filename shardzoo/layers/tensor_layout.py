@@ -48,7 +48,6 @@ from shardzoo.layers.norm_2p5d import LayerNorm2p5D, RMSNorm2p5D
 from shardzoo.layers.norm_3d import LayerNorm3D, RMSNorm3D
 from shardzoo.layers.patch_embedding_1d import PatchEmbedding1D
 from shardzoo.layers.patch_embedding_2d import PatchEmbedding2D
-from shardzoo.layers.sequence import gather_sequence, shard_sequence
 
 STYLES = ("column", "row")
 
@@ -139,13 +138,8 @@ class TensorLayout:
     def dense(self, in_features: int | None = None, out_features: int | None = None, bias: bool = True, *,
               serial: nn.Linear | None = None, device=None, dtype=None) -> nn.Module:
         """A projection that leaves the activation in its input layout (poolers, MLM transforms,
-        OPT's project_in / out); run it with :meth:`run_dense`."""
+        OPT's project_in / out); a 3D linear swaps the layout, which :meth:`relayout` undoes."""
         return self.linear(in_features, out_features, bias, serial=serial, device=device, dtype=dtype)
-
-    def run_dense(self, module: nn.Module, x: torch.Tensor, layout: ActivationLayout | None = None) -> torch.Tensor:
-        """``module(x)`` back in ``layout`` (a 3D linear swaps the layout; :meth:`relayout` undoes it)."""
-        layout = layout or self.activation
-        return self.relayout(module(x), self.after(module, layout), layout)
 
     def norm(self, normalized_shape: int | None = None, eps: float = 1e-5, elementwise_affine: bool = True,
              bias: bool = True, *, layout: ActivationLayout | None = None, serial: nn.LayerNorm | None = None,
@@ -240,18 +234,6 @@ class TensorLayout:
         """Inverse of :meth:`shard_batch`: [b, ...] -> [B, ...] on every rank."""
         return layouts.gather_batch(t_local, self.mesh, layout or self.activation)
 
-    def shard_sequence(self, x_full: torch.Tensor, dim: int = 1, zigzag: bool = False,
-                       cu_seqlens=None) -> torch.Tensor:
-        """This rank's part of the sequence over sp: [.., S, ..] -> [.., S/sp, ..]; ``zigzag``
-        (causal attention) keeps chunks r and 2*sp-1-r, so every rank does equal work;
-        ``cu_seqlens`` (packed documents) the balanced per-document split instead."""
-        return shard_sequence(x_full, self.mesh.sp_group, dim, zigzag, cu_seqlens)
-
-    def gather_sequence(self, x_local: torch.Tensor, dim: int = 1, zigzag: bool = False,
-                        cu_seqlens=None) -> torch.Tensor:
-        """Inverse of :meth:`shard_sequence`: [.., S/sp, ..] -> [.., S, ..] on every sp rank."""
-        return gather_sequence(x_local, self.mesh.sp_group, dim, zigzag, cu_seqlens)
-
     def relayout(self, x: torch.Tensor, src: ActivationLayout, dst: ActivationLayout) -> torch.Tensor:
         """Move an activation from layout ``src`` to ``dst``: gather to full and keep the
         ``dst`` block. Costs one all-gather of the activation, so models use it once at most."""
@@ -289,21 +271,6 @@ class TensorLayout:
         """(global index of this rank's first batch row, of its first head) for activations
         [local_batch, ..., local_heads * head_dim] in ``layout``."""
         return layout.batch_index(self.mesh) * local_batch, self.mesh.rank(layout.hidden_axis) * local_heads
-
-    def vocab_bias(self, owner: nn.Module, head: nn.Module, vocab_size: int, device=None) -> nn.Parameter:
-        """Register ``owner.bias``: a zero output bias [V] split like ``head``'s vocab-parallel
-        logits (BERT's ``cls.predictions.bias``); add it with :meth:`add_vocab_bias`."""
-        from shardzoo.layers.shard_spec import ShardSpec, shard_param
-
-        out = self.after(head)
-        spec = ShardSpec((vocab_size,), (head.vocab_start,), (head.vocab_per_rank,), (out.hidden_axis,),
-                         out.batch_axes)
-        return shard_param(owner, "bias", torch.zeros(vocab_size, device=device), spec)
-
-    def add_vocab_bias(self, logits: torch.Tensor, bias: torch.Tensor, head: nn.Module) -> torch.Tensor:
-        """logits + bias; where each rank holds other batch rows the bias gradient is summed
-        over the batch axes."""
-        return logits + layouts.use_block_param(bias, self.mesh, self.after(head))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(activation=({self.activation}), mesh={self.mesh!r})"

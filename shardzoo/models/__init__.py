@@ -10,6 +10,7 @@ the family known to Hugging Face loading, checkpoint export, the CLI, the demo a
 from shardzoo.models.bert import BERT, BERT_SPEC, BERTConfig
 from shardzoo.models.gpt2 import GPT2, GPT2_SPEC, GPT2Config
 from shardzoo.models.opt import OPT, OPT_SPEC, OPTConfig
+from shardzoo.models.plain import MLP, Attention
 from shardzoo.models.spec import FamilySpec, all_specs, register, spec_named, spec_of
 from shardzoo.models.vit import ViT, VIT_SPEC, ViTConfig
 
@@ -18,5 +19,5 @@ register(GPT2_SPEC)
 register(OPT_SPEC)
 register(VIT_SPEC)
 
-__all__ = ["BERT", "BERTConfig", "GPT2", "GPT2Config", "OPT", "OPTConfig", "ViT", "ViTConfig", "FamilySpec",
-           "all_specs", "register", "spec_named", "spec_of"]
+__all__ = ["BERT", "BERTConfig", "GPT2", "GPT2Config", "OPT", "OPTConfig", "ViT", "ViTConfig", "Attention", "MLP",
+           "FamilySpec", "all_specs", "register", "spec_named", "spec_of"]

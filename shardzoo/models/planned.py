@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from shardzoo.layers import replicas
-from shardzoo.layers.attention import check_heads
+from shardzoo.layers.attention_core import check_heads
 from shardzoo.layers.tensor_layout import layout_of
 from shardzoo.models import common
 from shardzoo.models.pipeline import StagedModel

@@ -26,7 +26,8 @@ from shardzoo.checkpoint.hf_files import HFWeights
 from shardzoo.checkpoint.jsontypes import load_json_file, obj
 from shardzoo.checkpoint.paths import resolve_in
 from shardzoo.checkpoint.sync import Ranks, describe
-from shardzoo.checkpoint.tensors import LocalTensor, fill_local, find_mesh, model_tensors
+from shardzoo.checkpoint.tensors import LocalTensor, fill_local, model_tensors
+from shardzoo.layers.replicas import find_mesh
 from shardzoo.models.spec import FamilySpec, all_specs, family_names, spec_of
 
 class PretrainedLoadResult(NamedTuple):

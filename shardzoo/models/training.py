@@ -70,19 +70,6 @@ def clip_grad_norm_(models: nn.Module | list[nn.Module], max_norm: float, mesh,
     return norm.float()
 
 
-def data_parallel(model: nn.Module, mesh, zero: int = 0, **options) -> nn.Module:
-    """Deprecated alias of :func:`shardzoo.data_parallel` (same arguments, same result: the
-    model itself, wrapped in place for every ZeRO stage); warns with a DeprecationWarning."""
-    import warnings
-
-    from shardzoo.parallel import data_parallel as wrap
-
-    warnings.warn("shardzoo.models.training.data_parallel is deprecated; use shardzoo.data_parallel(model, mesh, "
-                  "zero=...), which it calls (the same model, wrapped in place, for every ZeRO stage)",
-                  DeprecationWarning, stacklevel=2)
-    return wrap(model, mesh, zero, **options)
-
-
 @torch.no_grad()
 def average_grads(models: nn.Module | list[nn.Module], mesh) -> None:
     """Average gradients over the dp x sp group in place, one all-reduce per parameter: for

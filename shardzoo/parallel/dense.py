@@ -4,7 +4,7 @@ does not fit because nothing follows it to undo the split.
 
 The layout builds it (``TensorLayout.dense``: replicated in 1d, a grid linear in 2d / 2.5d /
 3d), and a forward hook moves the output back to the input's layout where the layout's linear
-leaves it in another one (3D swaps the batch and hidden axes: ``TensorLayout.run_dense``).
+leaves it in another one (3D swaps the batch and hidden axes; ``TensorLayout.relayout`` moves it back).
 """
 
 from __future__ import annotations

@@ -1,18 +1,19 @@
-"""The ``dropout`` style: an ``nn.Dropout`` replaced by the layout's dropout.
+"""The ``dropout`` style: an ``nn.Dropout`` replaced by the layers' ``ParallelDropout``.
 
 A plain ``nn.Dropout`` draws from torch's generator on each rank on its own; on an activation
 that is replicated over tp that is the same mask on every tp rank only while every rank has
 drawn exactly the same numbers before, and the replicas drift apart silently once they have
-not. ``layout_of(mesh).dropout`` draws from the mesh's streams (layers/random.py): the default
-stream, kept equal over tp, where the activation is replicated (1d between blocks), the per-rank
-tp stream where it is split (the grids).
+not. ``ParallelDropout`` (layers/random.py) draws from the mesh's streams, where the layout says
+its activations between blocks are: the default stream, kept equal over tp, where they are
+replicated (1d), the per-rank tp stream where they are split (the grids; the layout's
+``parallel_region``).
 """
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
+from shardzoo.layers.random import ParallelDropout
 from shardzoo.layers.tensor_layout import layout_of
 
 
@@ -21,25 +22,9 @@ def is_dropout(module: nn.Module) -> bool:
     return isinstance(module, nn.modules.dropout._DropoutNd)
 
 
-class LayoutDropout(nn.Module):
-    """``layout_of(mesh).dropout(x, p, self.training)``: any shape -> same shape; follows
-    ``.train()`` / ``.eval()`` as ``nn.Dropout`` does."""
-
-    def __init__(self, p: float, mesh):
-        super().__init__()
-        if not 0.0 <= p <= 1.0:
-            raise ValueError(f"dropout probability p={p} must be in [0, 1]")
-        self.p, self.mesh = p, mesh
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return layout_of(self.mesh).dropout(x, self.p, self.training)
-
-    def extra_repr(self) -> str:
-        return f"p={self.p}, tp_mode={layout_of(self.mesh).mode!r}"
-
-
-def build_dropout(module: nn.Dropout, mesh) -> LayoutDropout:
-    """The layout's dropout with ``module``'s p and train / eval mode."""
-    layer = LayoutDropout(module.p, mesh)
+def build_dropout(module: nn.Dropout, mesh) -> ParallelDropout:
+    """``ParallelDropout`` with ``module``'s p and train / eval mode, drawing as the mesh's
+    layout does between blocks (``TensorLayout.dropout``): any shape -> same shape."""
+    layer = ParallelDropout(module.p, mesh=mesh, parallel_region=layout_of(mesh).parallel_region)
     layer.train(module.training)
     return layer

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardzoo.layers.attention import linear_from
+from shardzoo.layers.module import linear_from
 from shardzoo.layers.replica_grads import ReplicaGradSum, replica_slot
 from shardzoo.layers.shard_spec import ShardSpec, get_shard_spec, mark_repeated_copy, set_shard_spec
 

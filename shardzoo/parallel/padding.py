@@ -26,7 +26,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from shardzoo.layers.attention import linear_from
+from shardzoo.layers.module import linear_from
 from shardzoo.layers.shard_spec import get_shard_spec, set_shard_spec
 
 INNER_DIM = {"column": 0, "row": 1}  # the padded dim of the [out, in] weight

@@ -11,7 +11,7 @@ from torch import nn
 
 from shardzoo import checkpoint
 from shardzoo.checkpoint import CheckpointError
-from shardzoo.testing.checkpoint_stack import Stack, load_error, load_stack, run, save_failing_on, save_stack, serial_stack
+from support.checkpoint_stack import Stack, load_error, load_stack, run, save_failing_on, save_stack, serial_stack
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from shardzoo import checkpoint
 from shardzoo.checkpoint import CheckpointError, export_plain
 from shardzoo.checkpoint.cli import parse_size
-from shardzoo.testing.checkpoint_stack import CONFIG, run, save_stack, serial_stack
+from support.checkpoint_stack import CONFIG, run, save_stack, serial_stack
 
 
 def read_export(out):

@@ -16,7 +16,7 @@ import torch
 
 from shardzoo import checkpoint
 from shardzoo.checkpoint import CheckpointError, export_plain
-from shardzoo.testing.checkpoint_stack import run, save_stack, serial_stack
+from support.checkpoint_stack import run, save_stack, serial_stack
 
 _WRITES = ("write", "pwrite", "pwritev", "copy_file_range", "replace")
 

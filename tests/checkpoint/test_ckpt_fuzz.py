@@ -28,8 +28,8 @@ from shardzoo.checkpoint.safetensors_io import read_header
 from shardzoo.models.spec import spec_named
 from shardzoo.models.pretrained import config_from_dir
 from shardzoo.testing import run_on_ranks
-from shardzoo.testing.checkpoint_stack import hf_load_error, load_outcome, run, save_stack, serial_stack, tiny_gpt2_export
-from shardzoo.testing.fuzz_cases import damaged_bytes, damaged_header, damaged_json, join, split
+from support.checkpoint_stack import hf_load_error, load_outcome, run, save_stack, serial_stack, tiny_gpt2_export
+from support.fuzz_cases import damaged_bytes, damaged_header, damaged_json, join, split
 
 SEED = 6
 FUZZ = settings(max_examples=int(os.environ.get("SHARDZOO_FUZZ_EXAMPLES", "50")), deadline=None,

@@ -20,7 +20,7 @@ def check_old_checkpoint(family: str) -> None:
     import shardzoo
     from shardzoo import checkpoint
     from shardzoo.models import spec_named
-    from shardzoo.testing.family_configs import config_of
+    from support.family_configs import config_of
     from shardzoo.testing.pools import cached_mesh
 
     spec = spec_named(family)

@@ -2,7 +2,7 @@
 
 import math
 
-from shardzoo.testing.checkpoint_stack import resume, run, train_and_save
+from support.checkpoint_stack import resume, run, train_and_save
 
 
 def test_optimizer_resume_same_and_other_layouts(tmp_path):

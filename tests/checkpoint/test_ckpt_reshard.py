@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from shardzoo.testing.checkpoint_stack import load_stack, run, save_stack
+from support.checkpoint_stack import load_stack, run, save_stack
 
 # (saved from, loaded into); pool sizes differ where the world changes
 PAIRS = [

@@ -16,7 +16,7 @@ from shardzoo.checkpoint import CheckpointError, export_plain
 from shardzoo.checkpoint.hf_files import HFWeights
 from shardzoo.models.spec import spec_named
 from shardzoo.models.pretrained import config_from_dir
-from shardzoo.testing.checkpoint_stack import load_error, run, save_stack, serial_stack
+from support.checkpoint_stack import load_error, run, save_stack, serial_stack
 
 SHARD = "shard-00000.safetensors"
 

@@ -7,7 +7,7 @@ import torch
 
 from shardzoo.kernels import flash_attention
 from shardzoo.testing import assert_close
-from shardzoo.testing.sequence_attention import full_inputs, make_mask, reference_grads
+from support.sequence_attention import full_inputs, make_mask, reference_grads
 
 
 @pytest.mark.parametrize("backend", ["torch", "aten"])

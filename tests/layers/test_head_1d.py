@@ -14,7 +14,7 @@ from shardzoo.layers.head_1d import Classifier1D, LMHead1D
 from shardzoo.layers.full_state import full_state_dict
 from shardzoo.layers.shard_spec import gather_full, get_shard_spec
 from shardzoo.testing import assert_close, cached_mesh, dtypes, run_on_ranks
-from shardzoo.testing.tied_classifier import check_checkpoint_round_trip, check_tied_classifier
+from support.tied_classifier import check_checkpoint_round_trip, check_tied_classifier
 
 DTYPES = dtypes("fp32", "fp64")
 

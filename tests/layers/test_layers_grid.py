@@ -2,7 +2,7 @@
 
 Meshes (shardzoo.testing.grid): 2D at tp=4 (q=2), also with dp=2 around the grid (each replica
 feeds its own data); 2.5D at tp=8 (q=2, d=2) and tp=4 (d=1, where it must behave as 2D); 3D at
-tp=8 (q=2). Classifiers tied to an embedding's table: shardzoo.testing.tied_classifier.
+tp=8 (q=2). Classifiers tied to an embedding's table: support.tied_classifier.
 Chaining and training: test_grid_chaining.py."""
 
 import pytest
@@ -17,7 +17,7 @@ from shardzoo.testing import assert_close, run_on_ranks
 from shardzoo.testing.grid import BATCH_PARTS, DTYPES, classes, hidden_parts_of, mesh_of, world_of
 from shardzoo.testing.serial_twin import (check_grads_match, check_state_matches, compare_module, data_seed, perturbed,
                                           randn)
-from shardzoo.testing.tied_classifier import check_checkpoint_round_trip, check_tied_classifier
+from support.tied_classifier import check_checkpoint_round_trip, check_tied_classifier
 
 SUFFIX = {"2d": "2D", "2.5d": "2p5D", "3d": "3D"}
 KINDS = ["norm", "embedding", "vocab_embedding", "classifier"]

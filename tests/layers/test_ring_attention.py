@@ -15,7 +15,7 @@ from shardzoo.layers.ring_attention import merge_block, ring_attention
 from shardzoo.layers.sequence import shard_padding_mask, shard_sequence
 from shardzoo.testing import assert_close, cached_mesh, run_on_ranks
 from shardzoo.testing.dtypes import TINY_MODEL_TERMS
-from shardzoo.testing.sequence_attention import (DROP_P, DROP_SEED, DTYPES, MASK_KINDS, compare, full_inputs, make_mask,
+from support.sequence_attention import (DROP_P, DROP_SEED, DTYPES, MASK_KINDS, compare, full_inputs, make_mask,
                                                  parallel_attention, reference_grads, single_rank_dropout)
 
 

@@ -9,7 +9,7 @@ from shardzoo.layers import ring_backward, ring_core
 from shardzoo.layers.ring_attention import ring_attention
 from shardzoo.layers.ulysses import ulysses_attention
 from shardzoo.testing import cached_mesh, run_on_ranks
-from shardzoo.testing.sequence_attention import (DTYPES, compare, full_inputs, make_mask, parallel_attention,
+from support.sequence_attention import (DTYPES, compare, full_inputs, make_mask, parallel_attention,
                                                  reference_grads)
 
 CHUNK = 4  # tokens per zigzag chunk: the sequence is 2P chunks, a rank holds 2 (its block)

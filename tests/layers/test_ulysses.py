@@ -1,6 +1,6 @@
 """Ulysses attention against serial SDPA on the full sequence: outputs and dq / dk / dv.
 
-Same pattern as test_ring_attention.py (shared parts in shardzoo.testing.sequence_attention):
+Same pattern as test_ring_attention.py (shared parts in support.sequence_attention):
 full inputs from the seed on every rank, fp64 SDPA reference, shard (zigzag when causal),
 attend over the sp group, gather."""
 
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from shardzoo import comm
 from shardzoo.layers.ulysses import ulysses_attention
 from shardzoo.testing import cached_mesh, run_on_ranks
-from shardzoo.testing.sequence_attention import (DROP_P, DROP_SEED, DTYPES, MASK_KINDS, compare, full_inputs, make_mask,
+from support.sequence_attention import (DROP_P, DROP_SEED, DTYPES, MASK_KINDS, compare, full_inputs, make_mask,
                                                  parallel_attention, reference_grads, single_rank_dropout)
 
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from shardzoo.testing import assert_close, run_on_ranks
 from shardzoo.testing.dtypes import TINY_MODEL_TERMS
-from shardzoo.testing.hf_twins import LAYOUTS, converted, dp_rows, grads_vs_reference, hf_bert, mesh_of, shardzoo_twin
+from support.hf_twins import LAYOUTS, converted, dp_rows, grads_vs_reference, hf_bert, mesh_of, shardzoo_twin
 
 
 def check_bert(layout, case):

@@ -1,10 +1,10 @@
 """GPT-2 against transformers' GPT2LMHeadModel (same weights): logits, loss and every gradient,
-serial and in every tp_mode, with sp=2 (ring, Ulysses) and dp=2 (harness: shardzoo.testing.hf_twins)."""
+serial and in every tp_mode, with sp=2 (ring, Ulysses) and dp=2 (harness: support.hf_twins)."""
 
 import pytest
 
 from shardzoo.testing import run_on_ranks
-from shardzoo.testing.hf_twins import LAYOUTS, check_causal_lm, hf_gpt2
+from support.hf_twins import LAYOUTS, check_causal_lm, hf_gpt2
 
 
 def check_gpt2(layout, case):

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from shardzoo.layers.batch_loss import shift_labels
 from shardzoo.testing import assert_close, cached_mesh, run_on_ranks
 from shardzoo.testing.dtypes import TINY_MODEL_TERMS
-from shardzoo.testing.hf_twins import converted, grads_vs_reference, hf_gpt2, hf_opt, shardzoo_twin
+from support.hf_twins import converted, grads_vs_reference, hf_gpt2, hf_opt, shardzoo_twin
 from shardzoo.testing.meshes import with_world
 
 MESHES = {"sp2": with_world(sp=2), "dp2_sp2": with_world(dp=2, sp=2), "1d_tp2_sp2": with_world(tp=2, sp=2)}

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from shardzoo.layers.shard_spec import gather_full, get_shard_spec
 from shardzoo.testing import assert_close, cached_mesh, run_on_ranks
 from shardzoo.testing.dtypes import TINY_MODEL_TERMS, rms_of
-from shardzoo.testing.hf_twins import converted, grads_vs_reference, hf_gpt2, shardzoo_twin
+from support.hf_twins import converted, grads_vs_reference, hf_gpt2, shardzoo_twin
 from shardzoo.testing.meshes import with_world
 
 MESHES = {
@@ -95,7 +95,7 @@ def causal_case(family, layout, seed):
     """Each rank's loss equals transformers' loss of the global batch; the gradients averaged
     over dp x sp equal its gradients."""
     from shardzoo.models.spec import spec_named
-    from shardzoo.testing.hf_twins import hf_opt
+    from support.hf_twins import hf_opt
 
     mesh = cached_mesh(**MESHES[layout][0])
     hf = hf_gpt2(seed) if family == "gpt2" else hf_opt(seed)
@@ -223,7 +223,7 @@ def test_bert_masked_lm_loss_with_padding(layout):
 def vit_case(seed):
     """ViT on dp=2 x sp=2, one label of one replica ignored: the global mean over 3 labels."""
     from shardzoo.models.vit import hf_to_shardzoo
-    from shardzoo.testing.hf_twins import hf_vit
+    from support.hf_twins import hf_vit
 
     mesh = cached_mesh(**MESHES["dp2_sp2"][0])
     hf = hf_vit(seed)

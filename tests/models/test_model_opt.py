@@ -5,7 +5,7 @@ project_in / project_out (opt-350m style)."""
 import pytest
 
 from shardzoo.testing import run_on_ranks
-from shardzoo.testing.hf_twins import LAYOUTS, OPT_350M, check_causal_lm, hf_opt
+from support.hf_twins import LAYOUTS, OPT_350M, check_causal_lm, hf_opt
 
 
 def check_opt(layout, case):

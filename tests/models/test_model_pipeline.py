@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from shardzoo.testing import assert_close, cached_mesh, run_on_ranks
 from shardzoo.testing.dtypes import TINY_MODEL_TERMS
-from shardzoo.testing.hf_twins import converted, grads_vs_reference, hf_gpt2
+from support.hf_twins import converted, grads_vs_reference, hf_gpt2
 from shardzoo.testing.meshes import with_world
 
 LAYOUTS = {
@@ -102,7 +102,7 @@ def check_family_pipeline(layout, family):
     from shardzoo import models
     from shardzoo.models import opt, vit
     from shardzoo.models.pipeline import build_schedule, sync_tied_grads
-    from shardzoo.testing.hf_twins import OPT_350M, hf_opt, hf_vit
+    from support.hf_twins import OPT_350M, hf_opt, hf_vit
 
     mesh = cached_mesh(**LAYOUTS[layout][0])
     gen = torch.Generator().manual_seed(5)
@@ -146,7 +146,7 @@ def check_bert_pipeline(layout, case):
     keys change every block's output, so a stage without the mask gives other numbers."""
     from shardzoo.models import BERT, BERTConfig
     from shardzoo.models.bert import hf_to_shardzoo
-    from shardzoo.testing.hf_twins import hf_bert
+    from support.hf_twins import hf_bert
 
     mesh = cached_mesh(**LAYOUTS[layout][0])
     hf = hf_bert(0, num_hidden_layers=case["n_layer"])

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from shardzoo.testing import cached_mesh, run_on_ranks
-from shardzoo.testing.hf_twins import converted, hf_gpt2
+from support.hf_twins import converted, hf_gpt2
 from shardzoo.testing.meshes import with_world
 
 STEPS, LR, CLIP = 5, 1e-2, 0.5
@@ -110,7 +110,7 @@ def test_five_adamw_steps_match_transformers(layout, schedule, n_layer):
 def check_config_error(layout, family, kwargs, seq):
     from shardzoo import models
 
-    mesh = cached_mesh(**LAYOUTS[layout][0]) if layout in LAYOUTS else cached_mesh(**layout)
+    mesh = cached_mesh(**layout) if isinstance(layout, dict) else cached_mesh(**LAYOUTS[layout][0])
     cfg_cls = getattr(models, f"{family}Config")
     try:
         model = getattr(models, family)(cfg_cls(**kwargs["config"]), mesh=mesh, **kwargs.get("build", {}))
@@ -130,6 +130,13 @@ def test_error_heads_not_divisible_by_tp():
         assert m is not None and "num_heads divisible by tp=2; got num_heads=3" in m
 
 
+def test_error_ulysses_heads_not_divisible_by_sp():
+    config = {**TINY, "n_embd": 32, "n_head": 2}
+    for m in run_on_ranks(check_config_error, 4, dict(tp=2, sp=2), "GPT2", {"config": config,
+                                                                           "build": {"sp_mode": "ulysses"}}, 0):
+        assert m is not None and "heads per tp rank (1) divisible by sp=2" in m and "sp_mode='ring'" in m
+
+
 def test_error_more_stages_than_blocks():
     for m in run_on_ranks(check_config_error, 1, "serial", "GPT2", {"config": TINY, "build": {"stage": (0, 3)}}, 0):
         assert m is not None and "has 2 blocks and cannot be split into 3 pipeline stages" in m and "pp <= 2" in m
@@ -142,7 +149,7 @@ def test_error_sequence_longer_than_positions():
 
 def test_hf_names_round_trip():
     from shardzoo.models import bert, gpt2, opt, vit
-    from shardzoo.testing.hf_twins import hf_bert, hf_opt, hf_vit
+    from support.hf_twins import hf_bert, hf_opt, hf_vit
 
     for module, hf, cfg_cls in ((gpt2, hf_gpt2(0), gpt2.GPT2Config), (bert, hf_bert(0), bert.BERTConfig),
                                 (opt, hf_opt(0), opt.OPTConfig), (vit, hf_vit(0), vit.ViTConfig)):

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from shardzoo.models.spec import family_names
 from shardzoo.testing import assert_close, cached_mesh, run_on_ranks
 from shardzoo.testing.dtypes import TINY_MODEL_TERMS
-from shardzoo.testing.hf_twins import LAYOUTS
+from support.hf_twins import LAYOUTS
 
 VOCAB = 101  # not divisible by 2, 4 or 8: every tp layout pads the vocabulary
 BATCH, SEQ = 4, 8

@@ -8,10 +8,9 @@ import torch
 
 from shardzoo.checkpoint.adapters import export_adapter
 from shardzoo.models import GPT2, GPT2Config, all_specs, spec_named, spec_of
-from shardzoo.models.families import FAMILIES, family_named, family_of
 from shardzoo.testing import assert_close, cached_mesh, run_on_ranks
 from shardzoo.testing.dtypes import TINY_MODEL_TERMS
-from shardzoo.testing.hf_twins import hf_gpt2
+from support.hf_twins import hf_gpt2
 
 
 class MyGPT2(GPT2):
@@ -50,11 +49,6 @@ def test_subclasses_inherit_the_spec():
     with pytest.raises(ValueError, match=r"unknown model family 'llama'; choose one of \['bert', 'gpt2'"):
         spec_named("llama")
     assert spec_named("GPT-2") is spec_named("gpt2")
-
-
-def test_former_names_are_the_registry():
-    assert dict(FAMILIES) == {s.name: s for s in all_specs()}
-    assert family_named("opt") is spec_named("opt") and family_of(MyGPT2) is spec_named("gpt2")
 
 
 def build_tiny(name):

@@ -10,7 +10,7 @@ import torch
 
 from shardzoo.testing import assert_close, run_on_ranks
 from shardzoo.testing.dtypes import TINY_MODEL_TERMS
-from shardzoo.testing.zero_stack import CLIP, assert_weights, trained_weights, world_of
+from support.zero_stack import CLIP, assert_weights, trained_weights, world_of
 
 ZEROS = (0, 1, 2, 3)
 

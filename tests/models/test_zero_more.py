@@ -1,4 +1,4 @@
-"""ZeRO beyond the plain step (shardzoo/testing/zero_stack.py): pipeline stages, gradient
+"""ZeRO beyond the plain step (tests/support/zero_stack.py): pipeline stages, gradient
 accumulation without a reduce per micro-batch, bf16 mixed precision, checkpoints resharded
 across dp sizes, ZeRO stages and tp_modes (model and AdamW state), convert, and the errors."""
 
@@ -7,7 +7,7 @@ import torch
 
 from shardzoo.testing import assert_close, run_on_ranks
 from shardzoo.testing.dtypes import TINY_MODEL_TERMS, ZERO_BF16_REL_TOL
-from shardzoo.testing.zero_stack import (CLIP, assert_weights, load_into, no_sync_leaves_grads_local, save_load_after_eval,
+from support.zero_stack import (CLIP, assert_weights, load_into, no_sync_leaves_grads_local, save_load_after_eval,
                                          save_between_forward_and_backward, single_rank_group_is_noop, train_and_save, train_bf16, train_pipelined, trained_weights, world_of,
                                          wrapped_in_place, wrapping_errors)
 
@@ -161,13 +161,9 @@ def test_checkpoint_between_forward_and_backward(tmp_path, zero):
 
 def test_data_parallel_returns_the_model_itself_at_every_stage():
     """One return type for every ZeRO stage: the model, wrapped in place (same names, its own
-    loss / shard_input), DDP behind its calls at zero 0 / 1 and FSDP2 at 2 / 3; the old
-    shardzoo.models.training.data_parallel still works and warns."""
+    loss / shard_input), DDP behind its calls at zero 0 / 1 and FSDP2 at 2 / 3."""
     got = run_on_ranks(wrapped_in_place, world_of("1d"), "1d")[0]
     for zero in range(4):
         assert got[zero]["same"] and got[zero]["names"], (zero, got[zero])
         assert got[zero]["engine"] == ("ddp" if zero < 2 else "FSDPModule"), (zero, got[zero])
         assert got[zero]["averaged"], (zero, got[zero])
-    same, caught = got["alias"]
-    assert same
-    assert [c for c, _ in caught] == ["DeprecationWarning"] and "shardzoo.data_parallel" in caught[0][1], caught

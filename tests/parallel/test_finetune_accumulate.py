@@ -17,7 +17,7 @@ pytest.importorskip("transformers", reason="reads transformers model directories
 def _accumulate(model_dir, how):
     import shardzoo
     from shardzoo.parallel import no_sync
-    from shardzoo.testing.finetune import batch, load_serial
+    from support.finetune import batch, load_serial
 
     ids, mask, labels = batch(rows=4, pad=(0, 3, 7, 5))
     serial = load_serial(model_dir).train()
@@ -50,6 +50,6 @@ def _accumulate(model_dir, how):
 
 @pytest.mark.parametrize("how", ["num_items_in_batch", "count_targets"])
 def test_accumulated_micro_batches_equal_one_large_batch(tmp_path, how):
-    from shardzoo.testing.finetune import save_tiny_llama
+    from support.finetune import save_tiny_llama
 
     run_on_ranks(_accumulate, 4, save_tiny_llama(str(tmp_path / "hf")), how)

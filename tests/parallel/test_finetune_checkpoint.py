@@ -17,7 +17,7 @@ pytest.importorskip("transformers", reason="reads and writes transformers model 
 def _load_and_save(model_dir, ckpt_dir, in_process=False):
     import shardzoo
     from shardzoo import checkpoint
-    from shardzoo.testing.finetune import tiny_llama
+    from support.finetune import tiny_llama
 
     mesh = cached_mesh(tp=2)
     if in_process:  # the same model built from its config (no dtype in it), then split
@@ -29,7 +29,7 @@ def _load_and_save(model_dir, ckpt_dir, in_process=False):
 
 def test_from_pretrained_model_saves_a_checkpoint(tmp_path):
     from shardzoo import checkpoint
-    from shardzoo.testing.finetune import load_serial, save_tiny_llama, tiny_llama
+    from support.finetune import load_serial, save_tiny_llama, tiny_llama
 
     model_dir = save_tiny_llama(str(tmp_path / "hf"))
     ckpt = str(tmp_path / "ckpt")
@@ -46,7 +46,7 @@ def test_converted_checkpoint_loads_with_auto_class(tmp_path, in_process):
     import transformers
 
     from shardzoo.cli import main
-    from shardzoo.testing.finetune import load_serial, save_tiny_llama
+    from support.finetune import load_serial, save_tiny_llama
 
     model_dir = save_tiny_llama(str(tmp_path / "hf"))
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")

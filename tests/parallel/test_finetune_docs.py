@@ -62,7 +62,7 @@ def run_block_function(code: str, fn: str, *args):
 
 def test_fine_tuning_section_runs(tmp_path):
     from shardzoo.cli import main
-    from shardzoo.testing.finetune import save_tiny_llama
+    from support.finetune import save_tiny_llama
 
     code = section_code()
     path = lambda name: str(tmp_path / name)  # noqa: E731  (the block's relative paths, under tmp_path)

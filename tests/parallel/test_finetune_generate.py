@@ -13,7 +13,7 @@ NEW_TOKENS = 5
 
 
 def _prompt():
-    from shardzoo.testing.finetune import VOCAB
+    from support.finetune import VOCAB
 
     ids = torch.randint(1, VOCAB, (4, 6), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
@@ -39,7 +39,7 @@ def _parallel_generate(model_dir, mesh_kwargs):
 @pytest.mark.parametrize("mesh_kwargs, world", [(dict(tp=2), 2), (dict(tp=4, tp_mode="2d"), 4),
                                                 (dict(tp=8, tp_mode="3d"), 8)], ids=["1d", "2d", "3d"])
 def test_generate_equals_serial(tmp_path, mesh_kwargs, world):
-    from shardzoo.testing.finetune import load_serial, save_tiny_llama
+    from support.finetune import load_serial, save_tiny_llama
 
     model_dir = save_tiny_llama(str(tmp_path / "hf"))
     serial = load_serial(model_dir)
@@ -61,6 +61,6 @@ def _generate_under_sp(model_dir):
 
 
 def test_generate_under_sp_is_refused_by_name(tmp_path):
-    from shardzoo.testing.finetune import save_tiny_llama
+    from support.finetune import save_tiny_llama
 
     run_on_ranks(_generate_under_sp, 2, save_tiny_llama(str(tmp_path / "hf")))

@@ -13,7 +13,7 @@ pytest.importorskip("transformers", reason="reads transformers model directories
 def _different_inputs(model_dir, axis):
     import shardzoo
     from shardzoo.layers.replicas import ReplicaMismatchError
-    from shardzoo.testing.finetune import batch
+    from support.finetune import batch
 
     mesh = cached_mesh(**{"dp" if axis == "tp" else "sp": 2, "tp": 2})
     ids, mask, labels = batch(rows=2, seed=mesh.dp_rank)  # each dp replica its own rows: fine
@@ -35,14 +35,14 @@ def _different_inputs(model_dir, axis):
 
 @pytest.mark.parametrize("axis", ["tp", "sp"])
 def test_tp_or_sp_ranks_fed_different_inputs_are_refused(tmp_path, axis):
-    from shardzoo.testing.finetune import save_tiny_llama
+    from support.finetune import save_tiny_llama
 
     run_on_ranks(_different_inputs, 4, save_tiny_llama(str(tmp_path / "hf")), axis)
 
 
 def _unknown_check_inputs():
     import shardzoo
-    from shardzoo.testing.finetune import tiny_llama
+    from support.finetune import tiny_llama
 
     with pytest.raises(ValueError, match="check_inputs='sometimes' is not one of"):
         shardzoo.parallelize(tiny_llama(), cached_mesh(tp=2), check_inputs="sometimes")

@@ -13,7 +13,7 @@ from shardzoo.testing import assert_close_conditioned, run_on_ranks
 from shardzoo.testing.dtypes import TINY_MODEL_TERMS
 from shardzoo.testing.meshes import with_world
 from shardzoo.testing.pools import cached_mesh
-from shardzoo.testing.user_model import Block, assert_params_match
+from support.user_model import Block, assert_params_match
 
 HIDDEN = 32
 PLAN = {"blocks.*.ln_*": "norm", "blocks.*.attn.q": "column", "blocks.*.attn.k": "column",

@@ -15,7 +15,7 @@ from shardzoo.testing import cached_mesh, run_on_ranks
 def _save_1d_load_2d(ckpt_dir, gpt2_dir):
     import shardzoo
     from shardzoo import checkpoint
-    from shardzoo.testing.hf_parallel import tiny_causal_lm
+    from support.hf_parallel import tiny_causal_lm
 
     serial = tiny_causal_lm("llama")
     checkpoint.save(shardzoo.parallelize(copy.deepcopy(serial), cached_mesh(tp=4)), ckpt_dir)
@@ -29,7 +29,7 @@ def _save_1d_load_2d(ckpt_dir, gpt2_dir):
 
 def _convert_and_compare(kind: str, ckpt_dir: str, out_dir: str) -> None:
     from shardzoo.cli import main
-    from shardzoo.testing.hf_parallel import tiny_causal_lm
+    from support.hf_parallel import tiny_causal_lm
 
     assert main(["convert", ckpt_dir, out_dir, "--no-progress"]) == 0
     serial = tiny_causal_lm(kind)
@@ -42,7 +42,7 @@ def _convert_and_compare(kind: str, ckpt_dir: str, out_dir: str) -> None:
 def _load_into_serial(kind: str, ckpt_dir: str) -> None:
     """The checkpoint of the split model loads into the unsplit one (one process, no group)."""
     from shardzoo import checkpoint
-    from shardzoo.testing.hf_parallel import tiny_causal_lm
+    from support.hf_parallel import tiny_causal_lm
 
     serial, fresh = tiny_causal_lm(kind), tiny_causal_lm(kind, seed=7)
     checkpoint.load(fresh, ckpt_dir)

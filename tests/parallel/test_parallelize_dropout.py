@@ -1,5 +1,5 @@
 """The ``dropout`` style: an ``nn.Dropout`` of a model of one's own draws its mask through the
-layout (parallel/dropouts.py). In 1d tp=2 the block outputs, replicated over tp, are identical
+layout's stream (``ParallelDropout``, parallel/dropouts.py). In 1d tp=2 the block outputs, replicated over tp, are identical
 on both tp ranks with dropout on; at tp=1 the parallelized model draws what the plain model
 draws from the same seed; with p=0 it equals serial exactly (test_parallelize_user.py)."""
 
@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from shardzoo.testing import cached_mesh, run_on_ranks
-from shardzoo.testing.user_model import PLAN, TinyLM
+from support.user_model import PLAN, TinyLM
 
 
 def _block_outputs(model, ids) -> list[torch.Tensor]:
@@ -24,12 +24,12 @@ def _block_outputs(model, ids) -> list[torch.Tensor]:
 
 def _masks_agree_over_tp():
     import shardzoo
-    from shardzoo.parallel.dropouts import LayoutDropout
+    from shardzoo.layers import ParallelDropout
 
     torch.manual_seed(0)
     mesh = cached_mesh(tp=2)
     model = shardzoo.parallelize(TinyLM(dropout=0.5), mesh, PLAN)
-    assert isinstance(model.drop, LayoutDropout) and model.blocks[1].drop.p == 0.5
+    assert isinstance(model.drop, ParallelDropout) and not model.drop.parallel_region and model.blocks[1].drop.p == 0.5
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     dropped = _block_outputs(model.train(), ids)
     kept = _block_outputs(model.eval(), ids)

@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("transformers", reason="transformers is in the test extra; these tests build its models")
 
 from shardzoo.testing import run_on_ranks  # noqa: E402
-from shardzoo.testing.hf_parallel import check_against_serial, check_packed  # noqa: E402
+from support.hf_parallel import check_against_serial, check_packed  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -57,7 +57,7 @@ def test_gradients_are_summed_over_sp_by_backward(case):
 def _plan_without_embedding(kind: str) -> dict:
     """transformers' own plan for the blocks and the head, the norms as 'sequence_parallel':
     no entry for the token embedding."""
-    from shardzoo.testing.hf_parallel import tiny_causal_lm
+    from support.hf_parallel import tiny_causal_lm
 
     model = tiny_causal_lm(kind)
     norms = {"layers.*.input_layernorm", "layers.*.post_attention_layernorm", "norm"}

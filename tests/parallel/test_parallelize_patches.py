@@ -15,7 +15,7 @@ from shardzoo.testing.asserts import assert_close_conditioned
 from shardzoo.testing.dtypes import TINY_MODEL_TERMS
 from shardzoo.testing.meshes import with_world
 from shardzoo.testing.pools import cached_mesh
-from shardzoo.testing.user_model import assert_params_match, sgd_step
+from support.user_model import assert_params_match, sgd_step
 
 
 class Patches(nn.Module):

@@ -16,7 +16,7 @@ from shardzoo.testing import cached_mesh, run_on_ranks
 from shardzoo.testing.asserts import assert_close_conditioned
 from shardzoo.testing.dtypes import TINY_MODEL_TERMS
 from shardzoo.testing.meshes import with_world
-from shardzoo.testing.user_model import PLAN, TinyLM
+from support.user_model import PLAN, TinyLM
 
 OFFSET = 2
 

@@ -29,7 +29,7 @@ def _check_round_trip(kind, mesh_kwargs, src, dst):
     import transformers
 
     import shardzoo
-    from shardzoo.testing.hf_parallel import padded_batch, tiny_causal_lm
+    from support.hf_parallel import padded_batch, tiny_causal_lm
 
     serial = tiny_causal_lm(kind).eval()
     ids, mask, _ = padded_batch()
@@ -57,7 +57,7 @@ def _check_round_trip(kind, mesh_kwargs, src, dst):
     ("gpt2", dict(tp=2), 2, 200),                  # ... also the transposed Conv1D storage and packed c_attn
 ])
 def test_from_pretrained_and_back(tmp_path, kind, mesh_kwargs, world, chunk_bytes):
-    from shardzoo.testing.hf_parallel import tiny_causal_lm
+    from support.hf_parallel import tiny_causal_lm
 
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
     tiny_causal_lm(kind).save_pretrained(src)
@@ -82,7 +82,7 @@ def _bf16_load(kind, mesh_kwargs, src):
 
     import shardzoo
     from shardzoo.testing import assert_close_conditioned
-    from shardzoo.testing.hf_parallel import padded_batch
+    from support.hf_parallel import padded_batch
 
     ids, mask, _ = padded_batch()
     serial = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval()
@@ -106,7 +106,7 @@ def test_bf16_checkpoint_loads_and_equals_the_serial_bf16_model(tmp_path, kind, 
     """A checkpoint loaded in bf16, as users load them: its RMSNorm (computed in fp32 and cast
     back, with weights away from 1) is recognised as a plain RMSNorm, and the logits equal the
     serial bf16 model's."""
-    from shardzoo.testing.hf_parallel import tiny_causal_lm
+    from support.hf_parallel import tiny_causal_lm
 
     model = tiny_causal_lm(kind)
     with torch.no_grad():

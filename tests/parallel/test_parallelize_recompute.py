@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shardzoo.testing import cached_mesh, run_on_ranks
-from shardzoo.testing.user_model import PLAN, TinyLM
+from support.user_model import PLAN, TinyLM
 
 
 def _grads(mesh, checkpointing: bool, dropout: float) -> tuple[dict, int]:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from shardzoo.testing import cached_mesh, run_on_ranks
-from shardzoo.testing.user_model import PLAN, Attention, TinyLM
+from support.user_model import PLAN, Attention, TinyLM
 
 
 class OnePlusRMSNorm(nn.Module):
@@ -199,7 +199,7 @@ def test_sequence_parallel_mode_is_entered_around_the_attention_only():
 def _hf_position_refusal():
     import shardzoo
     from shardzoo.parallel.hf_model import default_plan
-    from shardzoo.testing.hf_parallel import tiny_causal_lm
+    from support.hf_parallel import tiny_causal_lm
 
     model = tiny_causal_lm("gpt2")
     plan = {**default_plan(model), "transformer.wpe": "position_embedding"}

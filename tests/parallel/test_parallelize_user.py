@@ -6,7 +6,7 @@ import pytest
 
 from shardzoo.testing import run_on_ranks
 from shardzoo.testing.meshes import with_world
-from shardzoo.testing.user_model import check_user_model
+from support.user_model import check_user_model
 
 LAYOUTS = {
     "1d-tp4": with_world(tp=4),

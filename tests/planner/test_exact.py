@@ -27,7 +27,7 @@ from _measure import run_layout
 from shardzoo.planner.walked import family_shape
 from shardzoo.planner.presets import HARDWARE
 from shardzoo.testing import run_on_ranks
-from shardzoo.testing.family_configs import config_of
+from support.family_configs import config_of
 from shardzoo.testing.meshes import batch_parts
 
 CHANNELS = ("counted", "ddp", "p2p", "tied")

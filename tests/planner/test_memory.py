@@ -11,7 +11,7 @@ from _measure import saved_bytes
 from shardzoo.planner.walked import family_shape
 from shardzoo.planner.presets import HARDWARE
 from shardzoo.testing import run_on_ranks
-from shardzoo.testing.family_configs import config_of
+from support.family_configs import config_of
 
 CASES = [  # family, ParallelMesh kwargs, sp_mode, dropout
     ("gpt2", dict(tp=8, tp_mode="3d"), "ring", 0.1),

@@ -14,7 +14,7 @@ from shardzoo.cli import main
 from shardzoo.planner.advice import run_lines
 from shardzoo.planner.presets import HARDWARE, HF_MODELS, load_model
 from shardzoo.testing import run_on_ranks
-from shardzoo.testing.user_model import PLAN, TinyLM
+from support.user_model import PLAN, TinyLM
 
 TINY_LLAMA = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, intermediate_size=96,
                   num_hidden_layers=2, vocab_size=101, max_position_embeddings=64, tie_word_embeddings=False)

@@ -13,6 +13,7 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # tests/, for support.family_configs
 
 
 def save_family(name: str) -> None:
@@ -23,7 +24,7 @@ def save_family(name: str) -> None:
     from shardzoo import checkpoint
     from shardzoo.comm.mesh_cache import cached_mesh
     from shardzoo.models import spec_named
-    from shardzoo.testing.family_configs import config_of
+    from support.family_configs import config_of
 
     spec = spec_named(name)
     mesh = cached_mesh(tp=2)

@@ -2,7 +2,7 @@
 header length fields near 2**64, replaced or edited safetensors headers, and JSON documents
 (index.json, config.json, model.safetensors.index.json) edited at a random place.
 
-For the checkpoint fuzz tests; imports hypothesis, so ``shardzoo.testing`` does not import it."""
+For the checkpoint fuzz tests (imports hypothesis)."""
 
 from __future__ import annotations
 

@@ -350,15 +350,11 @@ def single_rank_group_is_noop() -> bool:
 def wrapped_in_place(layout: str) -> dict:
     """For each stage: whether ``data_parallel`` returned the model itself with its own
     parameter names, class and methods, which engine runs its calls, and whether one training
-    step averaged the gradients over dp (DDP: equal on the dp replicas; FSDP2: sharded); and
-    for the deprecated ``shardzoo.models.training.data_parallel``, the warnings it gave."""
-    import warnings
-
+    step averaged the gradients over dp (DDP: equal on the dp replicas; FSDP2: sharded)."""
     import shardzoo
     from torch.distributed.fsdp import FSDPModule
 
     from shardzoo.models import GPT2
-    from shardzoo.models import training
     from shardzoo.parallel import ddp_of
 
     mesh = mesh_of(layout)
@@ -379,9 +375,4 @@ def wrapped_in_place(layout: str) -> dict:
                          names=[n for n, _ in wrapped.named_parameters()] == names,
                          engine="ddp" if ddp_of(wrapped) is not None else type(wrapped).__mro__[1].__name__,
                          averaged=averaged)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        model = build(mesh)
-        same = training.data_parallel(model, mesh, zero=3) is model
-    out["alias"] = (same, [(w.category.__name__, str(w.message)) for w in caught])
     return out
