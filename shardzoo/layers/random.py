@@ -253,7 +253,8 @@ def dropout(
 
 
 class ParallelDropout(ParallelModule):
-    """Dropout module over :func:`dropout`; follows ``module.train()`` / ``.eval()``.
+    """Dropout module over :func:`dropout`; follows ``module.train()`` / ``.eval()``. The plan
+    style ``dropout`` replaces an ``nn.Dropout`` with one (parallel/dropouts.py).
 
     Args:
         p: drop probability.

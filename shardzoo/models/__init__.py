@@ -5,6 +5,8 @@ it whole or as one pipeline stage (``stage=(k, n)``) and splits it over a mesh w
 ``shardzoo.parallelize`` uses: serial (tp=1) or any tp_mode, with sp and dp; see docs/models.md.
 Each model file defines its family's spec (models/spec.py); registering it here is what makes
 the family known to Hugging Face loading, checkpoint export, the CLI, the demo and the planner.
+``Attention`` and ``MLP`` (models/plain.py) are the blocks the families share, and the ready
+blocks for a model of one's own that ``shardzoo.parallelize`` splits with a plan (docs/models.md).
 """
 
 from shardzoo.models.bert import BERT, BERT_SPEC, BERTConfig

@@ -1,5 +1,10 @@
 """Helpers to test parallel code against its serial twin: worker pools and asserts.
 
+What a user needs to test their own code: the pools (pools.py), the asserts and the tolerance
+rule (asserts.py, dtypes.py, margins.py), test meshes (meshes.py), a layer's serial-twin check
+(serial_twin.py), the grid MLP (grid.py), kernel helpers (kernels.py) and packed-document lengths
+(packed_attention.py). The suite's own scenarios live in tests/support/ (docs/design.md).
+
     from shardzoo.testing import run_on_ranks
 
     def check(seed):            # module-level, runs on every rank
