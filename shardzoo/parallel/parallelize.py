@@ -39,7 +39,7 @@ def parallelize(model: nn.Module, mesh, plan: dict[str, str] | None = None, *, s
     Args:
         model: a transformers model (its own code runs) or any ``nn.Module``.
         mesh: ParallelMesh (dp, sp, tp in any mode; pp must be 1).
-        plan: {module-name pattern: style} (shardzoo/parallel/plan.py); None: the model's own
+        plan: {module-name pattern: style} (the styles: shardzoo/parallel/styles/); None: the model's own
             (transformers' ``base_model_tp_plan`` + ``_tp_plan`` completed with the norms, the
             token embedding and the head, or a plan shardzoo ships for the class).
         sp_mode: "ring" or "ulysses" attention over sp: transformers' ``AttentionInterface``, or

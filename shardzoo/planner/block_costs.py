@@ -198,7 +198,7 @@ class Costs1D:
         return vocab_loss(("tp",), self.p, (), 1, rows, ceil_div(vocab, self.p), e, batch_mean=False)
 
     def dense(self, n_in, n_out, rows, e, layout=None, *, bias=True) -> Piece:
-        """A replicated nn.Linear (poolers, BERT's MLM transform): no communication."""
+        """A replicated nn.Linear (poolers, an MLM head's transform): no communication."""
         return Piece([], n_in * n_out + (n_out if bias else 0), rows * n_in * e, flops=2 * rows * n_in * n_out,
                      tensors=1 + bias)
 
@@ -206,7 +206,7 @@ class Costs1D:
         return self.dense(h, classes, rows, e)
 
     def patch_embedding(self, image, patch, channels, h, batch, e, layout=None) -> Piece:
-        """ViT's embeddings replicated: conv weight and bias, cls token, positions."""
+        """An image model's patch embeddings replicated: conv weight and bias, cls token, positions."""
         tokens = (image // patch) ** 2 + 1
         return Piece([], h * channels * patch * patch + 2 * h + tokens * h, batch * channels * image * image * e,
                      flops=2 * batch * (tokens - 1) * channels * patch * patch * h, tensors=4)
@@ -331,7 +331,7 @@ class GridCosts:
                      flops=2 * rows * (image // patch) ** 2 * channels * patch * patch * (h // q), tensors=len(tensors))
 
     def vocab_bias(self, vocab, rows, e, layout) -> Piece:
-        """BERT's output bias, split like the logits; gradient summed over the batch axes."""
+        """An MLM head's output bias, split like the logits; gradient summed over the batch axes."""
         out = self.after_head(layout)
         local = self.vocab_pad(vocab) // self.hidden_parts(out)
         return Piece(self._block_param_grads(out, local, 1), local, 0, tensors=1)
