@@ -28,7 +28,6 @@ from torch import nn
 
 from shardzoo.comm import collectives as comm
 from shardzoo.layers import layouts, random
-from shardzoo.layers.block_costs import Costs1D, Costs2D, Costs3D
 from shardzoo.layers.embedding_1d import VocabParallelEmbedding1D
 from shardzoo.layers.embedding_2d import Embedding2D, VocabParallelEmbedding2D
 from shardzoo.layers.embedding_2p5d import Embedding2p5D, PatchEmbedding2p5D, VocabParallelEmbedding2p5D
@@ -88,16 +87,6 @@ class TensorLayout:
     mode = ""
     parallel_region = True
     kinds: dict[str, type] = {}
-    cost_model: type  # the block_costs class of this mode
-
-    @classmethod
-    def costs(cls, tp: int, tp_depth: int = 1, param_bytes: int = 4):
-        """What each block of this layout costs on ``tp`` ranks (``tp_depth``: the 2.5D depth),
-        without building it: a ``shardzoo.layers.block_costs`` object whose methods (``linear``,
-        ``layer_norm``, ``lm_head``, ...) give each block's collectives per mesh axis, parameter
-        elements held, activation bytes saved and work. Parameters, their gradients and gathered
-        tables travel in ``param_bytes`` per element. The planner prices layouts through it."""
-        return cls.cost_model(tp, tp_depth, param_bytes)
 
     def __init__(self, mesh):
         layouts.check_mesh(mesh, self.mode, type(self).__name__)
@@ -284,7 +273,6 @@ class Layout1D(TensorLayout):
 
     mode = "1d"
     parallel_region = False
-    cost_model = Costs1D
     kinds = {"linear": ParallelLinear1D, "norm": LayerNorm1D, "rms_norm": RMSNorm1D, "embedding": nn.Embedding,
              "vocab_embedding": VocabParallelEmbedding1D, "patch_embedding": PatchEmbedding1D,
              "lm_head": LMHead1D, "classifier": Classifier1D}
@@ -349,11 +337,6 @@ class Layout2D(TensorLayout):
              "vocab_embedding": VocabParallelEmbedding2D, "patch_embedding": PatchEmbedding2D,
              "lm_head": LMHead2D, "classifier": Classifier2D}
 
-    @classmethod
-    def costs(cls, tp: int, tp_depth: int = 1, param_bytes: int = 4):
-        """As ``TensorLayout.costs``; the grid's cost object also takes the mode (2d or 2.5d)."""
-        return Costs2D(tp, tp_depth, param_bytes, cls.mode)
-
 
 class Layout2p5D(Layout2D):
     """Tesseract: the 2D grid on d depth slices; batch over tp_dep*tp_row, hidden over tp_col,
@@ -370,7 +353,6 @@ class Layout3D(TensorLayout):
     (I, L | J), so a column / row pair ends where it started."""
 
     mode = "3d"
-    cost_model = Costs3D
     kinds = {"linear": ParallelLinear3D, "norm": LayerNorm3D, "rms_norm": RMSNorm3D, "embedding": Embedding3D,
              "vocab_embedding": VocabParallelEmbedding3D, "patch_embedding": PatchEmbedding3D,
              "lm_head": LMHead3D, "classifier": Classifier3D}

@@ -13,7 +13,8 @@ from torch import nn
 
 from shardzoo.layers import batch_loss
 from shardzoo.parallel import generation, hf_attention, inputs
-from shardzoo.parallel.plan import is_norm, style_of
+from shardzoo.parallel.kinds import is_norm
+from shardzoo.parallel.plan import style_of
 
 
 def _transformers():

@@ -27,10 +27,7 @@ from torch import nn
 from shardzoo.layers.module import linear_from
 from shardzoo.layers.replica_grads import ReplicaGradSum, replica_slot
 from shardzoo.layers.shard_spec import ShardSpec, get_shard_spec, mark_repeated_copy, set_shard_spec
-
-
-def is_conv1d(module: nn.Module) -> bool:
-    return type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None
+from shardzoo.parallel.kinds import is_conv1d
 
 
 def serial_linear(module: nn.Module, weight: torch.Tensor | None = None, bias=None) -> nn.Linear:
@@ -98,8 +95,9 @@ def regroup_rows(t: torch.Tensor, parts: int, blocks: int) -> torch.Tensor:
     return t.reshape(parts, blocks, -1, *rest).transpose(0, 1).reshape(-1, *rest)
 
 
-def build_packed(module: nn.Module, parts: int, tpl) -> nn.Module:
-    """The layout's column layer for a projection packing ``parts`` equal parts (module doc)."""
+def build_packed(module: nn.Module, parts: int, tpl, make) -> nn.Module:
+    """The column layer for a projection packing ``parts`` equal parts (module doc);
+    ``make(serial nn.Linear)`` builds the column layer of the layout ``tpl``."""
     lin = serial_linear(module)
     blocks = tpl.column_blocks()
     out = lin.out_features
@@ -108,7 +106,7 @@ def build_packed(module: nn.Module, parts: int, tpl) -> nn.Module:
                          f"per part; use a tp that divides each part")
     weight = regroup_rows(lin.weight, parts, blocks)
     bias = None if lin.bias is None else regroup_rows(lin.bias, parts, blocks)
-    layer = tpl.linear(serial=serial_linear(None, weight, bias), style="column", device=weight.device)
+    layer = make(serial_linear(None, weight, bias))
     width = out // parts // blocks  # rows of one part in one block
     for name in ("weight", "bias"):
         spec = get_shard_spec(layer, name)
@@ -150,15 +148,14 @@ def _parts_first(y: torch.Tensor, blocks: int, parts: int) -> torch.Tensor:
 
 
 # -- grouped-query attention: kv heads repeated ------------------------------------------------
-def build_repeated_kv(name: str, module: nn.Module, style: str, tpl, spec) -> nn.Module:
+def build_repeated_kv(name: str, module: nn.Module, tpl, spec, make) -> nn.Module:
     """The column layer of a kv projection when the head parts exceed the kv heads: built from
     the serial weight with each kv head repeated, its pieces pointed at the serial rows, their
-    gradients summed over the head axis (heads.py)."""
+    gradients summed over the head axis (heads.py); ``make(serial nn.Linear)`` builds the layer."""
     rep = spec.parts // spec.kv_heads
     lin = serial_linear(module)
     bias = None if lin.bias is None else _repeat_heads(lin.bias, spec.head_dim, rep)
-    layer = tpl.linear(serial=serial_linear(None, _repeat_heads(lin.weight, spec.head_dim, rep), bias), style=style,
-                       device=lin.weight.device)
+    layer = make(serial_linear(None, _repeat_heads(lin.weight, spec.head_dim, rep), bias))
     group = tpl.mesh.group(spec.axis)
     for pname in ("weight", "bias"):
         piece = get_shard_spec(layer, pname)
@@ -190,11 +187,3 @@ def _serial_piece(who: str, piece: ShardSpec, head_dim: int, rep: int, kv_heads:
     offsets = ((head // rep) * head_dim + within, *piece.offsets[1:])
     return ShardSpec((kv_heads * head_dim, *piece.global_shape[1:]), offsets, piece.local_shape,
                      piece.partitioned_over, piece.replicated_over)
-
-
-def build_linear(module: nn.Module, style: str, tpl) -> nn.Module:
-    """The layout's column / row layer for an nn.Linear or Conv1D."""
-    layer = tpl.linear(serial=serial_linear(module), style=style, device=module.weight.device)
-    if is_conv1d(module):
-        as_conv1d_storage(layer)
-    return layer

@@ -57,15 +57,16 @@ def check_hidden(name: str, module: nn.Linear, style: str, tpl) -> None:
                          f"hidden size that is a multiple of {parts} (e.g. {up}) or a tp whose q divides {size}")
 
 
-def build_padded(module: nn.Linear, style: str, tpl) -> nn.Module:
-    """The layout's ``style`` layer for the serial ``module`` (an [out, in] nn.Linear) with its
-    inner width zero-padded to :func:`padded_width`; specs of the unpadded tensors."""
+def build_padded(module: nn.Linear, style: str, tpl, make) -> nn.Module:
+    """The ``style`` layer for the serial ``module`` (an [out, in] nn.Linear) with its inner
+    width zero-padded to :func:`padded_width`, built by ``make(serial nn.Linear)``; specs of
+    the unpadded tensors."""
     dim = INNER_DIM[style]
     n = inner_width(module, style)
     extra = padded_width(n, tpl) - n
     weight = _pad(module.weight, dim, extra)
     bias = module.bias if module.bias is None or style == "row" else _pad(module.bias, 0, extra)
-    layer = tpl.linear(serial=linear_from(weight, bias), style=style, device=module.weight.device)
+    layer = make(linear_from(weight, bias))
     for pname, pdim in (("weight", dim), ("bias", 0 if style == "column" else None)):
         spec = get_shard_spec(layer, pname)
         if spec is not None and pdim is not None:

@@ -88,16 +88,15 @@ def check_patch_embedding(name: str, module: nn.Module, pattern: str) -> None:
                          f"through the layout, which needs an nn.Dropout there")
 
 
-def build_patch_embedding(module: nn.Module, tpl, model: nn.Module, zigzag: bool) -> nn.Module:
-    """The layout's patch embedding from ``module``: pixels [b, C, img, img] -> tokens
+def build_patch_embedding(module: nn.Module, mesh, model: nn.Module, zigzag: bool, make) -> nn.Module:
+    """The patch embedding ``make(module)`` builds: pixels [b, C, img, img] -> tokens
     [b, T, H_l], under sp this rank's chunk [b, ceil(T / sp), H_l] (module doc)."""
-    mesh = tpl.mesh
     if mesh.sp_size > 1 and (zigzag or hf_model.is_transformers_model(model)):
         why = ("the model is causal, whose sp shards are zigzag; parallelize with causal=False" if zigzag else
                "a transformers model's attention does not read the SDPA route; plan it for sp=1 only")
         raise ValueError(f"a 'patch_embedding' under sp={mesh.sp_size} cuts its tokens into contiguous chunks, but "
                          f"{why}")
-    layer = tpl.patch_embedding(serial=module, device=module.cls_token.device)
+    layer = make(module)
     layer.train(module.training)
     if mesh.sp_size > 1:
         layer.register_forward_hook(ShardTokens(model, mesh))

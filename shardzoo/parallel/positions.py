@@ -69,12 +69,11 @@ def position_offset(name: str, module: nn.Embedding) -> int:
     return offset
 
 
-def build_position_embedding(module: nn.Embedding, tpl, zigzag: bool, name: str = "position table") -> nn.Module:
-    """The layout's embedding from ``module``, its indices mapped to global positions under sp
-    and shifted by the table's offset (module doc)."""
+def build_position_embedding(module: nn.Embedding, mesh, zigzag: bool, make, name: str = "position table") -> nn.Module:
+    """The embedding ``make(plain nn.Embedding)`` builds from ``module``, its indices mapped to
+    global positions under sp and shifted by the table's offset (module doc)."""
     offset = position_offset(name, module)
-    layer = tpl.embedding(serial=_plain_table(module), device=module.weight.device)
-    mesh = tpl.mesh
+    layer = make(_plain_table(module))
     if mesh.sp_size > 1 or offset:
         layer.register_forward_pre_hook(GlobalPositions(mesh.sp_rank, mesh.sp_size, zigzag, offset))
     return layer

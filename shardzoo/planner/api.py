@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from shardzoo.comm.tp_grids import TP_GRIDS, TP_MODES
-from shardzoo.layers.block_costs import Illegal
+from shardzoo.planner.block_costs import Illegal
 from shardzoo.planner.enumerate import ZERO_STAGES, Problem, Pruned, layouts
 from shardzoo.planner.evaluate import Layout, Pricer
 from shardzoo.planner.calibration import calibrate

@@ -81,7 +81,7 @@ def _measure_norm_bandwidth(reps: int = 9) -> float:
     forward + backward of [256, 256] fp32 is NORM_PASSES passes of 8 bytes per element."""
     import torch
 
-    from shardzoo.layers.block_costs import NORM_PASSES
+    from shardzoo.planner.block_costs import NORM_PASSES
 
     x = torch.randn(256, 256, requires_grad=True)
     norm = torch.nn.LayerNorm(256)
@@ -96,7 +96,7 @@ def _measure_loss_bandwidth(rows: int = 256, reps: int = 5) -> float:
     import torch
     import torch.distributed as dist
 
-    from shardzoo.layers.block_costs import LOSS_PASSES
+    from shardzoo.planner.block_costs import LOSS_PASSES
     from shardzoo.layers.cross_entropy import vocab_parallel_cross_entropy
 
     own = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]

@@ -21,7 +21,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 from shardzoo.comm.accounting import CommRecord
-from shardzoo.layers.block_costs import ID_BYTES, Call, Piece, calls, elementwise
+from shardzoo.planner.block_costs import ID_BYTES, Call, Piece, calls, elementwise
 
 DP_AXES = ("dp", "sp")  # data_parallel reduces gradients over the dp x sp group
 DDP_AXES = (DP_AXES, ("dp",))  # DDP's groups: dp x sp, or dp where backward() averages over sp

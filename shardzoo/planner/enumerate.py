@@ -16,8 +16,7 @@ from typing import Iterator
 
 from shardzoo.comm.mesh import default_tp_depth, tp_grid_text, tp_sub_shape
 from shardzoo.comm.tp_grids import TP_GRIDS, TP_MODES
-from shardzoo.layers.block_costs import Illegal
-from shardzoo.layers.tensor_layout import LAYOUTS
+from shardzoo.planner.block_costs import Illegal, costs_of
 from shardzoo.planner.evaluate import Layout
 from shardzoo.planner.model import Batch
 from shardzoo.planner.walked import ModelShape
@@ -70,7 +69,7 @@ class Problem:
 
 def _grid_rule(problem: Problem, mode: str, tp: int, depth: int, sp: int) -> str | None:
     """Why the model cannot be built on this tp grid with this sp at all (or None)."""
-    costs = LAYOUTS[mode].costs(tp, depth, problem.param_bytes)
+    costs = costs_of(mode, tp, depth, problem.param_bytes)
     parts = costs.batch_parts(costs.canonical)
     probe = Batch(parts, problem.seq, sp, problem.sp_mode, problem.e, True, problem.mask_bytes)
     try:
@@ -101,7 +100,7 @@ def layouts(problem: Problem, modes=TP_MODES, pruned: list[Pruned] | None = None
 
     for mode, tp, depth in tp_grids(world, modes):
         grid = tp_grid_text(tp, mode, depth)
-        costs = LAYOUTS[mode].costs(tp, depth, problem.param_bytes)
+        costs = costs_of(mode, tp, depth, problem.param_bytes)
         parts = costs.batch_parts(costs.canonical)
         for sp in divisors(world // tp):
             reason = _grid_rule(problem, mode, tp, depth, sp)

@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from shardzoo.comm.mesh import tp_grid_text
-from shardzoo.layers.block_costs import Call, Illegal, Piece
-from shardzoo.layers.tensor_layout import LAYOUTS
+from shardzoo.planner.block_costs import Call, Illegal, Piece, costs_of
 from shardzoo.planner import time as timing
 from shardzoo.planner.comm import DDP_AXES, Traffic, dp_reduction, pipeline_p2p, sp_grad_average, tied_sync
 from shardzoo.planner.hardware import Hardware
@@ -114,7 +113,7 @@ class Pricer:
         key = (layout.tp_mode, layout.tp, layout.tp_depth, layout.sp, b.rows)
         parts = self._parts.get(key)
         if parts is None:
-            costs = LAYOUTS[layout.tp_mode].costs(layout.tp, layout.tp_depth, self.problem.param_bytes)
+            costs = costs_of(layout.tp_mode, layout.tp, layout.tp_depth, self.problem.param_bytes)
             try:
                 parts = self.problem.shape.parts(costs, b)
             except Illegal as err:
@@ -160,7 +159,7 @@ class Pricer:
         return one.add(pipeline_p2p(cost.boundary, layout.pp, stage == 0, stage == layout.pp - 1))
 
     def _target_axes(self, layout: Layout) -> list[tuple[str, int]]:
-        costs = LAYOUTS[layout.tp_mode].costs(layout.tp, layout.tp_depth, self.problem.param_bytes)
+        costs = costs_of(layout.tp_mode, layout.tp, layout.tp_depth, self.problem.param_bytes)
         return target_axes(self.problem.shape, costs, layout.dp, layout.sp)
 
     def sp_in_backward(self, layout: Layout, zero: int) -> bool:

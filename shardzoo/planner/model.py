@@ -2,7 +2,7 @@
 runs per micro-batch (``StageCost``: the embeddings on the first stage, one block repeated
 ``blocks`` times, the head with its loss on the last), built from the ``StageParts`` a model
 shape prices for a layout (walked.ModelShape: walk.py reads the model and its plan,
-walk_pieces.py prices each module by the layout's cost object, layers/block_costs.py).
+walk_pieces.py prices each module by the layout's cost object, planner/block_costs.py).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from shardzoo.layers.block_costs import Illegal, Piece, calls, elementwise
+from shardzoo.planner.block_costs import Illegal, Piece, calls, elementwise
 from shardzoo.models.common import stage_blocks
 
 

@@ -1,6 +1,6 @@
 """Bytes one rank sends for one block's forward + backward in each tp_mode, and the parameter
 bytes it holds: the closed forms of docs/tp_modes.md, read off the cost objects of
-:mod:`shardzoo.layers.block_costs` (the one place that knows the per-layout formulas).
+:mod:`shardzoo.planner.block_costs` (the one place that knows the per-layout formulas).
 
 These are what ``bench/tp_modes.py`` prints next to the bytes it measures and what the layer
 tests compare ``shardzoo.comm.count`` with; both must agree exactly. Arguments: ``q`` = the
@@ -13,8 +13,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 from shardzoo.comm.tp_grids import tp_grid
-from shardzoo.layers.block_costs import Piece
-from shardzoo.layers.tensor_layout import LAYOUTS
+from shardzoo.planner.block_costs import Piece, costs_of
 from shardzoo.planner.comm import call_bytes
 
 
@@ -25,7 +24,7 @@ def sent_bytes(piece: Piece) -> Fraction:
 
 def costs_of(mode: str, q: int, d: int = 1, e: int = 4):
     """The block_costs object of ``mode`` on a grid of side ``q`` (depth ``d``)."""
-    return LAYOUTS[mode].costs(tp_grid(mode).size(q, d), d, e)
+    return costs_of(mode, tp_grid(mode).size(q, d), d, e)
 
 
 def _mlp_pieces(mode, rows, hidden, ffn, q, d, e) -> list[Piece]:

@@ -24,9 +24,9 @@ from shardzoo.parallel import heads as head_counts
 from shardzoo.parallel import hf_model
 from shardzoo.parallel.checkpointing import block_names
 from shardzoo.parallel.dropouts import is_dropout
-from shardzoo.parallel.parallelize import is_weighted_kind, state_of
-from shardzoo.parallel.linears import is_conv1d
-from shardzoo.parallel.plan import check_plan, is_norm, matches, style_of
+from shardzoo.parallel.kinds import is_weighted_kind
+from shardzoo.parallel.parallelize import state_of
+from shardzoo.parallel.styles import STYLES, check_plan, covered_prefixes, match_plan
 
 # the traced batch: two rows of three tokens, so an input's leading dim tells a batch of rows
 # (2) from one row broadcast over the batch (1, e.g. positions)
@@ -83,68 +83,7 @@ class _OnePart:
         return SimpleNamespace(hidden_axis="tp")
 
 
-def planned_modules(model: nn.Module, plan: dict[str, str]) -> dict[str, tuple[nn.Module, str, str]]:
-    """{name: (module, style, pattern)} of every module a plan entry covers, as parallelize
-    finds them (plan.style_of: the longest pattern wins). A completed plan names every norm of
-    a deep model, so the patterns without wildcards are looked up by each tail of the name (a
-    plain pattern matches exactly the names it equals or ends with after a dot) and only the
-    others go through fnmatch."""
-    plain = {p for p in plan if not any(ch in p for ch in "*?[")}
-    wild = {p: s for p, s in plan.items() if p not in plain}
-    out = {}
-    for name, module in model.named_modules():
-        if not name:
-            continue
-        parts = name.split(".")
-        tails = {".".join(parts[i:]) for i in range(len(parts))} & plain
-        found = style_of({p: plan[p] for p in tails} | wild, name)
-        if found is not None:
-            out[name] = (module, found[0], found[1])
-    return out
-
-
-# the plan styles whose layers walk_pieces.py prices
-PRICED_STYLES = ("column", "row", "packed_column", "head_fused_column", "dense", "norm", "vocab_embedding",
-                 "embedding", "position_embedding", "lm_head", "classifier", "replicate", "replicate_sum",
-                 "dropout", "patch_embedding", "first_token", "vocab_bias")
-# styles of a module whose children are planned on their own: the module adds its own step (the
-# bias added to the logits; token 0 read over sp) and its children are walked as any others
-CONTAINER_STYLES = ("vocab_bias", "first_token")
 HEAD_STYLES = ("lm_head", "classifier")  # the head whose loss the planner prices
-_KINDS = {"column": "linear", "row": "linear", "packed_column": "linear", "head_fused_column": "linear",
-          "dense": "linear", "lm_head": nn.Linear, "classifier": nn.Linear, "vocab_embedding": nn.Embedding,
-          "embedding": nn.Embedding, "position_embedding": nn.Embedding, "dropout": nn.Dropout, "norm": "norm"}
-
-
-def covering(planned: dict) -> tuple[str, ...]:
-    """Name prefixes of the modules inside a planned module (its style splits them whole);
-    a container style's children are not covered."""
-    return tuple(f"{n}." for n, (_, style, _) in planned.items() if style not in CONTAINER_STYLES)
-
-
-def _check_planned(model: nn.Module, plan: dict[str, str], planned: dict, partial: bool = False) -> None:
-    """The checks parallelize makes before it builds anything: each planned module is of the
-    kind its style splits, and every plan entry matches some module (``partial``: entries may
-    match none, as a family's plan covers its optional modules)."""
-    for name, (module, style, pattern) in planned.items():
-        want = _KINDS.get(style)
-        ok = (want is None or (want == "linear" and (isinstance(module, nn.Linear) or is_conv1d(module)))
-              or (want == "norm" and is_norm(module)) or (isinstance(want, type) and isinstance(module, want)))
-        if not ok:
-            raise ValueError(f"plan entry {pattern!r} makes {name} ({type(module).__name__}) a {style!r} block, which "
-                             f"it cannot be; change the style or the pattern (docs/parallelize.md, 'The plan')")
-    unpriced = sorted({style for _, style, _ in planned.values()} - set(PRICED_STYLES))
-    if unpriced:
-        raise ValueError(f"{type(model).__name__}'s plan uses the styles {unpriced}, whose layers the planner does not "
-                         f"price; it prices {', '.join(PRICED_STYLES)}")
-    if partial:
-        return
-    winners = {pattern for _, _, pattern in planned.values()}
-    names = [n for n, _ in model.named_modules() if n]
-    unused = [p for p in plan if p not in winners and not any(matches(p, n) for n in names)]
-    if unused:
-        raise ValueError(f"plan entries {unused} match no module of {type(model).__name__}; fix the pattern (module "
-                         f"names look like {names[:4]})")
 
 
 def walk_model(model: nn.Module, plan: dict[str, str] | None = None, *, example=None,
@@ -164,8 +103,7 @@ def walk_model(model: nn.Module, plan: dict[str, str] | None = None, *, example=
             raise ValueError(f"{type(model).__name__} has no tensor-parallel plan of its own; pass its plan "
                              f"({{'<module pattern>': 'column' | 'row' | 'norm' | ...}}, docs/parallelize.md)")
     plan = check_plan(plan)
-    planned = planned_modules(model, plan)
-    _check_planned(model, plan, planned, partial)
+    planned = match_plan(model, plan, partial)  # as parallelize matches and checks it
     attention = head_counts.attention_modules(model, planned, _OnePart(), hf_model.config_heads(model))
     blocks = block_names(model)
     kinds = {type(model.get_submodule(b)).__name__ for b in blocks}
@@ -197,7 +135,7 @@ def _trace(model: nn.Module, planned: dict, blocks: list[str], hf: bool,
            example=None) -> tuple[list[Step], list[Step], list[Step]]:
     """(steps before the blocks, steps of the first block, steps after them) of one forward:
     every planned module and every leaf module, in the order they run."""
-    covered = covering(planned)
+    covered = covered_prefixes(planned)
     events: list[tuple[str, nn.Module, object]] = []
     handles = []
     for name, module in model.named_modules():
@@ -274,7 +212,7 @@ def _unplanned(walk: Walk) -> None:
     1d, refused by the grid layouts) and the dropout modules with p > 0 (refused under tp > 1),
     each under the part of the model it belongs to: 'pre', 'block' or 'post'. A Linear,
     Conv1D, Embedding or norm left out is refused in every layout, as parallelize refuses it."""
-    covered = covering(walk.planned)
+    covered = covered_prefixes(walk.planned)
     pre_names = {s.name for s in walk.pre}
     for name, module in walk.model.named_modules():
         if not name or name in walk.planned or name.startswith(covered):
@@ -302,7 +240,7 @@ def _idle(walk: Walk) -> None:
     names = [n for n, _ in walk.model.named_modules()]
     first_block = names.index(walk.blocks[0])
     for name, (module, style, _) in walk.planned.items():
-        if name in ran or style in CONTAINER_STYLES or next(module.parameters(), None) is None:
+        if name in ran or STYLES[style].keeps_children or next(module.parameters(), None) is None:
             continue
         if any(_inside(name, b) for b in walk.blocks):
             continue  # every block runs in the forward

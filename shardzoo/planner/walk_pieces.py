@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from shardzoo.layers.block_costs import (ID_BYTES, NORM_PASSES, Illegal, Piece, calls, elementwise, need,
+from shardzoo.planner.block_costs import (ID_BYTES, NORM_PASSES, Illegal, Piece, calls, elementwise, need,
                                         stat_bytes)
 from shardzoo.parallel.heads import head_parts_fit, head_parts_that_work
 from shardzoo.planner.comm import attention_core
@@ -221,53 +221,104 @@ def attention_pieces(ctx: Context, a) -> list[Piece]:
 
 
 def step_pieces(ctx: Context, step: Step, *, untie: bool = False, input_saved: bool = True) -> list[Piece]:
-    """The pieces of one module the forward ran (module doc)."""
-    c, b, rows, e, module, style = ctx.costs, ctx.b, ctx.rows, ctx.b.e, step.module, step.style
-    if style in ("column", "packed_column", "head_fused_column"):
-        return [column(ctx, step)]
-    if style == "row":
-        n_in, n_out = _features(module)
-        residual = Piece(**elementwise(ADD_PASSES, rows * ctx.local(n_out), e))
-        owner = ctx.shape.walk.attention.get(step.name.rpartition(".")[0])
-        saved = input_saved and not (owner is not None and reads_in_place(ctx, owner))
-        return [c.linear(n_in, n_out, rows, e, ctx.mid, style="row", bias=module.bias is not None,
-                         input_saved=saved), residual]
-    if style == "dense":
-        n_in, n_out = _features(module)
-        return [c.dense(n_in, n_out, ctx.batch if step.dims == 2 else rows, e, ctx.lay, bias=module.bias is not None)]
-    if style == "classifier":  # on one vector per row; F.cross_entropy keeps the logits and targets
-        n_in, n_out = _features(module)
-        return [c.classifier(n_out, n_in, ctx.batch, e, ctx.lay),
-                Piece([], 0, ctx.batch * (n_out * e + ID_BYTES) + e)]
-    if style == "first_token":  # token 0 lives on sp rank 0: broadcast forward, its gradient reduced
-        n = ctx.batch * (step.width // c.hidden_parts(ctx.lay)) * e
-        return [Piece(calls("fwd", ("sp",), "broadcast", n, b.sp) + calls("bwd", ("sp",), "reduce", n, b.sp))]
-    if style == "vocab_bias":
-        return [c.vocab_bias(module.bias.shape[0], rows, e, ctx.lay)]
-    if style == "patch_embedding":
-        return patch_embedding(ctx, step)
-    if style == "norm":
-        return [norm(ctx, module)]
-    if style == "vocab_embedding":
-        return [c.vocab_embedding(module.num_embeddings, module.embedding_dim, rows, e, ctx.lay)]
-    if style in ("embedding", "position_embedding"):
-        ids = ctx.seq * (ctx.batch if step.lead == TRACE_BATCH else 1)
-        return [c.hidden_embedding(module.num_embeddings, module.embedding_dim, ids, e, ctx.lay)]
-    if style == "lm_head":
-        tied = tied_embedding(ctx.shape.walk) is not None
-        vocab = module.out_features
-        # a transformers model's loss runs on the logits upcast to fp32 (parallel/hf_model.py, as
-        # transformers' own causal-LM loss does); the calls carry fp32 statistics either way
-        loss_e = stat_bytes(e) if ctx.shape.walk.transformers else e
-        return [c.lm_head(vocab, module.in_features, rows, e, ctx.lay, tied=tied and not untie),
-                c.loss(vocab, rows, loss_e, ctx.lay)]
-    if style == "dropout":
-        return [dropout(module.p, rows * ctx.local(step.width), b)] if step.width else []
-    if style in ("replicate", "replicate_sum"):
-        return [replicated(ctx, module, style == "replicate_sum")]
-    if style is None and step.width and _is_activation(module):
+    """The pieces of one module the forward ran (module doc): its style's pricer
+    (:data:`PRICERS`), or for a module the plan leaves alone, an activation's."""
+    if step.style is not None:
+        return PRICERS[step.style](ctx, step, untie=untie, input_saved=input_saved)
+    if step.width and _is_activation(step.module):
         return activation(ctx, step)
     return []
+
+
+def _column(ctx: Context, step: Step, **_) -> list[Piece]:
+    return [column(ctx, step)]
+
+
+def _row(ctx: Context, step: Step, *, input_saved: bool = True, **_) -> list[Piece]:
+    n_in, n_out = _features(step.module)
+    residual = Piece(**elementwise(ADD_PASSES, ctx.rows * ctx.local(n_out), ctx.b.e))
+    owner = ctx.shape.walk.attention.get(step.name.rpartition(".")[0])
+    saved = input_saved and not (owner is not None and reads_in_place(ctx, owner))
+    return [ctx.costs.linear(n_in, n_out, ctx.rows, ctx.b.e, ctx.mid, style="row", bias=step.module.bias is not None,
+                             input_saved=saved), residual]
+
+
+def _dense(ctx: Context, step: Step, **_) -> list[Piece]:
+    n_in, n_out = _features(step.module)
+    rows = ctx.batch if step.dims == 2 else ctx.rows
+    return [ctx.costs.dense(n_in, n_out, rows, ctx.b.e, ctx.lay, bias=step.module.bias is not None)]
+
+
+def _classifier(ctx: Context, step: Step, **_) -> list[Piece]:
+    """On one vector per row; F.cross_entropy keeps the logits and targets."""
+    n_in, n_out = _features(step.module)
+    e = ctx.b.e
+    return [ctx.costs.classifier(n_out, n_in, ctx.batch, e, ctx.lay),
+            Piece([], 0, ctx.batch * (n_out * e + ID_BYTES) + e)]
+
+
+def _first_token(ctx: Context, step: Step, **_) -> list[Piece]:
+    """Token 0 lives on sp rank 0: broadcast forward, its gradient reduced."""
+    n = ctx.batch * (step.width // ctx.costs.hidden_parts(ctx.lay)) * ctx.b.e
+    sp = ctx.b.sp
+    return [Piece(calls("fwd", ("sp",), "broadcast", n, sp) + calls("bwd", ("sp",), "reduce", n, sp))]
+
+
+def _vocab_bias(ctx: Context, step: Step, **_) -> list[Piece]:
+    return [ctx.costs.vocab_bias(step.module.bias.shape[0], ctx.rows, ctx.b.e, ctx.lay)]
+
+
+def _patch_embedding(ctx: Context, step: Step, **_) -> list[Piece]:
+    return patch_embedding(ctx, step)
+
+
+def _norm(ctx: Context, step: Step, **_) -> list[Piece]:
+    return [norm(ctx, step.module)]
+
+
+def _vocab_embedding(ctx: Context, step: Step, **_) -> list[Piece]:
+    m = step.module
+    return [ctx.costs.vocab_embedding(m.num_embeddings, m.embedding_dim, ctx.rows, ctx.b.e, ctx.lay)]
+
+
+def _embedding(ctx: Context, step: Step, **_) -> list[Piece]:
+    ids = ctx.seq * (ctx.batch if step.lead == TRACE_BATCH else 1)
+    m = step.module
+    return [ctx.costs.hidden_embedding(m.num_embeddings, m.embedding_dim, ids, ctx.b.e, ctx.lay)]
+
+
+def _lm_head(ctx: Context, step: Step, *, untie: bool = False, **_) -> list[Piece]:
+    tied = tied_embedding(ctx.shape.walk) is not None
+    module, e = step.module, ctx.b.e
+    vocab = module.out_features
+    # a transformers model's loss runs on the logits upcast to fp32 (parallel/hf_model.py, as
+    # transformers' own causal-LM loss does); the calls carry fp32 statistics either way
+    loss_e = stat_bytes(e) if ctx.shape.walk.transformers else e
+    return [ctx.costs.lm_head(vocab, module.in_features, ctx.rows, e, ctx.lay, tied=tied and not untie),
+            ctx.costs.loss(vocab, ctx.rows, loss_e, ctx.lay)]
+
+
+def _dropout(ctx: Context, step: Step, **_) -> list[Piece]:
+    return [dropout(step.module.p, ctx.rows * ctx.local(step.width), ctx.b)] if step.width else []
+
+
+def _replicate(ctx: Context, step: Step, **_) -> list[Piece]:
+    return [replicated(ctx, step.module, False)]
+
+
+def _replicate_sum(ctx: Context, step: Step, **_) -> list[Piece]:
+    return [replicated(ctx, step.module, True)]
+
+
+# one pricer per plan style (parallel/styles: the same names; tests/planner/test_walk.py checks
+# that the two agree): (ctx, step, untie=, input_saved=) -> the pieces of one module
+PRICERS = {
+    "column": _column, "packed_column": _column, "head_fused_column": _column, "row": _row, "dense": _dense,
+    "classifier": _classifier, "first_token": _first_token, "vocab_bias": _vocab_bias,
+    "patch_embedding": _patch_embedding, "norm": _norm, "vocab_embedding": _vocab_embedding,
+    "embedding": _embedding, "position_embedding": _embedding, "lm_head": _lm_head, "dropout": _dropout,
+    "replicate": _replicate, "replicate_sum": _replicate_sum,
+}
 
 
 def patch_embedding(ctx: Context, step: Step) -> list[Piece]:

@@ -172,9 +172,9 @@ def test_each_layout_states_what_its_blocks_cost(mode, tp, depth):
     """The planner prices a layout through its layout class, without building it: a linear
     layer's weight is split over the tp ranks (2.5D keeps a copy per depth slice) and its
     forward and backward send over the layout's own mesh axes."""
-    from shardzoo.layers.tensor_layout import LAYOUTS
+    from shardzoo.planner.block_costs import costs_of
 
-    costs = LAYOUTS[mode].costs(tp, depth)
+    costs = costs_of(mode, tp, depth)
     piece = costs.linear(64, 128, 32 * tp, 4, bias=False)
     assert piece.params == 64 * 128 * depth // tp
     axes = {a for call in piece.calls for a in call.axes}

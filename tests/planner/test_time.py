@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from shardzoo.layers.block_costs import Piece, calls, elementwise
+from shardzoo.planner.block_costs import Piece, calls, elementwise
 from shardzoo.planner.comm import Traffic
 from shardzoo.planner.evaluate import stage_kind_counts
 from shardzoo.planner.host import DEDICATED
@@ -155,14 +155,14 @@ def test_each_module_call_costs_its_fixed_host_time_on_a_cpu_only():
     blocks' forward half again; an accelerator adds nothing."""
     import torch
 
-    from shardzoo.layers.tensor_layout import LAYOUTS
+    from shardzoo.planner.block_costs import costs_of
     from shardzoo.models.gpt2 import GPT2_SPEC
     from shardzoo.planner.model import Batch, assemble
     from shardzoo.planner.walked import family_shape
 
     config = GPT2_SPEC.config(**GPT2_SPEC.tiny_config(layers=2, vocab=32, ffn=64, hidden=16, heads=2))
     shape = family_shape(GPT2_SPEC, config, "tiny")
-    cost = assemble(shape, shape.parts(LAYOUTS["1d"].costs(1, 1, 4), Batch(1, 8, 1, "ring", 4)))
+    cost = assemble(shape, shape.parts(costs_of("1d", 1, 1, 4), Batch(1, 8, 1, "ring", 4)))
     ran = []
     leaves = [m for m in shape.walk.model.modules() if next(m.children(), None) is None]
     handles = [m.register_forward_pre_hook(lambda *_: ran.append(1)) for m in leaves]

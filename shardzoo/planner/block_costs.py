@@ -3,7 +3,7 @@ it holds and the activation bytes autograd keeps for backward.
 
 This module is the only place that knows the per-layout formulas (docs/tp_modes.md, docs/tp1d.md,
 docs/planner.md); the planner adds pieces up. Each layout states its costs through it: one object
-per tp_mode (``TensorLayout.costs``, e.g. ``Layout2D.costs(tp=4)``) offers the same methods, one
+per tp_mode (:func:`costs_of`, e.g. ``costs_of("2d", tp=4)``) offers the same methods, one
 per kind of block: ``linear``,
 ``layer_norm``, ``vocab_embedding``, ``hidden_embedding``, ``lm_head``, ``loss``, ``dense`` (a
 projection that leaves the activation in its layout), ``classifier``, ``patch_embedding``,
@@ -198,7 +198,7 @@ class Costs1D:
         return vocab_loss(("tp",), self.p, (), 1, rows, ceil_div(vocab, self.p), e, batch_mean=False)
 
     def dense(self, n_in, n_out, rows, e, layout=None, *, bias=True) -> Piece:
-        """A replicated nn.Linear (poolers, BERT's MLM transform): no communication."""
+        """A replicated nn.Linear (poolers, an MLM head's transform): no communication."""
         return Piece([], n_in * n_out + (n_out if bias else 0), rows * n_in * e, flops=2 * rows * n_in * n_out,
                      tensors=1 + bias)
 
@@ -206,7 +206,7 @@ class Costs1D:
         return self.dense(h, classes, rows, e)
 
     def patch_embedding(self, image, patch, channels, h, batch, e, layout=None) -> Piece:
-        """ViT's embeddings replicated: conv weight and bias, cls token, positions."""
+        """An image model's patch embeddings replicated: conv weight and bias, cls token, positions."""
         tokens = (image // patch) ** 2 + 1
         return Piece([], h * channels * patch * patch + 2 * h + tokens * h, batch * channels * image * image * e,
                      flops=2 * batch * (tokens - 1) * channels * patch * patch * h, tensors=4)
@@ -331,7 +331,7 @@ class GridCosts:
                      flops=2 * rows * (image // patch) ** 2 * channels * patch * patch * (h // q), tensors=len(tensors))
 
     def vocab_bias(self, vocab, rows, e, layout) -> Piece:
-        """BERT's output bias, split like the logits; gradient summed over the batch axes."""
+        """An MLM head's output bias, split like the logits; gradient summed over the batch axes."""
         out = self.after_head(layout)
         local = self.vocab_pad(vocab) // self.hidden_parts(out)
         return Piece(self._block_param_grads(out, local, 1), local, 0, tensors=1)
@@ -457,3 +457,17 @@ class Costs3D(GridCosts):
         out += calls("bwd", (dst.hidden_axis,), "all_gather", full, q)
         return Piece(out, 0, 0, workspace=2 * rows * parts * h * e)
 
+
+def costs_of(mode: str, tp: int, tp_depth: int = 1, param_bytes: int = 4):
+    """What each block of ``mode``'s layout costs on ``tp`` ranks (``tp_depth``: the 2.5D
+    depth), without building it: the cost object whose methods (``linear``, ``layer_norm``,
+    ``lm_head``, ...) give each block's collectives per mesh axis, parameter elements held,
+    activation bytes saved and work. Parameters, their gradients and gathered tables travel in
+    ``param_bytes`` per element. The planner prices layouts through it."""
+    if mode == "1d":
+        return Costs1D(tp, tp_depth, param_bytes)
+    if mode == "3d":
+        return Costs3D(tp, tp_depth, param_bytes)
+    if mode in ("2d", "2.5d"):
+        return Costs2D(tp, tp_depth, param_bytes, mode)
+    raise ValueError(f"costs_of: tp_mode={mode!r} is not one of 1d, 2d, 2.5d, 3d")
