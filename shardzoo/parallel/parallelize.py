@@ -100,7 +100,7 @@ def parallelize(model: nn.Module, mesh, plan: dict[str, str] | None = None, *, s
                              f"plan={{'<module pattern>': 'column' | 'row' | 'norm' | ...}} (docs/parallelize.md)")
     planned, attention = split_modules(model, mesh, plan, causal=causal, checkpointing=checkpointing,
                                        config_heads=hf_model.config_heads(model),
-                                       whole_tables=hf or mesh.sp_size == 1,
+                                       whole_tables=hf or mesh.sp_size == 1, sp_mode=sp_mode,
                                        check=lambda planned: _refuse_hf_positions(model, planned, hf, mesh))
     state = inputs.Parallelized(model, mesh, sp_mode, hf, causal=causal, head=_find(planned, "lm_head"),
                                 embedding=_find(planned, "vocab_embedding"))
@@ -119,14 +119,15 @@ def parallelize(model: nn.Module, mesh, plan: dict[str, str] | None = None, *, s
 
 def split_modules(model: nn.Module, mesh, plan: dict[str, str], *, causal: bool, checkpointing: bool = False,
                   config_heads=None, check=None, partial: bool = False,
-                  whole_tables: bool = False) -> tuple[dict, dict]:
+                  whole_tables: bool = False, sp_mode: str = "ring") -> tuple[dict, dict]:
     """Replace every module ``plan`` covers by the mesh's layout block, in place, after checking
     all of them (nothing changes when a check fails); the engine step both ``parallelize`` and
     the model families' stage builder (models/pipeline.py) take. ``check(planned)``: a further
     check before anything moves. ``partial``: the model is one pipeline stage of a model the plan
     describes, so entries matching no module here are fine. ``whole_tables``: in 1d an
     ``nn.Embedding`` the plan does not cover is kept whole (its indices are whole on every tp
-    rank) instead of refused. Returns ({name: (serial module, style, pattern)}, the
+    rank) instead of refused. ``sp_mode``: under sp, "ulysses" needs each rank's heads a
+    multiple of sp (checked here). Returns ({name: (serial module, style, pattern)}, the
     attention modules (heads.py), whose head counts the caller makes local once its hooks
     that read the global counts are installed)."""
     plan = check_plan(plan)
@@ -138,6 +139,8 @@ def split_modules(model: nn.Module, mesh, plan: dict[str, str], *, causal: bool,
     if check is not None:
         check(planned)
     attention = head_counts.attention_modules(model, planned, tpl, config_heads)
+    if mesh.sp_size > 1 and sp_mode == "ulysses":
+        head_counts.check_ulysses(attention, mesh.sp_size)
     built = _build(model, planned, tpl, attention, zigzag=causal)  # nothing in the model has changed so far
     for name, new in built.items():
         model.set_submodule(name, new)

@@ -30,3 +30,18 @@ def test_parallelized_model_equals_serial_or_is_refused_by_size(case):
     with tempfile.TemporaryDirectory() as tmpdir:
         outcome = run_case(case, tmpdir)
     event(outcome.split(":")[0])
+
+
+def test_a_refusal_must_name_a_size_and_a_fix():
+    """The refusal check fails a message without a size of the case or without a fix."""
+    from shardzoo.testing.conformance import Case, check_refusal
+
+    case = Case(arch="llama", config=(("hidden_size", 30), ("num_attention_heads", 3)), dtype="fp32", rows=1, seq=8,
+                side="right", pads=(0,), mesh=(("tp", 4), ("tp_mode", "2d")), sp_mode="ring", wrap=False, zero=0,
+                seed=0)
+    check_refusal("model.layers.0.mlp.gate_proj (column) has in_features=30, the hidden size, which the 2d layout "
+                  "splits into 2 blocks; use a hidden size that is a multiple of 2 (e.g. 32)", case)
+    for message in ("the hidden size does not fit the layout", "hidden size 31 does not split; use another one",
+                    "in_features=30 does not split over 2 blocks"):
+        with pytest.raises(AssertionError, match="must name a size"):
+            check_refusal(message, case)
