@@ -13,7 +13,7 @@ import copy
 import torch
 
 from shardzoo.testing.asserts import assert_close_conditioned
-from shardzoo.testing.dtypes import TINY_MODEL_TERMS
+from shardzoo.testing.dtypes import TINY_MODEL_TERMS, rms_of
 from shardzoo.testing.pools import cached_mesh
 
 VOCAB, SEQ, BATCH = 96, 16, 4
@@ -151,11 +151,15 @@ def assert_step_equal(what: str, result: dict, serial_run: tuple, exact_run: tup
                              f"{what} global gradient norm", terms=TINY_MODEL_TERMS)
     full, reference, exact_state = result["state"], serial.state_dict(), exact.state_dict()
     assert set(full) == set(reference), f"names differ: {sorted(set(full) ^ set(reference))}"
+    # The step moved each weight by its gradient (lr 1): a weight that starts at 0 and whose
+    # gradient cancels to 0 (a q bias when every target's query sees one key) holds rounding
+    # noise of the gradients' size, which its own size does not tell (reorder_bound's floor).
+    floor = rms_of(p.grad for p in exact.parameters())
     worst = 0.0
     for name, value in reference.items():
         assert full[name].shape == value.shape, f"{name}: {tuple(full[name].shape)} != {tuple(value.shape)}"
         assert_close_conditioned(full[name], value, exact_state[name], f"{what} {name} after a step",
-                                 terms=TINY_MODEL_TERMS)
+                                 terms=TINY_MODEL_TERMS, floor=floor)
         worst = max(worst, (full[name].double() - value.double()).abs().max().item())
     return {"loss": abs(result["loss"].item() - out_s.loss.item()), "param": worst}
 

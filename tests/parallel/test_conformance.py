@@ -14,9 +14,9 @@ import pytest
 
 pytest.importorskip("transformers", reason="transformers is in the test extra; these tests build its models")
 
-from hypothesis import Phase, event, given, settings  # noqa: E402
+from hypothesis import Phase, event, example, given, settings  # noqa: E402
 
-from shardzoo.testing.conformance import cases, run_case  # noqa: E402
+from shardzoo.testing.conformance import Case, cases, run_case  # noqa: E402
 
 EXAMPLES = int(os.environ.get("SHARDZOO_CONFORMANCE_EXAMPLES", "6"))
 # SHARDZOO_CONFORMANCE_SHRINK=0: report each failing example as drawn (a large run's failures
@@ -24,7 +24,21 @@ EXAMPLES = int(os.environ.get("SHARDZOO_CONFORMANCE_EXAMPLES", "6"))
 PHASES = [p for p in Phase if p != Phase.shrink or os.environ.get("SHARDZOO_CONFORMANCE_SHRINK", "1") != "0"]
 
 
+# Examples the large profile found, kept: a Qwen2 whose one target's query sees one key (window 2,
+# 2 real tokens), so the q bias's gradient is exactly 0 and the step leaves rounding noise there
+# (compared at the scale of the model's gradients, reorder_bound's floor).
+FOUND = [
+    Case(arch="qwen2", config=(("head_dim", 4), ("hidden_size", 16), ("intermediate_size", 96), ("max_window_layers", 0),
+                               ("num_attention_heads", 8), ("num_hidden_layers", 1), ("num_key_value_heads", 4),
+                               ("sliding_window", 2), ("tie_word_embeddings", False), ("use_sliding_window", True),
+                               ("vocab_size", 128)),
+         dtype="fp32", rows=1, seq=4, side="right", pads=(2,), mesh=(("dp", 1), ("sp", 1), ("tp", 2), ("tp_mode", "1d")),
+         sp_mode="ring", wrap=False, zero=2, seed=1),
+]
+
+
 @settings(derandomize=True, max_examples=EXAMPLES, deadline=None, phases=PHASES)
+@example(case=FOUND[0])
 @given(case=cases())
 def test_parallelized_model_equals_serial_or_is_refused_by_size(case):
     with tempfile.TemporaryDirectory() as tmpdir:
