@@ -162,7 +162,7 @@ def run_layout(spec: dict) -> dict:
     """Build, train ``spec["steps"]`` steps (the first one warms up), measure the last ones."""
     from shardzoo import comm
     from shardzoo.models.pipeline import build_schedule, sync_tied_grads
-    from shardzoo.parallel import data_parallel, ddp_of, zero_optimizer
+    from shardzoo.parallel import data_parallel, ddp_of, info_of, zero_optimizer
     from shardzoo.comm.mesh_cache import cached_mesh
 
     mesh = cached_mesh(**spec["layout"])
@@ -175,7 +175,8 @@ def run_layout(spec: dict) -> dict:
     zero = spec.get("zero", 0)
     wrapped = data_parallel(model, mesh, zero=zero)  # the model itself, wrapped in place
     if zero <= 1 and ddp_of(wrapped) is not None:  # DDP, at zero 1 under a ZeroRedundancyOptimizer
-        ddp_of(wrapped).register_comm_hook((mesh.group("dp", "sp"), totals), counting_ddp_hook)
+        # DDP's own group: dp x sp, or dp for a parallelize'd model (its backward averages over sp)
+        ddp_of(wrapped).register_comm_hook((info_of(wrapped).group, totals), counting_ddp_hook)
     # FSDP2 (zero 2, 3) runs its own collectives, which neither comm.count nor the DDP hook sees
     opt = zero_optimizer(wrapped, torch.optim.AdamW, lr=1e-4)
     if hf:
@@ -227,7 +228,15 @@ def run_layout(spec: dict) -> dict:
         times.append(time.perf_counter() - start)
         counted = counter.total_bytes
     return {"stage": mesh.pp_rank, "param_bytes": param_bytes, "counted": counted, **totals,
-            "step_s": statistics.median(times), "peak_rss": peak_rss or _rss_kib("VmHWM") * 1024, "base_rss": base_rss}
+            "optimizer_bytes": optimizer_state_bytes(opt), "step_s": statistics.median(times), "peak_rss": peak_rss or _rss_kib("VmHWM") * 1024, "base_rss": base_rss}
+
+
+def optimizer_state_bytes(opt) -> int:
+    """Bytes of the per-parameter state (AdamW's moments, not its step counts) this rank's
+    optimizer holds: a ZeroRedundancyOptimizer's own shard (``opt.optim``)."""
+    state = getattr(opt, "optim", opt).state
+    return sum(t.numel() * t.element_size() for entry in state.values() for k, t in entry.items()
+               if k != "step" and isinstance(t, torch.Tensor))
 
 
 # glibc's mallopt parameters; the largest mmap threshold it accepts on 64-bit hosts is the time

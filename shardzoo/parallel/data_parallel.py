@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardzoo.parallel import sp_grads
+
 _MARK = "_shardzoo_data_parallel"  # module attribute: the DataParallelInfo of a wrapped model
 _DDP = "_shardzoo_ddp"  # instance dict entry: the DDP engine of a zero 0 / 1 model (not a submodule)
 MIXED_PRECISION = {"bf16": torch.bfloat16}
@@ -243,6 +245,7 @@ def data_parallel(model: nn.Module, mesh, zero: int = 0, *, mixed_precision: str
         setattr(model, _MARK, info)
         return model
     if zero >= 2:
+        model.__dict__[sp_grads.FSDP_AVERAGES_SP] = True  # no sp hooks: FSDP2 averages over dp x sp
         model = _fully_shard(model, info, zero, mixed_precision, offload, reshard_after_forward, units)
         setattr(model, _MARK, info)
         return model

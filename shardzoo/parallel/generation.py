@@ -24,7 +24,6 @@ from shardzoo.parallel import inputs
 
 _STATE = "_shardzoo_parallel"
 _GENERATING = "_shardzoo_generating"
-_BATCH = "_shardzoo_generate_batch"
 
 
 def install(model: nn.Module, state: inputs.Parallelized) -> None:
@@ -34,7 +33,6 @@ def install(model: nn.Module, state: inputs.Parallelized) -> None:
     if state.head is None or not callable(getattr(type(model), "generate", None)):
         return
     model.generate = types.MethodType(_generate, model)  # a bound method: copy.deepcopy rebinds it
-    model.register_forward_pre_hook(_record_batch, with_kwargs=True, prepend=True)  # before the input split
     model.register_forward_hook(_whole_logits)
 
 
@@ -53,20 +51,10 @@ def _generate(model: nn.Module, *args, **kwargs):
         model.__dict__[_GENERATING] = False
 
 
-def _record_batch(model: nn.Module, args, kwargs) -> None:
-    """While ``generate`` runs: the batch size B of the full ``input_ids`` this forward got."""
-    if model.__dict__.get(_GENERATING):
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        model.__dict__[_BATCH] = ids.shape[0] if ids is not None else None
-
-
 def _whole_logits(model: nn.Module, args, output):
-    """While ``generate`` runs: ``output.logits`` gathered to the full [B, S, V] on every rank.
-    A batch of one row is kept whole on every row rank of the grid layouts, so the gather
-    returns one copy per row rank: the first B rows are the batch."""
+    """While ``generate`` runs: ``output.logits`` gathered to the full [B, S, V] on every rank
+    (``gather_logits`` drops the rows a small batch was padded with in the grid layouts)."""
     if not model.__dict__.get(_GENERATING) or getattr(output, "logits", None) is None:
         return output
-    full = inputs.gather_logits(model, output.logits)
-    batch = model.__dict__.get(_BATCH)
-    output.logits = full[:batch] if batch is not None else full
+    output.logits = inputs.gather_logits(model, output.logits)
     return output

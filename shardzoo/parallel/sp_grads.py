@@ -10,8 +10,8 @@ before it is accumulated into ``.grad``: accumulation over micro-batches stays e
 and FSDP2's own reductions see the averaged gradient (and averaging equal values again over
 sp changes nothing). The hooks are registered from a forward pre-hook on the model, for any
 parameter not hooked yet, so parameters replaced after ``parallelize`` (``from_pretrained``
-materializing the meta model, ``load_state_dict(assign=True)``) are hooked too. FSDP2's
-sharded DTensor parameters are left to FSDP2, whose reduction averages over dp x sp.
+materializing the meta model, ``load_state_dict(assign=True)``) are hooked too. A model handed
+to FSDP2 (``data_parallel(zero >= 2)``) is left to FSDP2, whose reduction averages over dp x sp.
 """
 
 from __future__ import annotations
@@ -22,6 +22,11 @@ import torch
 from torch import nn
 
 from shardzoo.comm import ops
+
+# Set on a model ``data_parallel`` gave to FSDP2 (zero >= 2): FSDP2 reduces every gradient over
+# dp x sp itself, and its root unit's parameters are plain tensors while it runs, which the
+# hooks would otherwise average a second time.
+FSDP_AVERAGES_SP = "_shardzoo_fsdp_averages_sp"
 
 
 def install(model: nn.Module, mesh) -> None:
@@ -36,6 +41,8 @@ def install(model: nn.Module, mesh) -> None:
         return ops.all_reduce(grad, group).div_(size)
 
     def hook_new_parameters(module, args) -> None:
+        if module.__dict__.get(FSDP_AVERAGES_SP):  # FSDP2's reduce-scatter over dp x sp does it
+            return
         for p in module.parameters():
             seen = hooked.get(id(p))
             if (seen is not None and seen() is p) or not p.requires_grad or _is_dtensor(p):

@@ -6,7 +6,10 @@ messages per group.
 * pipeline p2p over ``pp``: each stage sends its output forward and its input gradient back;
 * the gradient reduction over ``dp x sp`` per ZeRO stage: DDP's all-reduce (stages 0 and 1),
   ZeroRedundancyOptimizer's parameter broadcasts (stage 1), and the reduce-scatter of gradients
-  with the all-gather of parameters (FSDP2, stages 2 and 3; per block and pass in stage 3);
+  with the all-gather of parameters (FSDP2, stages 2 and 3; per block and pass in stage 3). A
+  model made by ``shardzoo.parallelize`` averages every gradient over sp in its own backward
+  (one all-reduce per parameter tensor, parallel/sp_grads.py), so its stages 0 and 1 reduce
+  over dp only;
 * the tied-embedding sync between the first and last pipeline stage.
 
 Bytes follow ``shardzoo.comm.accounting`` (the ring model) through ``CommRecord`` itself, so a
@@ -21,6 +24,7 @@ from shardzoo.comm.accounting import CommRecord
 from shardzoo.layers.block_costs import ID_BYTES, Call, Piece, calls, elementwise
 
 DP_AXES = ("dp", "sp")  # data_parallel reduces gradients over the dp x sp group
+DDP_AXES = (DP_AXES, ("dp",))  # DDP's groups: dp x sp, or dp where backward() averages over sp
 DDP_BUCKET_BYTES = 25 << 20  # torch DDP's default bucket_cap_mb
 RING_MERGE_PASSES = 6  # per ring step: the log-sum-exp merge of out and lse, the dQ / dK / dV sums
 ULYSSES_COPY_PASSES = 8  # the head / sequence regrouping copies of q, k, v and out, both ways
@@ -187,11 +191,20 @@ def pipeline_p2p(boundary_bytes: int, pp: int, first: bool, last: bool) -> list[
     return out + ([] if first else calls("bwd", ("pp",), "send", boundary_bytes, pp, counted=False))
 
 
-def _split_calls(kind: str, total: int, n: int, parts: int) -> list[Call]:
-    """``parts`` step calls of ``kind`` over dp x sp whose payloads add up to ``total`` bytes."""
+def _split_calls(kind: str, total: int, n: int, parts: int, axes=DP_AXES, phase="step",
+                 counted=False) -> list[Call]:
+    """``parts`` calls of ``kind`` over ``axes`` (dp x sp) whose payloads add up to ``total``
+    bytes (a call's bytes are linear in its payload, so only the count of calls is a guess)."""
     base, rest = divmod(total, parts)
-    out = calls("step", DP_AXES, kind, base, n, times=parts - rest, counted=False) if parts > rest else []
-    return out + (calls("step", DP_AXES, kind, base + 1, n, times=rest, counted=False) if rest else [])
+    out = calls(phase, axes, kind, base, n, times=parts - rest, counted=counted) if parts > rest else []
+    return out + (calls(phase, axes, kind, base + 1, n, times=rest, counted=counted) if rest else [])
+
+
+def sp_grad_average(grad_bytes: int, sp: int, tensors: int) -> list[Call]:
+    """Per micro-batch: a ``parallelize``'d model's backward all-reduces each parameter
+    tensor's gradient over sp (``tensors`` of them, ``grad_bytes`` in all) through
+    shardzoo.comm (counted); parallel/sp_grads.py."""
+    return _split_calls("all_reduce", grad_bytes, sp, max(1, tensors), ("sp",), "bwd", True) if sp > 1 else []
 
 
 def tied_sync(table_bytes: int) -> list[Call]:
@@ -200,8 +213,9 @@ def tied_sync(table_bytes: int) -> list[Call]:
 
 
 def dp_reduction(param_bytes: int, grad_bytes: int, n: int, zero: int, block_bytes: list[int],
-                 tensors: int = 1) -> list[Call]:
-    """The step's gradient reduction over dp x sp (``n`` ranks) for ZeRO stage ``zero``.
+                 tensors: int = 1, axes: tuple[str, ...] = DP_AXES) -> list[Call]:
+    """The step's gradient reduction over dp x sp (``n`` ranks; ``axes``: ("dp",) for stages 0
+    and 1 of a model whose backward averages over sp itself) for ZeRO stage ``zero``.
 
     0: DDP all-reduces every gradient (buckets of 25 MiB). 1: the same DDP all-reduce, then
     ZeroRedundancyOptimizer broadcasts every updated parameter from the rank that owns it, one
@@ -213,8 +227,8 @@ def dp_reduction(param_bytes: int, grad_bytes: int, n: int, zero: int, block_byt
     if n == 1:
         return []
     if zero <= 1:
-        out = _split_calls("all_reduce", grad_bytes, n, max(1, -(-grad_bytes // DDP_BUCKET_BYTES)))
-        return out + (_split_calls("broadcast", param_bytes, n, max(1, tensors)) if zero == 1 else [])
+        out = _split_calls("all_reduce", grad_bytes, n, max(1, -(-grad_bytes // DDP_BUCKET_BYTES)), axes)
+        return out + (_split_calls("broadcast", param_bytes, n, max(1, tensors), axes) if zero == 1 else [])
     out = calls("step", DP_AXES, "reduce_scatter", grad_bytes, n, counted=False)
     if zero < 3:
         return out + calls("step", DP_AXES, "all_gather", param_bytes, n, counted=False)

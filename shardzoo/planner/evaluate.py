@@ -4,7 +4,9 @@ training step, for every activation-checkpointing and ZeRO choice.
 A training step here is what shardzoo's training loop runs: forward and backward of every
 micro-batch (``schedule.step`` when pp > 1), the gradient reduction over dp x sp (DDP for ZeRO
 stages 0 and 1, then ZeroRedundancyOptimizer's parameter broadcasts in stage 1; FSDP2 in 2 and
-3), the tied-embedding sync between pipeline ends, then AdamW.
+3), the tied-embedding sync between pipeline ends, then AdamW. A ``parallelize``'d model
+averages each gradient over sp in every backward (one all-reduce per parameter tensor), and its
+DDP and ZeroRedundancyOptimizer (stages 0 and 1) then run over dp only.
 :class:`Pricer` keeps what layouts share (the pieces of a tp grid x sp x micro-batch size, and
 their summed calls), so a plan over thousands of layouts builds each only once.
 """
@@ -19,7 +21,7 @@ from shardzoo.comm.mesh import tp_grid_text
 from shardzoo.layers.block_costs import Call, Illegal, Piece
 from shardzoo.layers.tensor_layout import LAYOUTS
 from shardzoo.planner import time as timing
-from shardzoo.planner.comm import DP_AXES, Traffic, dp_reduction, pipeline_p2p, tied_sync
+from shardzoo.planner.comm import DDP_AXES, Traffic, dp_reduction, pipeline_p2p, sp_grad_average, tied_sync
 from shardzoo.planner.hardware import Hardware
 from shardzoo.planner.memory import MemoryBreakdown, stage_memory
 from shardzoo.planner.model import (COUNT_BYTES, LOSS_PAIR_BYTES, Batch, StageCost, assemble, loss_reduction,
@@ -161,11 +163,21 @@ class Pricer:
         costs = LAYOUTS[layout.tp_mode].costs(layout.tp, layout.tp_depth, self.problem.param_bytes)
         return target_axes(self.problem.shape, costs, layout.dp, layout.sp)
 
+    def sp_in_backward(self, layout: Layout, zero: int) -> bool:
+        """Whether backward itself averages the gradients over sp (a ``parallelize``'d model
+        with sp > 1, its parameters not FSDP2's: ZeRO 0 / 1)."""
+        return self.problem.shape.averages_sp_in_backward and layout.sp > 1 and zero <= 1
+
+    def dp_ranks(self, layout: Layout, zero: int) -> int:
+        """Ranks ``data_parallel`` averages over and ZeRO shards over: dp x sp, or dp where
+        backward averages over sp already (``sp_in_backward``)."""
+        return layout.dp if self.sp_in_backward(layout, zero) else layout.dp * layout.sp
+
     def _reduction(self, cost: StageCost, layout: Layout, zero: int) -> tuple[Traffic, Traffic]:
         """(per micro-batch, per step) calls of the gradient reduction and the tied sync."""
         n, tied = layout.dp * layout.sp, cost.tied_table and layout.pp > 1
         key = (cost.params, cost.tensors, cost.first.params + cost.last.params, cost.blocks, n, zero, tied, cost.is_last,
-               layout.pp, layout.dp, layout.tp_mode, layout.tp, layout.tp_depth)
+               layout.pp, layout.dp, layout.sp, layout.tp_mode, layout.tp, layout.tp_depth)
         if key not in self._reductions:
             self._reductions[key] = self._reduction_calls(cost, layout, zero)
         return self._reductions[key]
@@ -174,7 +186,11 @@ class Pricer:
         ep, one, step = self.problem.param_bytes, Traffic(), Traffic()
         p = cost.params * ep
         units = [b * ep for b in cost.block_params] + [(cost.first.params + cost.last.params) * ep]
-        for c in dp_reduction(p, p, layout.dp * layout.sp, zero, units, cost.tensors):
+        hooked = self.sp_in_backward(layout, zero)
+        if hooked:  # every backward (micro-batch) averages each parameter's gradient over sp
+            one.add(sp_grad_average(p, layout.sp, cost.tensors))
+        axes = DDP_AXES[1] if hooked else DDP_AXES[0]
+        for c in dp_reduction(p, p, self.dp_ranks(layout, zero), zero, units, cost.tensors, axes):
             (step if c.phase == "step" else one).add([c])
         if cost.tied_table and layout.pp > 1:
             step.add(tied_sync(cost.tied_table * ep))
@@ -198,7 +214,7 @@ class Pricer:
         """{(checkpointing, zero): StageReport} of one rank of ``stage``; what the variants share
         (the blocks' calls, their seconds) is summed once. ``links``: ``self.links(layout)``."""
         hw, problem, ep = self.hw, self.problem, self.problem.param_bytes
-        n, b, m = layout.dp * layout.sp, self.batch(layout), layout.micro_batches
+        m = layout.micro_batches
         base = self._base(cost, layout, stage)
         links, step_links = links or self.links(layout)
         share = links.share
@@ -208,6 +224,7 @@ class Pricer:
         held = cost.params * ep
         out = {}
         for zero in zeros:
+            n = self.dp_ranks(layout, zero)
             z_one, step = self._reduction(cost, layout, zero)
             z_bytes, z_s = self._total(z_one), links.seconds(z_one)
             optimizer = timing.optimizer_seconds(cost.params / (n if zero else 1), hw)
@@ -267,7 +284,7 @@ def _channel(key) -> str:
     phase, axes, kind, _, counted = key
     if counted:
         return "counted"
-    if axes == DP_AXES:
+    if axes in DDP_AXES:
         return "ddp"
     if axes == ("pp",):
         return "p2p" if kind == "send" else "tied"
@@ -276,7 +293,7 @@ def _channel(key) -> str:
 
 def channel_bytes(per_micro_batch: Traffic, per_step: Traffic, micro_batches: int) -> dict[str, Fraction]:
     """A step's bytes of one stage split by sender: ``counted`` (through shardzoo.comm, which
-    comm.count sees), ``ddp`` (the dp x sp gradient reduction), ``p2p`` (pipeline stage sends),
+    comm.count sees), ``ddp`` (the dp x sp, or dp, gradient reduction of DDP / FSDP2), ``p2p`` (pipeline stage sends),
     ``tied`` (the tied-table sync), ``other`` (direct torch.distributed calls elsewhere)."""
     out = {k: Fraction(0) for k in ("counted", "ddp", "p2p", "tied", "other")}
     for k, v in per_micro_batch.bytes_by(_channel).items():

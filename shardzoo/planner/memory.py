@@ -10,7 +10,8 @@ gradient bytes (G_last / A_first: of the head / the embeddings, the first gradie
 the last activations freed). DDP's buckets (stages 0 and 1) hold another copy of the
 gradients. AdamW keeps two moments per parameter; ZeRO stage z shards the optimizer (z >= 1),
 the gradients (z >= 2) and the parameters (z = 3) over the dp x sp group, as in the ZeRO paper
-(Rajbhandari et al. 2020).
+(Rajbhandari et al. 2020); for a ``parallelize``'d model, whose backward averages over sp
+itself, stages 0 and 1 (DDP, ZeroRedundancyOptimizer) run over dp only.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def activation_bytes(cost: StageCost, checkpointing: bool, first: bool, last: bo
 
 def stage_memory(cost: StageCost, *, stage: int, pp: int, micro_batches: int, checkpointing: bool, zero: int,
                  dp_ranks: int, param_bytes: int, schedule: str, runtime: int) -> MemoryBreakdown:
-    """Peak bytes of one rank of pipeline stage ``stage`` (``dp_ranks``: the dp x sp group)."""
+    """Peak bytes of one rank of pipeline stage ``stage`` (``dp_ranks``: the group ZeRO shards over and
+    DDP reduces over: dp x sp, or dp for stages 0 / 1 of a ``parallelize``'d model)."""
     first, last = cost.is_first, cost.is_last
     n = dp_ranks
     p = cost.params * param_bytes

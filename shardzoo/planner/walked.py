@@ -41,6 +41,13 @@ class ModelShape:
         return self.builder is not None
 
     @property
+    def averages_sp_in_backward(self) -> bool:
+        """``parallelize`` (a walked model, no family builder) averages every parameter's
+        gradient over sp in backward itself (parallel/sp_grads.py), so ``data_parallel``'s DDP
+        (ZeRO 0 / 1) reduces over dp only; a family's stages leave sp to ``data_parallel``."""
+        return self.builder is None
+
+    @property
     def pooled(self) -> bool:
         """The head reads one token per sequence (its targets are not split over sp)."""
         return any(s.style == "first_token" for s in self.walk.post)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from shardzoo.layers.sequence import gather_sequence, shard_sequence
 from shardzoo.testing.asserts import assert_close_conditioned
-from shardzoo.testing.dtypes import TINY_MODEL_TERMS
+from shardzoo.testing.dtypes import TINY_MODEL_TERMS, rms_of
 
 
 def offsets(lengths) -> torch.Tensor:
@@ -80,10 +80,14 @@ def parallel_grads(attention, q, k, v, dout, lse_weight, lengths, causal, group,
 
 
 def compare_packed(actual, expected, exact, what, names=("out", "dq", "dk", "dv")):
-    """Each parallel result against the serial one, allowing 4x the serial run's own error."""
+    """Each parallel result against the fp64 one within the one reorder bound, at the serial
+    run's own error; a gradient's floor is the root-mean-square of all the gradients (a
+    document of one token has dq = 0, the rounding of terms of their size)."""
+    grads = [x for name, x in zip(names, exact) if name.startswith("d")]
     for name, a, e, x in zip(names, actual, expected, exact):
         assert a.shape == e.shape, f"{what} {name}: shape {tuple(a.shape)} != {tuple(e.shape)}"
-        assert_close_conditioned(a, e, x, f"{what} {name}", terms=TINY_MODEL_TERMS)
+        floor = rms_of(grads) if name.startswith("d") else 0.0
+        assert_close_conditioned(a, e, x, f"{what} {name}", terms=TINY_MODEL_TERMS, floor=floor)
 
 
 def long_tailed_lengths(total: int, seed: int, median: int = 512, sigma: float = 1.5) -> list[int]:

@@ -40,9 +40,13 @@ def test_tp_or_sp_ranks_fed_different_inputs_are_refused(tmp_path, axis):
     run_on_ranks(_different_inputs, 4, save_tiny_llama(str(tmp_path / "hf")), axis)
 
 
-def test_unknown_check_inputs_is_named():
+def _unknown_check_inputs():
     import shardzoo
     from shardzoo.testing.finetune import tiny_llama
 
     with pytest.raises(ValueError, match="check_inputs='sometimes' is not one of"):
-        shardzoo.parallelize(tiny_llama(), cached_mesh(), check_inputs="sometimes")
+        shardzoo.parallelize(tiny_llama(), cached_mesh(tp=2), check_inputs="sometimes")
+
+
+def test_unknown_check_inputs_is_named():
+    run_on_ranks(_unknown_check_inputs, 2)  # on the pool: this process keeps no process group

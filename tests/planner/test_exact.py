@@ -151,7 +151,8 @@ def check_hf_exact(spec: dict, directory) -> None:
     """The model's config written as ``save_pretrained`` writes it and planned from that
     directory, as ``shardzoo plan DIR`` plans it (a family's model_type: the model built from
     it, walked); every rank's channels and parameter bytes of a measured step
-    (bench/_measure.py, ``spec["hf"]``) equal the plan's."""
+    (bench/_measure.py, ``spec["hf"]``) equal the plan's, and the ranks' optimizer state adds
+    up to the memory model's."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -170,6 +171,11 @@ def check_hf_exact(spec: dict, directory) -> None:
         for k in CHANNELS:
             assert got[k] == want[k], f"rank {rank} {k}: sent {got[k]}, planned {want[k]} ({spec})"
         assert got["param_bytes"] == stage.params * 4 == cand.param_bytes_per_rank, f"rank {rank} ({spec})"
+    # the optimizer state, sharded over the ranks ZeRO 1 shards over (dp for a parallelize'd model): on
+    # average what the memory model holds per rank (ZeroRedundancyOptimizer splits by whole tensors)
+    memory = planned.pricer.price_variants(layout, stage, 0, (spec["checkpointing"],), (zero,))
+    held = sum(got["optimizer_bytes"] for got in measured)
+    assert held == memory[(spec["checkpointing"], zero)].memory.optimizer * layout.world, (held, spec)
     assert cand.comm_bytes_per_rank_per_step == max(sum((got[k] for k in CHANNELS), Fraction(0)) for got in measured)
 
 
@@ -179,6 +185,8 @@ def check_hf_exact(spec: dict, directory) -> None:
     _hf_spec(4, "1d", 2, sp=2, ckpt=True, config=tiny_llama(bias=True)),  # ring: the kv heads go round
     _hf_spec(4, "2d", 4, config=tiny_llama(kv_heads=1, bias=True)),  # 2 head parts, 1 kv head (and its bias) repeated
     _hf_spec(4, "2d", 4, ckpt=True, config=TINY_GPT2, model_type="gpt2"),
-], ids=["1d-tp4-gqa-ckpt", "1d-ulysses-zero1", "1d-ring-ckpt-bias", "2d-mqa-bias", "gpt2-2d-ckpt"])
+    # backward averages over sp (a counted all-reduce per parameter), DDP and the broadcasts over dp only
+    _hf_spec(4, "1d", 1, sp=2, zero=1),
+], ids=["1d-tp4-gqa-ckpt", "1d-ulysses-zero1", "1d-ring-ckpt-bias", "2d-mqa-bias", "gpt2-2d-ckpt", "dp2-sp2-zero1"])
 def test_exact_for_a_walked_transformers_llama(spec, tmp_path):
     check_hf_exact(spec, tmp_path)
