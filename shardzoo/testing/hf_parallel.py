@@ -144,7 +144,7 @@ def assert_step_equal(what: str, result: dict, serial_run: tuple, exact_run: tup
     assert logits.shape == out_s.logits[rows].shape, \
         f"{what} gathered logits {tuple(logits.shape)} != serial's {tuple(out_s.logits[rows].shape)}"
     assert_close_conditioned(result["loss"], out_s.loss.detach(), out_x.loss.detach(), f"{what} loss",
-                             terms=TINY_MODEL_TERMS)
+                             terms=TINY_MODEL_TERMS, computed_in=dtype)
     assert_close_conditioned(logits[real], out_s.logits[rows][real].detach(), out_x.logits[rows][real].detach(),
                              f"{what} logits", terms=TINY_MODEL_TERMS)
     assert_close_conditioned(result["norm"].to(dtype), out_s.grad_norm.to(dtype), out_x.grad_norm,
