@@ -145,6 +145,19 @@ def _check_counts(spec: Attention, tpl) -> None:
                      f"{works}")
 
 
+def check_ulysses(attention: dict[str, Attention], sp: int) -> None:
+    """Refuse, before anything moves, heads Ulysses cannot split: it hands each of the ``sp``
+    ranks whole heads of this rank's q heads, so their count must be a multiple of sp."""
+    for spec in attention.values():
+        local = spec.heads // spec.parts
+        if local % sp:
+            up = -(-spec.heads // (spec.parts * sp)) * spec.parts * sp
+            raise ValueError(f"{spec.name}: sp_mode='ulysses' splits each rank's {local} q heads ({spec.heads} heads "
+                             f"over {spec.parts} head parts) over sp={sp}, which needs a multiple of {sp}; use "
+                             f"sp_mode='ring' (no constraint on heads), or a head count that is a multiple of "
+                             f"{spec.parts * sp} (e.g. {up})")
+
+
 def _check_attributes(spec: Attention) -> None:
     """Refuse a head-named integer of the attention module that :func:`make_local` cannot set."""
     known = set(_local_values(spec)) | {"head_dim"}

@@ -83,7 +83,7 @@ def parallelize(model: nn.Module, mesh, plan: dict[str, str] | None = None, *, s
                              f"plan={{'<module pattern>': 'column' | 'row' | 'norm' | ...}} (docs/parallelize.md)")
     planned, attention = split_modules(model, mesh, plan, causal=causal, checkpointing=checkpointing,
                                        config_heads=hf_model.config_heads(model),
-                                       whole_tables=hf or mesh.sp_size == 1)
+                                       whole_tables=hf or mesh.sp_size == 1, sp_mode=sp_mode)
     state = inputs.Parallelized(model, mesh, sp_mode, hf, causal=causal, head=_find(planned, "lm_head"),
                                 embedding=_find(planned, "vocab_embedding"))
     state.check_inputs = check_inputs
@@ -100,14 +100,16 @@ def parallelize(model: nn.Module, mesh, plan: dict[str, str] | None = None, *, s
 
 
 def split_modules(model: nn.Module, mesh, plan: dict[str, str], *, causal: bool, checkpointing: bool = False,
-                  config_heads=None, partial: bool = False, whole_tables: bool = False) -> tuple[dict, dict]:
+                  config_heads=None, partial: bool = False, whole_tables: bool = False,
+                  sp_mode: str = "ring") -> tuple[dict, dict]:
     """Replace every module ``plan`` covers by its style's layer, in place, after checking all
     of them (nothing changes when a check fails); the engine step both ``parallelize`` and the
     model families' stage builder (stage.py) take. ``partial``: the model is one pipeline stage
     of a model the plan describes, so entries matching no module here are fine.
     ``whole_tables``: in 1d an ``nn.Embedding`` the plan does not cover is kept whole (its
     indices are whole on every tp rank) instead of refused. ``causal``: the sp shards are
-    zigzag. Returns ({name: (serial module, style, pattern)}, the attention modules
+    zigzag. ``sp_mode``: under sp, "ulysses" needs each rank's heads a multiple of sp (checked
+    here). Returns ({name: (serial module, style, pattern)}, the attention modules
     (heads.py), whose head counts the caller makes local once its hooks that read the global
     counts are installed)."""
     planned = match_plan(model, plan, partial)
@@ -116,6 +118,8 @@ def split_modules(model: nn.Module, mesh, plan: dict[str, str], *, causal: bool,
     if checkpointing:
         block_checkpointing.block_names(model)  # raises when there are no blocks
     attention = head_counts.attention_modules(model, planned, tpl, config_heads)
+    if mesh.sp_size > 1 and sp_mode == "ulysses":
+        head_counts.check_ulysses(attention, mesh.sp_size)
     ctx = Build(tpl, model, planned, attention, zigzag=causal)
     build_layers(ctx)  # nothing in the model has changed so far
     for name, layer in ctx.built.items():

@@ -62,7 +62,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str = "tens
 def assert_close_conditioned(actual: torch.Tensor, expected: torch.Tensor, exact: torch.Tensor, what: str = "tensor",
                              scale: float = 1.0, slack: float = 1.0, terms: int = 1, parts: int = 1,
                              gauge: torch.Tensor | None = None, floor: float = 0.0,
-                             condition: float = 1.0) -> None:
+                             condition: float = 1.0, computed_in: torch.dtype | None = None) -> None:
     """|actual - exact| <= ``reorder_bound`` with the noise the serial run measures, element-wise.
 
     ``expected`` is the serial result in ``actual``'s dtype and ``exact`` the same serial math in
@@ -76,7 +76,8 @@ def assert_close_conditioned(actual: torch.Tensor, expected: torch.Tensor, exact
     ``gauge``, the same serial math run in float32, measures the conditioning instead: its noise
     against ``exact``, in units of float32's roundoff, is the same number of float64 roundoffs.
     ``floor``: the summands' size where the result may cancel to nothing (as for
-    :func:`assert_close`)."""
+    :func:`assert_close`). ``computed_in``: the narrower dtype a result was computed in before it
+    was widened to ``actual``'s (a float32 loss of bfloat16 logits); its roundoff sets the bound."""
     if actual.dtype != expected.dtype:
         raise AssertionError(f"{what} differs: dtype {actual.dtype} != expected {expected.dtype}")
     if expected.shape != exact.shape:
@@ -88,10 +89,11 @@ def assert_close_conditioned(actual: torch.Tensor, expected: torch.Tensor, exact
         serial, rescale = expected, 1.0
     noise = measured_noise(serial, x, floor) * rescale
     own = slack * rescale * (serial.detach().double() - x).abs() / magnitude(x, expected.dtype, floor)
-    allowed = scale * reorder_bound(x, expected.dtype, terms, parts, torch.clamp(own, min=noise), floor, condition)
+    dtype = computed_in if computed_in is not None else expected.dtype
+    allowed = scale * reorder_bound(x, dtype, terms, parts, torch.clamp(own, min=noise), floor, condition)
     err = (actual.detach().double() - x).abs()
     _check(actual, expected, allowed, err, what,
-           f"the reorder bound in {expected.dtype} for {terms} terms and {parts} parts, with the serial run's noise "
+           f"the reorder bound in {dtype} for {terms} terms and {parts} parts, with the serial run's noise "
            f"{noise:.3g} per unit of scale or {slack:g} x this element's own serial error against float64")
 
 

@@ -214,3 +214,25 @@ def test_position_embedding_style_on_a_transformers_model_under_sp_is_refused():
     pytest.importorskip("transformers", reason="builds a transformers GPT-2")
     message = run_on_ranks(_hf_position_refusal, 2)[0]
     assert "transformer.wpe" in message and "plan it 'embedding'" in message, message
+
+
+def _ulysses_heads_refusal():
+    import shardzoo
+    from shardzoo.testing.hf_parallel import tiny_causal_lm
+
+    model = tiny_causal_lm("llama", hidden_size=24, num_attention_heads=3, num_key_value_heads=1, head_dim=8)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError) as err:
+        shardzoo.parallelize(model, cached_mesh(sp=2), sp_mode="ulysses")
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    return str(err.value)
+
+
+def test_ulysses_heads_sp_does_not_divide_are_refused_by_parallelize():
+    """Ulysses gives each sp rank whole heads: 3 heads over sp=2 are refused by parallelize, before
+    any weight moves (not at the first forward), naming the heads, sp and the fixes."""
+    pytest.importorskip("transformers", reason="builds a transformers Llama")
+    message = run_on_ranks(_ulysses_heads_refusal, 2)[0]
+    for word in ("model.layers.0.self_attn", "3 q heads", "sp=2", "sp_mode='ring'", "(e.g. 4)"):
+        assert word in message, f"{word!r} missing from: {message}"
