@@ -15,6 +15,7 @@ from fractions import Fraction
 
 from shardzoo.comm.tp_grids import TP_GRIDS, TP_MODES
 from shardzoo.planner.block_costs import Illegal
+from shardzoo.planner.comm import ATTENTION_KERNELS
 from shardzoo.planner.enumerate import ZERO_STAGES, Problem, Pruned, layouts
 from shardzoo.planner.evaluate import Layout, Pricer
 from shardzoo.planner.calibration import calibrate
@@ -144,7 +145,7 @@ def candidates(pricer: Pricer, layout: Layout, costs, checkpointing, zeros, memo
 def plan(model, world: int, device_memory_gib: float, global_batch: int, seq: int, hardware="h100",
          nodes: int | None = None, devices_per_node: int | None = None, top: int | None = None, *,
          sp_mode: str = "ring", schedule: str = "1f1b", dtype: str | None = None, zero_stages=ZERO_STAGES,
-         tp_modes=TP_MODES, checkpointing=(False, True), recalibrate: bool = False) -> Plan:
+         tp_modes=TP_MODES, checkpointing=(False, True), recalibrate: bool = False, attention: str = "flash") -> Plan:
     """Every legal layout of ``model`` (a preset name, a Hugging Face directory, a ModelShape, or
     an ``nn.Module`` that ``shardzoo.parallelize`` splits, with its default plan and pp = 1;
     ``walked.walked_model(module, plan)`` for another plan), priced from its modules and plan, on ``world``
@@ -153,13 +154,15 @@ def plan(model, world: int, device_memory_gib: float, global_batch: int, seq: in
 
     ``dtype``: "bf16" (autocast, fp32 weights; default on accelerator presets) or "fp32"
     (default on "cpu" / "calibrate": the host model's ``default_dtype``). ``sp_mode``: attention over sp; ``schedule``: the
-    pipeline schedule ("1f1b" or "gpipe")."""
+    pipeline schedule ("1f1b" or "gpipe"); ``attention``: the attention kernel priced (``price``)."""
     shape = load_model(model)
     hw = resolve_hardware(hardware, nodes, devices_per_node, world, recalibrate)
     dtype = dtype or hw.host.default_dtype
     _check_inputs(world, device_memory_gib, global_batch, seq, shape, sp_mode, schedule, dtype)
+    if attention not in ATTENTION_KERNELS:
+        raise ValueError(f"attention={attention!r} is not one of {ATTENTION_KERNELS}")
     e, ep = DTYPES[dtype]
-    problem = Problem(shape, world, global_batch, seq, sp_mode, e, ep, hw.host.dropout_mask_bytes(e))
+    problem = Problem(shape, world, global_batch, seq, sp_mode, e, ep, hw.host.dropout_mask_bytes(e), attention)
     memory_bytes = int(device_memory_gib * GIB)
     pricer = Pricer(problem, hw, schedule)
     pruned: list[Pruned] = []
@@ -174,3 +177,117 @@ def plan(model, world: int, device_memory_gib: float, global_batch: int, seq: in
         out += candidates(pricer, layout, costs, checkpointing, zeros, memory_bytes)
     out.sort(key=lambda c: (not c.fits, c.step_seconds if c.fits else c.peak_bytes_per_rank, c.peak_bytes_per_rank))
     return Plan(out[:top] if top else out, hw, pruned, problem, len(out), device_memory_gib, pricer)
+
+
+@dataclass
+class Priced:
+    """One named candidate priced alone (``price``): the Candidate, the schedule it was priced
+    with, and the model FLOPs of its step (``flops.model_flops``)."""
+
+    candidate: Candidate
+    schedule: str
+    virtual_stages: int
+    model_flops: float
+    world: int
+
+    @property
+    def step_seconds(self) -> float:
+        return self.candidate.step_seconds
+
+    @property
+    def tokens_per_second_per_device(self) -> float:
+        return self.candidate.tokens_per_second / self.world
+
+    @property
+    def model_tflops_per_device(self) -> float:
+        """Model FLOPs of a step over its seconds and the devices, in TFLOP/s."""
+        return self.model_flops / self.candidate.step_seconds / self.world / 1e12
+
+    def to_json(self) -> dict:
+        return {"candidate": self.candidate.to_json(), "schedule": self.schedule,
+                "virtual_stages": self.virtual_stages, "step_seconds": self.step_seconds,
+                "tokens_per_second_per_device": self.tokens_per_second_per_device,
+                "model_flops_per_step": self.model_flops, "model_tflops_per_device": self.model_tflops_per_device}
+
+    def describe(self) -> str:
+        sched = f", {self.schedule}" + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else "")
+        return (f"{self.candidate.describe()}{sched}: step {self.step_seconds:.4g} s, "
+                f"{self.tokens_per_second_per_device:,.0f} tokens/s and {self.model_tflops_per_device:.1f} model "
+                f"TFLOP/s per device, peak {self.candidate.peak_bytes_per_rank / GIB:.2f} GiB "
+                f"({'fits' if self.candidate.fits else 'does not fit'})")
+
+
+def _layout_text(layout, world: int) -> str:
+    """A layout dict or text with dp left out -> the text ``explain`` reads, dp = world / the rest."""
+    from shardzoo.planner.enumerate import parse_layout
+
+    want = dict(parse_layout(layout)) if isinstance(layout, str) else dict(layout)
+    if "dp" not in want:
+        rest = want.get("pp", 1) * want.get("sp", 1) * want.get("tp", 1)
+        if rest < 1 or world % rest:
+            raise ValueError(f"layout {layout!r}: pp*sp*tp = {rest} does not divide the world size {world}; "
+                             f"choose sizes whose product divides {world}")
+        want["dp"] = world // rest
+    return ",".join(f"{k}={v}" for k, v in want.items() if k != "micro_batches")
+
+
+def price(model, world: int, global_batch: int, seq: int, layout, *, micro_batches: int | None = None,
+          checkpointing: bool = False, zero: int = 0, hardware="h100", nodes: int | None = None,
+          devices_per_node: int | None = None, device_memory_gib: float | None = None, sp_mode: str = "ring",
+          schedule: str = "1f1b", virtual_stages: int = 1, dtype: str | None = None,
+          attention: str = "flash") -> Priced:
+    """``layout`` of ``model`` priced alone, without enumerating the others: the same Candidate
+    ``plan`` gives for it, with tokens/s and model TFLOP/s per device (``Priced``).
+
+    ``layout``: ParallelMesh kwargs as a dict or text (``"dp=12,pp=16,tp=8"``; missing sizes
+    are 1, dp the rest of the world, tp_mode 1d). ``micro_batches``: default the most the
+    replica batch splits into (the smallest bubble). ``schedule``: "1f1b", "gpipe" or
+    "interleaved" with ``virtual_stages`` v >= 2 model chunks per pipeline rank (torch's
+    ScheduleInterleaved1F1B, ``models.pipeline.build_schedule``). ``device_memory_gib``: for
+    ``fits``, default the hardware's memory. ``attention``: the kernel priced, "flash" (what
+    shardzoo runs: torch's scaled_dot_product_attention) or "materialized" (the score matrix
+    written out, as Megatron-LM ran in Narayanan et al. 2021; sp = 1 only)."""
+    from shardzoo.planner.enumerate import explain
+    from shardzoo.planner.flops import model_flops
+    from shardzoo.planner.host import DedicatedDevices
+
+    shape = load_model(model)
+    hw = resolve_hardware(hardware, nodes, devices_per_node, world)
+    dtype = dtype or hw.host.default_dtype
+    memory_gib = device_memory_gib if device_memory_gib is not None else hw.memory_bytes / GIB
+    _check_inputs(world, memory_gib, global_batch, seq, shape, sp_mode, "1f1b" if schedule == "interleaved" else schedule,
+                  dtype)
+    if zero not in ZERO_STAGES:
+        raise ValueError(f"zero={zero!r} is not a ZeRO stage {ZERO_STAGES}")
+    v = virtual_stages
+    if (schedule == "interleaved") != (isinstance(v, int) and v >= 2) or (schedule != "interleaved" and v != 1):
+        raise ValueError(f"schedule={schedule!r} with virtual_stages={v!r}: the interleaved schedule takes "
+                         f"virtual_stages >= 2, the others 1; pass both or neither")
+    if v > 1 and type(hw.host) is not DedicatedDevices:
+        raise ValueError(f"the interleaved schedule is priced on accelerator presets only, not on {hw.name!r}; use "
+                         f"schedule='1f1b'")
+    e, ep = DTYPES[dtype]
+    if attention not in ATTENTION_KERNELS:
+        raise ValueError(f"attention={attention!r} is not one of {ATTENTION_KERNELS}")
+    problem = Problem(shape, world, global_batch, seq, sp_mode, e, ep, hw.host.dropout_mask_bytes(e), attention)
+    text = _layout_text(layout, world)
+    found, reasons = explain(problem, text)
+    if not found:
+        why = "; ".join(f"{p.what}: {p.reason}" for p in reasons[:3]) or "no legal layout matches"
+        raise ValueError(f"layout {text} is not legal for {shape.name or shape.family} on {world} devices: {why}")
+    counts = sorted(lay.micro_batches for lay in found)
+    m = micro_batches if micro_batches is not None else counts[-1]
+    if m not in counts:
+        raise ValueError(f"micro_batches={m!r} does not split {text}'s replica batch of "
+                         f"{global_batch // found[0].dp} sequences; choose one of {counts}")
+    lay = dataclasses.replace(next(x for x in found if x.micro_batches == m), virtual_stages=v)
+    if zero and lay.dp * lay.sp == 1:
+        raise ValueError(f"zero={zero} shards over dp x sp, which is 1 in {text}; use zero=0")
+    if v > 1 and (lay.pp < 2 or m % lay.pp or shape.layers % (lay.pp * v)):
+        raise ValueError(f"the interleaved schedule needs pp >= 2, micro_batches a multiple of pp and the "
+                         f"{shape.layers} blocks split evenly into pp * v = {lay.pp * v} chunks; got pp={lay.pp}, "
+                         f"micro_batches={m}, virtual_stages={v}")
+    pricer = Pricer(problem, hw, schedule)
+    costs = pricer.distinct_stages(lay)
+    [cand] = candidates(pricer, lay, costs, (bool(checkpointing),), [zero], int(memory_gib * GIB))
+    return Priced(cand, schedule, v, model_flops(shape, global_batch, seq, bool(checkpointing), e, ep), world)

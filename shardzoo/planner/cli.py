@@ -19,7 +19,8 @@ def add_plan_parser(sub) -> None:
                    "directory (shardzoo's families, or a causal LM transformers builds, such as llama, qwen2, "
                    "mistral: priced with pp=1 as shardzoo.parallelize splits it)")
     p.add_argument("--world", type=int, required=True, metavar="N", help="number of devices (ranks)")
-    p.add_argument("--device-memory-gib", type=float, required=True, metavar="M", help="memory per device, GiB")
+    p.add_argument("--device-memory-gib", type=float, metavar="M", help="memory per device, GiB (required, except "
+                   "with --price: default the hardware's)")
     p.add_argument("--global-batch", type=int, required=True, metavar="B", help="sequences per training step")
     p.add_argument("--seq", type=int, required=True, metavar="S", help="tokens per sequence (a model making its own sequence, such as an image model: any "
                    "value; its tokens come from its input)")
@@ -34,10 +35,21 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--explain", metavar="LAYOUT", help="why a layout is legal or not and what it costs, e.g. "
                    "dp=2,pp=1,sp=1,tp=4,tp_mode=2d")
     p.add_argument("--sp-mode", default="ring", choices=["ring", "ulysses"], help="attention over sp (default ring)")
-    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeline schedule (default 1f1b)")
+    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "interleaved"],
+                   help="pipeline schedule (default 1f1b; interleaved: with --price only)")
     p.add_argument("--dtype", choices=["bf16", "fp32"], help="bf16 autocast (default on accelerators) or fp32 "
                    "(default on cpu / calibrate)")
     p.add_argument("--recalibrate", action="store_true", help="with --hardware calibrate: measure again")
+    price = p.add_argument_group("pricing one layout (--price)")
+    price.add_argument("--price", metavar="LAYOUT", help="price this layout alone, e.g. dp=12,pp=12,tp=8 (missing sizes "
+                       "1, dp the rest): step time, tokens/s and model TFLOP/s per device")
+    price.add_argument("--micro-batches", type=int, metavar="M", help="with --price: micro-batches (default the most)")
+    price.add_argument("--checkpointing", action="store_true", help="with --price: activation checkpointing on")
+    price.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="with --price: ZeRO stage (default 0)")
+    price.add_argument("--virtual-stages", type=int, default=1, metavar="V",
+                       help="with --price --schedule interleaved: model chunks per pipeline rank")
+    price.add_argument("--attention", default="flash", choices=["flash", "materialized"],
+                       help="the attention kernel priced (default flash, what shardzoo runs)")
     p.set_defaults(func=run_plan)
 
 
@@ -45,6 +57,13 @@ def run_plan(args: argparse.Namespace) -> int:
     from shardzoo.planner.api import plan
     from shardzoo.planner.report import explain_text, nothing_fits, run_text, table, why
 
+    if args.price:
+        return run_price(args)
+    if args.device_memory_gib is None or args.schedule == "interleaved":
+        what = "--device-memory-gib is required" if args.device_memory_gib is None else \
+            "--schedule interleaved prices one layout: add --price LAYOUT"
+        print(f"shardzoo plan: error: {what}", file=sys.stderr)
+        return 2
     if args.top is not None and args.top < 1:
         print(f"shardzoo plan: error: --top {args.top} must be at least 1", file=sys.stderr)
         return 2
@@ -79,3 +98,20 @@ def run_plan(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+def run_price(args: argparse.Namespace) -> int:
+    """``--price LAYOUT``: one candidate priced (``api.price``); exit 1 when it does not fit."""
+    from shardzoo.planner.api import price
+
+    try:
+        priced = price(args.model, args.world, args.global_batch, args.seq, args.price,
+                       micro_batches=args.micro_batches, checkpointing=args.checkpointing, zero=args.zero,
+                       hardware=args.hardware, nodes=args.nodes, devices_per_node=args.devices_per_node,
+                       device_memory_gib=args.device_memory_gib, sp_mode=args.sp_mode, schedule=args.schedule,
+                       virtual_stages=args.virtual_stages, dtype=args.dtype, attention=args.attention)
+    except ValueError as err:
+        print(f"shardzoo plan: error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(priced.to_json(), indent=1) if args.json else priced.describe())
+    return 0 if priced.candidate.fits else 1

@@ -21,7 +21,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 from shardzoo.comm.accounting import CommRecord
-from shardzoo.planner.block_costs import ID_BYTES, Call, Piece, calls, elementwise
+from shardzoo.planner.block_costs import ID_BYTES, Call, Illegal, Piece, calls, elementwise
 
 DP_AXES = ("dp", "sp")  # data_parallel reduces gradients over the dp x sp group
 DDP_AXES = (DP_AXES, ("dp",))  # DDP's groups: dp x sp, or dp where backward() averages over sp
@@ -131,7 +131,24 @@ class Traffic:
 
 
 # -- sequence parallelism ---------------------------------------------------------------------
-def attention_core(batch, heads, seq, head_dim, e, sp, sp_mode, mask=False, causal=False, kv_heads=None) -> Piece:
+ATTENTION_KERNELS = ("flash", "materialized")
+SCORE_PASSES = 5  # over the score matrix, forward + backward: softmax 1 + 2, dropout on the probabilities 1 + 1
+
+
+def materialized_attention(batch, heads, seq, head_dim, e, kv_heads=None) -> Piece:
+    """Attention as two batched matmuls around a softmax over the whole [seq, seq] score
+    matrix (Megatron-LM's kernels of Narayanan et al. 2021, and torch's math kernel): the
+    matmuls run the whole square whatever the mask, at the matmul rate; softmax and dropout
+    stream the scores through memory; the probabilities and their dropout mask are saved."""
+    kvh = heads if kv_heads is None else kv_heads
+    q_bytes, kv = batch * heads * seq * head_dim * e, batch * kvh * seq * head_dim * e
+    scores = batch * heads * seq * seq
+    return Piece([], 0, 2 * q_bytes + 2 * kv + scores * (e + 1), flops=4 * scores * head_dim,
+                 **elementwise(SCORE_PASSES, scores, e))
+
+
+def attention_core(batch, heads, seq, head_dim, e, sp, sp_mode, mask=False, causal=False, kv_heads=None,
+                   kernel: str = "flash") -> Piece:
     """Attention of this rank's ``heads`` heads over ``seq`` local tokens of ``batch`` rows;
     ``kv_heads``: this rank's k / v heads (grouped-query attention; None: ``heads``).
 
@@ -140,6 +157,11 @@ def attention_core(batch, heads, seq, head_dim, e, sp, sp_mode, mask=False, caus
     hops and dK, dV (fp32) sp hops; only the kv heads travel. Ulysses: q, k, v and out cross one
     all-to-all each way; k and v carry the kv heads when sp divides them, one head per rank when
     they divide sp, and are repeated to the q heads otherwise (sdpa_mode.run_sequence_attention)."""
+    if kernel == "materialized":
+        if sp > 1:
+            raise Illegal(f"sp={sp}: the materialized attention kernel is priced without sequence parallelism; "
+                          f"use sp=1 or the flash kernel")
+        return materialized_attention(batch, heads, seq, head_dim, e, kv_heads)
     acc = 8 if e == 8 else 4
     kvh = heads if kv_heads is None else kv_heads
     q_bytes = batch * heads * seq * head_dim * e
@@ -184,11 +206,15 @@ def ulysses_kv_heads(heads: int, kv_heads: int, sp: int) -> int:
 
 
 # -- pipeline, data parallelism, ZeRO ----------------------------------------------------------
-def pipeline_p2p(boundary_bytes: int, pp: int, first: bool, last: bool) -> list[Call]:
+def pipeline_p2p(boundary_bytes: int, pp: int, first: bool, last: bool, virtual_stages: int = 1) -> list[Call]:
     """Per micro-batch: the stage output goes forward, the input gradient back (torch
-    pipelining's PipelineStage; torch.distributed direct, so comm.count does not see it)."""
-    out = [] if last else calls("fwd", ("pp",), "send", boundary_bytes, pp, counted=False)
-    return out + ([] if first else calls("bwd", ("pp",), "send", boundary_bytes, pp, counted=False))
+    pipelining's PipelineStage; torch.distributed direct, so comm.count does not see it). With
+    ``virtual_stages`` v > 1 (interleaved 1F1B) a rank holds v chunks and each chunk sends,
+    except the first rank's first chunk backward and the last rank's last chunk forward."""
+    v = virtual_stages
+    fwd, bwd = v - (1 if last else 0), v - (1 if first else 0)
+    out = calls("fwd", ("pp",), "send", boundary_bytes, pp, times=fwd, counted=False) if fwd else []
+    return out + (calls("bwd", ("pp",), "send", boundary_bytes, pp, times=bwd, counted=False) if bwd else [])
 
 
 def _split_calls(kind: str, total: int, n: int, parts: int, axes=DP_AXES, phase="step",

@@ -65,13 +65,14 @@ class Problem:
     e: int = 4
     param_bytes: int = 4
     mask_bytes: int = 1  # per dropout-mask element: 1 on CUDA (bool), e on CPU
+    attention: str = "flash"  # the attention kernel priced (comm.ATTENTION_KERNELS)
 
 
 def _grid_rule(problem: Problem, mode: str, tp: int, depth: int, sp: int) -> str | None:
     """Why the model cannot be built on this tp grid with this sp at all (or None)."""
     costs = costs_of(mode, tp, depth, problem.param_bytes)
     parts = costs.batch_parts(costs.canonical)
-    probe = Batch(parts, problem.seq, sp, problem.sp_mode, problem.e, True, problem.mask_bytes)
+    probe = Batch(parts, problem.seq, sp, problem.sp_mode, problem.e, True, problem.mask_bytes, problem.attention)
     try:
         problem.shape.check(costs, probe)
         problem.shape.parts(costs, probe)

@@ -38,6 +38,7 @@ class Layout:
     tp_mode: str
     tp_depth: int
     micro_batches: int = 1
+    virtual_stages: int = 1  # model chunks per pipeline rank (the interleaved 1F1B schedule); 1: one stage each
 
     def mesh_kwargs(self) -> dict:
         return dict(dp=self.dp, pp=self.pp, sp=self.sp, tp=self.tp, tp_mode=self.tp_mode, tp_depth=self.tp_depth)
@@ -93,7 +94,7 @@ class Pricer:
     def batch(self, layout: Layout) -> Batch:
         p = self.problem
         return Batch(p.global_batch // layout.dp // layout.micro_batches, p.seq, layout.sp, p.sp_mode, p.e, True,
-                     p.mask_bytes)
+                     p.mask_bytes, p.attention)
 
     def stages(self, layout: Layout) -> list[StageCost]:
         """Every pipeline stage's StageCost (raises Illegal for a layout that cannot be built)."""
@@ -156,7 +157,8 @@ class Pricer:
         one.merge(self._summed("block", cost.block, [c for p in cost.block for c in p.calls]), cost.blocks)
         if stage == layout.pp - 1:
             one.add(loss_reduction(self._target_axes(layout), LOSS_PAIR_BYTES, layout.pp))
-        return one.add(pipeline_p2p(cost.boundary, layout.pp, stage == 0, stage == layout.pp - 1))
+        return one.add(pipeline_p2p(cost.boundary, layout.pp, stage == 0, stage == layout.pp - 1,
+                                    layout.virtual_stages))
 
     def _target_axes(self, layout: Layout) -> list[tuple[str, int]]:
         costs = costs_of(layout.tp_mode, layout.tp, layout.tp_depth, self.problem.param_bytes)
@@ -228,16 +230,29 @@ class Pricer:
             z_bytes, z_s = self._total(z_one), links.seconds(z_one)
             optimizer = timing.optimizer_seconds(cost.params / (n if zero else 1), hw)
             step_s = step_links.seconds(step) + optimizer / share
+            ddp_s, ddp_calls = self._ddp_seconds(step, step_links) if zero <= 1 else (0.0, 0)
             step_bytes = self._total(step)
             for ckpt in checkpointing:
                 memory = stage_memory(cost, stage=stage, pp=layout.pp, micro_batches=m, checkpointing=ckpt, zero=zero,
                                       dp_ranks=n, param_bytes=ep, schedule=self.schedule, runtime=hw.runtime_bytes)
                 compute = timing.compute_seconds(cost, ckpt, hw, problem.e) / share
+                # backward (with the recompute in it) is (2 + r) / (3 + r) of a micro-batch's compute
+                r = 1 if ckpt and cost.blocks else 0
+                hidden = ddp_s - hw.host.exposed_reduction(ddp_s, ddp_calls, compute * (2 + r) / (3 + r))
                 comm_s = base_s + z_s + (rc_s if ckpt and cost.blocks else 0.0)
                 per_mb = base_bytes + z_bytes + (rc_bytes if ckpt and cost.blocks else 0)
                 out[(ckpt, zero)] = StageReport(stage, memory, held // n if zero == 3 else held, compute + comm_s,
-                                                step_s, compute, per_mb * m + step_bytes, self.denominator, share)
+                                                step_s - hidden, compute, per_mb * m + step_bytes, self.denominator,
+                                                share)
         return out
+
+    @staticmethod
+    def _ddp_seconds(step: Traffic, links: timing.Links) -> tuple[float, int]:
+        """(seconds, calls) of the step's DDP gradient all-reduce (ZeRO 0 / 1), which may hide
+        under backward (``host.exposed_reduction``)."""
+        ddp = Traffic()
+        ddp.sums = {k: v for k, v in step.sums.items() if k[1] in DDP_AXES and k[2] == "all_reduce"}
+        return links.seconds(ddp), sum(n for _, n in ddp.sums.values())
 
     def longest_chunk(self, costs) -> float:
         """The longest compute (seconds on a whole device) any piece of any stage runs between

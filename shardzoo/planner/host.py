@@ -36,12 +36,28 @@ class DedicatedDevices:
         wait depends on it."""
         return latency
 
-    def pipeline_seconds(self, m: int, pp: int, reports) -> float:
+    def pipeline_seconds(self, m: int, pp: int, reports, virtual_stages: int = 1) -> float:
         """Forward and backward of m micro-batches through pp stages (``evaluate.StageReport``s,
         each standing for ``stages_alike`` stages): the slowest stage's m micro-batches plus one
-        through each other stage, ``(m - 1) * max_k t_k + sum_k t_k``."""
+        through each other stage, ``(m - 1) * max_k t_k + sum_k t_k``. Interleaved over v
+        chunks per rank, the fill and drain pass chunks of 1 / v of a stage (Narayanan et al.
+        2021, sec. 2.2.2): ``m * max_k t_k + (sum_k t_k - max_k t_k) / v``."""
         slowest = max(r.micro_seconds for r in reports)
-        return (m - 1) * slowest + sum(r.micro_seconds * r.stages_alike for r in reports)
+        if virtual_stages == 1:
+            return (m - 1) * slowest + sum(r.micro_seconds * r.stages_alike for r in reports)
+        rest = sum(r.micro_seconds * r.stages_alike for r in reports) - slowest
+        return m * slowest + rest / virtual_stages
+
+    # DDP all-reduces each gradient bucket as backward fills it, on its own stream
+    overlaps_backward = True
+
+    def exposed_reduction(self, seconds: float, calls: int, window: float) -> float:
+        """Seconds of the gradient all-reduce (``seconds`` over ``calls`` buckets; DDP, ZeRO 0
+        and 1) left after the backward it overlaps (``window``: the backward of the step's last
+        micro-batch, where DDP syncs): all buckets but the last can hide under it."""
+        if not self.overlaps_backward or calls == 0:
+            return seconds
+        return max(seconds / calls, seconds - window)
 
     def module_seconds(self, calls: float) -> float:
         """Fixed seconds (Python, dispatch, autograd) of ``calls`` module calls, forward and

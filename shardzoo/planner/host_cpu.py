@@ -47,6 +47,7 @@ class TimeSharedCpu(DedicatedDevices):
     mmap_threshold_bytes: int = MMAP_THRESHOLD_BYTES
 
     kind = "time_shared_cpu"
+    overlaps_backward = False  # priced as calibrated: the gradient reduction after backward
     default_dtype = "fp32"
     local_only = True  # the calibrated host is this machine: its ranks are local processes
 

@@ -99,6 +99,7 @@ class Batch:
     e: int  # bytes per activation element
     training: bool = True
     mask_bytes: int = 1  # per element of a dropout mask: bool on CUDA, the activation dtype on CPU
+    attention: str = "flash"  # the attention kernel (comm.ATTENTION_KERNELS)
 
 
 DROPOUT_PASSES, GELU_PASSES, RELU_PASSES, ADD_PASSES = 5, 4, 2, 2  # elementwise passes, fwd + bwd

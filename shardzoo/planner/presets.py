@@ -34,27 +34,32 @@ HF_MODELS: dict[str, tuple[str, dict, str]] = {
                    "Qwen/Qwen2.5-7B config.json (q, k, v projections with biases, as Qwen2 builds them)"),
 }
 
+# the one achievable fraction of the dense bf16 peak a transformer's matmuls reach, the same on
+# every preset (docs/planner.md, "The accelerator model"): checked against the published runs of
+# bench/published/narayanan2021.json, never set per run
+MATMUL_EFFICIENCY = 0.7
 _GPU_ASSUMPTIONS = ("latency 5 us per message inside a node and 10 us across nodes, 1 GiB per device for the CUDA "
-                    "context, NCCL and allocator slack, 50% of peak FLOP/s in matmuls (Megatron-LM reports 44-52% "
-                    "on A100, Narayanan et al. 2021), 35% in the attention kernel, and elementwise "
+                    "context, NCCL and allocator slack, 70% of peak FLOP/s in matmuls (cuBLAS on large bf16 "
+                    "shapes; end to end Megatron-LM reaches 44-52% on A100 with everything else included, "
+                    "Narayanan et al. 2021), 35% in the flash attention kernel, and elementwise "
                     "kernels at the HBM bandwidth are assumptions")
 
 HARDWARE: dict[str, Hardware] = {
     "a100": Hardware("a100", flops=312e12, memory_bytes=80 * GIB, mem_bandwidth=2.039e12, intra_bandwidth=300e9,
                      inter_bandwidth=25e9, intra_latency=5e-6, inter_latency=10e-6, devices_per_node=8,
                      runtime_bytes=1 * GIB, attention_flops=0.35 * 312e12, elementwise_bandwidth=2.039e12,
-                     flops_efficiency=0.5, source="NVIDIA A100 datasheet (SXM4 80GB: 312 TFLOP/s bf16 dense, 2039 GB/s HBM2e, NVLink 600 "
+                     flops_efficiency=MATMUL_EFFICIENCY, source="NVIDIA A100 datasheet (SXM4 80GB: 312 TFLOP/s bf16 dense, 2039 GB/s HBM2e, NVLink 600 "
                             "GB/s both ways); DGX A100 datasheet (8 GPUs, 8x 200 Gb/s HDR InfiniBand); "
                             + _GPU_ASSUMPTIONS),
     "h100": Hardware("h100", flops=989e12, memory_bytes=80 * GIB, mem_bandwidth=3.35e12, intra_bandwidth=450e9,
                      inter_bandwidth=50e9, intra_latency=5e-6, inter_latency=10e-6, devices_per_node=8,
                      runtime_bytes=1 * GIB, attention_flops=0.35 * 989e12, elementwise_bandwidth=3.35e12,
-                     flops_efficiency=0.5, source="NVIDIA H100 datasheet (SXM5 80GB: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, NVLink 900 "
+                     flops_efficiency=MATMUL_EFFICIENCY, source="NVIDIA H100 datasheet (SXM5 80GB: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, NVLink 900 "
                             "GB/s both ways); DGX H100 datasheet (8 GPUs, 8x 400 Gb/s ConnectX-7); " + _GPU_ASSUMPTIONS),
     "h200": Hardware("h200", flops=989e12, memory_bytes=141 * 10**9, mem_bandwidth=4.8e12, intra_bandwidth=450e9,
                      inter_bandwidth=50e9, intra_latency=5e-6, inter_latency=10e-6, devices_per_node=8,
                      runtime_bytes=1 * GIB, attention_flops=0.35 * 989e12, elementwise_bandwidth=4.8e12,
-                     flops_efficiency=0.5, source="NVIDIA H200 datasheet (SXM 141 GB HBM3e, 4.8 TB/s, 989 TFLOP/s bf16 dense, NVLink 900 "
+                     flops_efficiency=MATMUL_EFFICIENCY, source="NVIDIA H200 datasheet (SXM 141 GB HBM3e, 4.8 TB/s, 989 TFLOP/s bf16 dense, NVLink 900 "
                             "GB/s both ways); DGX H200 datasheet (8 GPUs, 8x 400 Gb/s ConnectX-7); " + _GPU_ASSUMPTIONS),
 }
 CALIBRATED = ("cpu", "calibrate")  # this host, measured (calibration.calibrate) and cached

@@ -83,8 +83,11 @@ def step_seconds(layout, reports, host=DEDICATED) -> float:
     (``evaluate.StageReport``s): the m micro-batches through the pipeline (the host model's
     ``pipeline_seconds``: ``(m - 1) * max_k t_k + sum_k t_k``, the familiar ``(m + pp - 1) * t``
     when the stages are alike), then the per-step work."""
-    m, pp = layout.micro_batches, layout.pp
-    pipe = host.pipeline_seconds(m, pp, reports) if pp > 1 else m * max(r.micro_seconds for r in reports)
+    m, pp, v = layout.micro_batches, layout.pp, getattr(layout, "virtual_stages", 1)
+    if pp == 1:
+        pipe = m * max(r.micro_seconds for r in reports)
+    else:  # a host model without interleaving (v = 1) is asked as before
+        pipe = host.pipeline_seconds(m, pp, reports, v) if v > 1 else host.pipeline_seconds(m, pp, reports)
     return pipe + max(r.step_seconds for r in reports)
 
 

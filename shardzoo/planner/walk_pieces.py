@@ -214,7 +214,7 @@ def attention_pieces(ctx: Context, a) -> list[Piece]:
     b = ctx.b
     padded = ctx.shape.tokens is not None and ctx.seq * b.sp != ctx.shape.tokens  # padding keys masked
     core = attention_core(ctx.batch, heads, ctx.seq, a.head_dim, b.e, b.sp, b.sp_mode, mask=padded,
-                          causal=ctx.shape.causal, kv_heads=kv)
+                          causal=ctx.shape.causal, kv_heads=kv, kernel=b.attention)
     if not ctx.shape.walk.rope:
         return [core]
     return [core, Piece(**elementwise(ROPE_PASSES, ctx.rows * (heads + kv) * a.head_dim, b.e))]
