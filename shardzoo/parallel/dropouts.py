@@ -5,7 +5,8 @@ that is replicated over tp that is the same mask on every tp rank only while eve
 drawn exactly the same numbers before, and the replicas drift apart silently once they have
 not. ``layout_of(mesh).dropout`` draws from the mesh's streams (layers/random.py): the default
 stream, kept equal over tp, where the activation is replicated (1d between blocks), the per-rank
-tp stream where it is split (the grids).
+tp stream where it is split (the grids). Between sequence-sharded 1d blocks (megatron_sp.py)
+it drops this rank's chunk of the sequence with that chunk of the whole activation's mask.
 """
 
 from __future__ import annotations
@@ -30,8 +31,11 @@ class LayoutDropout(nn.Module):
         if not 0.0 <= p <= 1.0:
             raise ValueError(f"dropout probability p={p} must be in [0, 1]")
         self.p, self.mesh = p, mesh
+        self.sequence = None  # the model's SequenceShards when x is this rank's chunk of the sequence
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence is not None and self.training and self.p > 0 and self.sequence.holds_chunk(x):
+            return self.sequence.dropout(x, self.p)
         return layout_of(self.mesh).dropout(x, self.p, self.training)
 
     def extra_repr(self) -> str:

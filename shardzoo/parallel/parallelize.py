@@ -23,7 +23,7 @@ from shardzoo.layers.attention_core import SP_MODES
 from shardzoo.layers.tensor_layout import layout_of
 from shardzoo.parallel import checkpointing as block_checkpointing
 from shardzoo.parallel import heads as head_counts
-from shardzoo.parallel import hf_model, inputs, linears, padding, sdpa_mode, sp_grads
+from shardzoo.parallel import hf_model, inputs, linears, megatron_sp, padding, sdpa_mode, sp_grads
 from shardzoo.parallel.classifier import build_classifier
 from shardzoo.parallel.dense import build_dense
 from shardzoo.parallel.dropouts import build_dropout, is_dropout
@@ -50,7 +50,8 @@ def state_of(model: nn.Module):
 
 
 def parallelize(model: nn.Module, mesh, plan: dict[str, str] | None = None, *, sp_mode: str = "ring",
-                causal: bool | None = None, checkpointing: bool = False, check_inputs: str = "first") -> nn.Module:
+                causal: bool | None = None, checkpointing: bool = False, check_inputs: str = "first",
+                sequence_parallel: bool = True) -> nn.Module:
     """Split ``model`` over ``mesh``'s tp layout (1d, 2d, 2.5d, 3d) and sp, in place; returns it.
 
     Args:
@@ -72,6 +73,9 @@ def parallelize(model: nn.Module, mesh, plan: dict[str, str] | None = None, *, s
             ranks of a dp replica were given (a checksum of the ids, mask, labels and positions,
             one small all-reduce per axis) on the first forward, on every forward, or never;
             different inputs raise, naming the ranks (inputs.py).
+        sequence_parallel: Megatron sequence parallelism in 1d with tp > 1 (megatron_sp.py):
+            the activations between the blocks are split along the sequence over tp (norms,
+            dropout, residual adds on 1/tp of the tokens). False keeps them replicated.
 
     Afterwards ``model(input_ids=[B, S], attention_mask=[B, S], labels=[B, S], ...)`` takes the
     full tensors of this dp replica on every tp and sp rank; ``out.loss`` is the global token
@@ -100,7 +104,7 @@ def parallelize(model: nn.Module, mesh, plan: dict[str, str] | None = None, *, s
                              f"plan={{'<module pattern>': 'column' | 'row' | 'norm' | ...}} (docs/parallelize.md)")
     planned, attention = split_modules(model, mesh, plan, causal=causal, checkpointing=checkpointing,
                                        config_heads=hf_model.config_heads(model),
-                                       whole_tables=hf or mesh.sp_size == 1,
+                                       whole_tables=hf or mesh.sp_size == 1, sequence_parallel=sequence_parallel,
                                        check=lambda planned: _refuse_hf_positions(model, planned, hf, mesh))
     state = inputs.Parallelized(model, mesh, sp_mode, hf, causal=causal, head=_find(planned, "lm_head"),
                                 embedding=_find(planned, "vocab_embedding"))
@@ -119,14 +123,15 @@ def parallelize(model: nn.Module, mesh, plan: dict[str, str] | None = None, *, s
 
 def split_modules(model: nn.Module, mesh, plan: dict[str, str], *, causal: bool, checkpointing: bool = False,
                   config_heads=None, check=None, partial: bool = False,
-                  whole_tables: bool = False) -> tuple[dict, dict]:
+                  whole_tables: bool = False, sequence_parallel: bool = True) -> tuple[dict, dict]:
     """Replace every module ``plan`` covers by the mesh's layout block, in place, after checking
     all of them (nothing changes when a check fails); the engine step both ``parallelize`` and
     the model families' stage builder (models/pipeline.py) take. ``check(planned)``: a further
     check before anything moves. ``partial``: the model is one pipeline stage of a model the plan
     describes, so entries matching no module here are fine. ``whole_tables``: in 1d an
     ``nn.Embedding`` the plan does not cover is kept whole (its indices are whole on every tp
-    rank) instead of refused. Returns ({name: (serial module, style, pattern)}, the
+    rank) instead of refused. ``sequence_parallel``: Megatron sequence parallelism between the
+    blocks in 1d (megatron_sp.py). Returns ({name: (serial module, style, pattern)}, the
     attention modules (heads.py), whose head counts the caller makes local once its hooks
     that read the global counts are installed)."""
     plan = check_plan(plan)
@@ -137,6 +142,7 @@ def split_modules(model: nn.Module, mesh, plan: dict[str, str], *, causal: bool,
         block_checkpointing.block_names(model)  # raises when there are no blocks
     if check is not None:
         check(planned)
+    megatron_sp.check(model, planned, tpl, sequence_parallel)
     attention = head_counts.attention_modules(model, planned, tpl, config_heads)
     built = _build(model, planned, tpl, attention, zigzag=causal)  # nothing in the model has changed so far
     for name, new in built.items():
@@ -148,6 +154,7 @@ def split_modules(model: nn.Module, mesh, plan: dict[str, str], *, causal: bool,
             install_first_token(module, tpl)
         elif style == "vocab_bias":  # the built head: the bias is split like its logits
             install_vocab_bias(module, model.get_submodule(head_of_bias(name, module, planned)), tpl)
+    megatron_sp.install(model, planned, tpl, sequence_parallel)
     return planned, attention
 
 
