@@ -161,12 +161,16 @@ def _check_family_with(family: str, mesh_kwargs: dict, seq: int = 8, dropout: fl
     serial = spec.model(config, mesh=cached_mesh(dp=mesh.world_size), seed=3).train()
     parallel = spec.model(config, mesh=mesh, seed=3, checkpointing=checkpointing,
                           sequence_parallel=sequence_parallel).train()
+    for model in (serial, parallel):  # a family's gradients are averaged over dp x sp by data_parallel
+        shardzoo.data_parallel(model, model.mesh)
     loss_s, logits_s = _family_step(serial, x, target, seed=7)
     loss_p, logits_p = _family_step(parallel, x, target, seed=7)
     assert_close(loss_p, loss_s, f"{family} loss")
     assert_close(logits_p, logits_s, f"{family} logits")
     full, reference = shardzoo.full_state_dict(parallel), shardzoo.full_state_dict(serial)
     for name, value in reference.items():
+        if name.endswith("k_proj.bias"):  # its gradient is 0 in exact arithmetic (softmax ignores a per-query
+            continue  # constant): both sides are rounding noise around the zero init
         assert_close(full[name], value, f"{family} {name} after a step")
 
 
