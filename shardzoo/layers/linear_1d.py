@@ -105,13 +105,27 @@ class ParallelLinear1D(ParallelModule):
         self.mesh, self.style = mesh, style
         self.output_gathered, self.input_is_parallel = gather_output, input_is_parallel
         self.sequence_parallel = sequence_parallel
+        self.sequence = None  # a model's SequenceShards (sequence_shards.py), set by use_sequence_shards
         device = device if device is not None else serial.weight.device
         local_param(self, "weight", serial.weight, split_spec((out_features, in_features), split_dim, mesh), device)
         bias_spec = split_spec((out_features,), 0, mesh) if style == "column" else replicated_spec((out_features,))
         local_param(self, "bias", serial.bias, bias_spec, device)
 
+    def use_sequence_shards(self, shards) -> None:
+        """Run between a model's sequence-sharded blocks (sequence_shards.py): a column layer
+        reads ``shards.gather(x)`` of a chunk ``x`` (one all-gather shared by the column layers
+        reading ``x``; an input gathered already is used as it is, a replicated one as without
+        shards), a row layer reduce-scatters into ``shards.scatter``; both pad a sequence tp
+        does not divide."""
+        if self.output_gathered or not self.input_is_parallel:
+            raise ValueError(f"{self!r}: a layer with gather_output=True or input_is_parallel=False cannot run "
+                             f"between sequence-sharded blocks; turn sequence_parallel off")
+        self.sequence, self.sequence_parallel = shards, True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = self.mesh.tp_group
+        if self.sequence is not None:
+            return self._forward_shards(x)
         if self.sequence_parallel:
             require_sequence_layout("ParallelLinear1D", x)
         if self.style == "column":
@@ -124,6 +138,19 @@ class ParallelLinear1D(ParallelModule):
         y = comm.reduce_scatter(y, group, SEQ_DIM) if self.sequence_parallel else comm.reduce_from(y, group, inplace=True)
         if self.bias is not None:  # added once, after the sum; in y's dtype, as nn.Linear under autocast
             y = y + tp_sum_grad(self.param("bias"), self.mesh, self.sequence_parallel).to(y.dtype)
+        return y
+
+    def _forward_shards(self, x: torch.Tensor) -> torch.Tensor:
+        if self.style == "column":
+            shards = self.sequence
+            if not shards.is_gathered(x) and not shards.holds_chunk(x):  # a replicated input: as without shards
+                return column_linear(x, self.param("weight"), self.param("bias"), self.mesh.tp_group, False)
+            # the gather's backward sums this rank's dX of every reader, then reduce-scatters
+            full = x if shards.is_gathered(x) else shards.gather(x)
+            return F.linear(full, self.param("weight"), self.param("bias"))
+        y = self.sequence.scatter(F.linear(x, self.param("weight")))
+        if self.bias is not None:
+            y = y + tp_sum_grad(self.param("bias"), self.mesh, True).to(y.dtype)
         return y
 
     def shard_input(self, x_full: torch.Tensor) -> torch.Tensor:

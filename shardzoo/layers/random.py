@@ -269,8 +269,13 @@ class ParallelDropout(ParallelModule):
         if not 0.0 <= p <= 1.0:
             raise ValueError(f"ParallelDropout p={p} must be in [0, 1]")
         self.p, self.mesh, self.parallel_region, self.streams = p, mesh, parallel_region, streams
+        # Megatron sequence parallelism (parallel/megatron_sp.py) sets the model's SequenceShards:
+        # x is then this rank's chunk of a replicated activation, dropped with that chunk of its mask
+        self.sequence = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence is not None and self.training and self.p > 0 and self.sequence.holds_chunk(x):
+            return self.sequence.dropout(x, self.p)
         return dropout(x, self.p, mesh=self.mesh, parallel_region=self.parallel_region, training=self.training,
                        streams=self.streams)
 

@@ -38,6 +38,8 @@ class PlannedModel(StagedModel):
         stage, stage_layers: pipeline stage (models/common.stage_blocks); None: whole model.
         sp_mode: "ring" or "ulysses" attention over sp. checkpointing: recompute each block
             in backward (activation checkpointing).
+        sequence_parallel: Megatron sequence parallelism between the blocks in 1d with tp > 1
+            (parallel/megatron_sp.py; default on); False keeps those activations replicated.
         device: of the parameters ("meta": shapes only). seed: of the init (default
             ``torch.initial_seed()``).
 
@@ -54,7 +56,7 @@ class PlannedModel(StagedModel):
     pooled_head = False  # True: outputs and targets [B], one per sequence, the same on every sp rank
 
     def __init__(self, config, *, mesh, stage=None, stage_layers=None, sp_mode: str = "ring",
-                 checkpointing: bool = False, device=None, seed: int | None = None):
+                 checkpointing: bool = False, sequence_parallel: bool = True, device=None, seed: int | None = None):
         super().__init__()
         hidden, heads = self.attention_shape(config)
         check_heads(self.family, hidden, heads, mesh, sp_mode)
@@ -64,7 +66,7 @@ class PlannedModel(StagedModel):
         with torch.device("meta"):  # shapes only: the engine builds this rank's pieces from them
             self.build(config, blocks)
         self.stage_state = split_stage(self, mesh, self.plan, sp_mode=sp_mode, causal=self.causal,
-                                       checkpointing=checkpointing)
+                                       checkpointing=checkpointing, sequence_parallel=sequence_parallel)
         tokens = self.own_sequence_length(config)
         if tokens is not None and mesh.sp_size > 1 and not self.is_first:
             # the first stage's 'patch_embedding' masks the sequence padding; the others do it here

@@ -16,7 +16,8 @@ recompute context
 * replays the mesh's dropout streams (layers/recompute.py): torch's checkpoint restores its own
   generator, not the tp stream, so a grid layout's dropout would draw other masks;
 * puts back the padding mask and packed documents of the block's own forward, which the
-  sequence-parallel attention reads from the model's state (a later forward replaces them).
+  sequence-parallel attention reads from the model's state (a later forward replaces them),
+  and the sequence length of the sequence-sharded blocks (megatron_sp.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from shardzoo.layers.recompute import stream_contexts
 from shardzoo.parallel.sdpa_mode import sdpa_mode_of
 
 BLOCK_LISTS = (nn.ModuleList, nn.ModuleDict)
+SHARDS = "_shardzoo_sequence_shards"  # megatron_sp.py keeps a model's SequenceShards there
 
 
 def block_names(model: nn.Module) -> list[str]:
@@ -54,14 +56,15 @@ def block_names(model: nn.Module) -> list[str]:
 def install(block: nn.Module, model: nn.Module, state) -> None:
     """Run ``block`` under activation checkpointing in training (module doc). ``model``: the
     parallelized model (its SDPA mode); ``state``: its ``inputs.Parallelized``."""
-    block.forward = CheckpointedForward(block, sdpa_mode_of(model), state)
+    block.forward = CheckpointedForward(block, sdpa_mode_of(model), state, model.__dict__.get(SHARDS))
 
 
 class CheckpointedForward:
     """A block's forward run under ``torch.utils.checkpoint`` (module doc); any arguments."""
 
-    def __init__(self, block: nn.Module, mode, state):
+    def __init__(self, block: nn.Module, mode, state, shards=None):
         self.block, self.forward, self.mode, self.state = block, block.forward, mode, state
+        self.shards = shards  # the model's SequenceShards, or None
 
     def __call__(self, *args, **kwargs):
         if not (self.block.training and torch.is_grad_enabled()):
@@ -72,7 +75,10 @@ class CheckpointedForward:
         """(forward, recompute) context managers, made anew for every checkpointed forward."""
         streams_forward, streams_recompute = stream_contexts(self.state.mesh)
         saved = (self.state.key_padding_mask, self.state.cu_seqlens)
-        return streams_forward, _entered(_inputs_of(self.state, saved), self.mode, streams_recompute)
+        length = None if self.shards is None else self.shards.length
+        recompute = _entered(_inputs_of(self.state, saved), _length_of(self.shards, length), self.mode,
+                             streams_recompute)
+        return streams_forward, recompute
 
     def __repr__(self) -> str:
         return f"CheckpointedForward({type(self.block).__name__})"
@@ -87,6 +93,19 @@ def _inputs_of(state, saved: tuple):
         yield
     finally:
         state.key_padding_mask, state.cu_seqlens = current
+
+
+@contextlib.contextmanager
+def _length_of(shards, length: int | None):
+    """The sequence length of the forward being recomputed on the sequence-sharded blocks, then back."""
+    if shards is None:
+        yield
+        return
+    current, shards.length = shards.length, length
+    try:
+        yield
+    finally:
+        shards.length = current
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ from shardzoo.layers.attention_core import SP_MODES
 from shardzoo.layers.tensor_layout import layout_of
 from shardzoo.parallel import checkpointing as block_checkpointing
 from shardzoo.parallel import heads as head_counts
-from shardzoo.parallel import hf_model, inputs, sdpa_mode, sp_grads
+from shardzoo.parallel import hf_model, inputs, megatron_sp, sdpa_mode, sp_grads
 from shardzoo.parallel.coverage import refuse_uncovered
 from shardzoo.parallel.styles import STYLES, Build, match_plan
 
@@ -33,7 +33,8 @@ def state_of(model: nn.Module):
 
 
 def parallelize(model: nn.Module, mesh, plan: dict[str, str] | None = None, *, sp_mode: str = "ring",
-                causal: bool | None = None, checkpointing: bool = False, check_inputs: str = "first") -> nn.Module:
+                causal: bool | None = None, checkpointing: bool = False, check_inputs: str = "first",
+                sequence_parallel: bool = True) -> nn.Module:
     """Split ``model`` over ``mesh``'s tp layout (1d, 2d, 2.5d, 3d) and sp, in place; returns it.
 
     Args:
@@ -55,6 +56,9 @@ def parallelize(model: nn.Module, mesh, plan: dict[str, str] | None = None, *, s
             ranks of a dp replica were given (a checksum of the ids, mask, labels and positions,
             one small all-reduce per axis) on the first forward, on every forward, or never;
             different inputs raise, naming the ranks (inputs.py).
+        sequence_parallel: Megatron sequence parallelism in 1d with tp > 1 (megatron_sp.py):
+            the activations between the blocks are split along the sequence over tp (norms,
+            dropout, residual adds on 1/tp of the tokens). False keeps them replicated.
 
     Afterwards ``model(input_ids=[B, S], attention_mask=[B, S], labels=[B, S], ...)`` takes the
     full tensors of this dp replica on every tp and sp rank; ``out.loss`` is the global token
@@ -83,7 +87,8 @@ def parallelize(model: nn.Module, mesh, plan: dict[str, str] | None = None, *, s
                              f"plan={{'<module pattern>': 'column' | 'row' | 'norm' | ...}} (docs/parallelize.md)")
     planned, attention = split_modules(model, mesh, plan, causal=causal, checkpointing=checkpointing,
                                        config_heads=hf_model.config_heads(model),
-                                       whole_tables=hf or mesh.sp_size == 1, sp_mode=sp_mode)
+                                       whole_tables=hf or mesh.sp_size == 1, sp_mode=sp_mode,
+                                       sequence_parallel=sequence_parallel)
     state = inputs.Parallelized(model, mesh, sp_mode, hf, causal=causal, head=_find(planned, "lm_head"),
                                 embedding=_find(planned, "vocab_embedding"))
     state.check_inputs = check_inputs
@@ -101,7 +106,7 @@ def parallelize(model: nn.Module, mesh, plan: dict[str, str] | None = None, *, s
 
 def split_modules(model: nn.Module, mesh, plan: dict[str, str], *, causal: bool, checkpointing: bool = False,
                   config_heads=None, partial: bool = False, whole_tables: bool = False,
-                  sp_mode: str = "ring") -> tuple[dict, dict]:
+                  sp_mode: str = "ring", sequence_parallel: bool = True) -> tuple[dict, dict]:
     """Replace every module ``plan`` covers by its style's layer, in place, after checking all
     of them (nothing changes when a check fails); the engine step both ``parallelize`` and the
     model families' stage builder (stage.py) take. ``partial``: the model is one pipeline stage
@@ -109,7 +114,8 @@ def split_modules(model: nn.Module, mesh, plan: dict[str, str], *, causal: bool,
     ``whole_tables``: in 1d an ``nn.Embedding`` the plan does not cover is kept whole (its
     indices are whole on every tp rank) instead of refused. ``causal``: the sp shards are
     zigzag. ``sp_mode``: under sp, "ulysses" needs each rank's heads a multiple of sp (checked
-    here). Returns ({name: (serial module, style, pattern)}, the attention modules
+    here). ``sequence_parallel``: Megatron sequence parallelism between the blocks in 1d
+    (megatron_sp.py). Returns ({name: (serial module, style, pattern)}, the attention modules
     (heads.py), whose head counts the caller makes local once its hooks that read the global
     counts are installed)."""
     planned = match_plan(model, plan, partial)
@@ -117,6 +123,7 @@ def split_modules(model: nn.Module, mesh, plan: dict[str, str], *, causal: bool,
     refuse_uncovered(model, planned, tpl, whole_tables)
     if checkpointing:
         block_checkpointing.block_names(model)  # raises when there are no blocks
+    megatron_sp.check(model, planned, tpl, sequence_parallel)
     attention = head_counts.attention_modules(model, planned, tpl, config_heads)
     if mesh.sp_size > 1 and sp_mode == "ulysses":
         head_counts.check_ulysses(attention, mesh.sp_size)
@@ -126,6 +133,7 @@ def split_modules(model: nn.Module, mesh, plan: dict[str, str], *, causal: bool,
         model.set_submodule(name, layer)
     for name, (module, style, _) in planned.items():
         STYLES[style].install(ctx.built.get(name, module), ctx.at(name))
+    megatron_sp.install(model, planned, tpl, sequence_parallel)
     return planned, attention
 
 

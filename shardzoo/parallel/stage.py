@@ -33,14 +33,17 @@ MASK_ARG = "key_padding_mask"
 
 
 def split_stage(model: nn.Module, mesh, plan: dict[str, str], *, sp_mode: str, causal: bool,
-                checkpointing: bool = False) -> Parallelized:
+                checkpointing: bool = False, sequence_parallel: bool = True) -> Parallelized:
     """Split plain stage ``model`` over ``mesh`` (any tp layout, sp, pp) by ``plan``, in place.
 
     ``model.forward(x, key_padding_mask=None, ...)`` then takes this rank's shards: x [b, s]
     ids or [b, s, H_l] hidden, the mask bool [b, s] (True = attend) as its second positional
-    argument or by name. Entries of ``plan`` for modules another stage holds are skipped. Returns the stage's state (its mesh, sp mode, current mask)."""
+    argument or by name. Entries of ``plan`` for modules another stage holds are skipped.
+    ``sequence_parallel``: Megatron sequence parallelism between the stage's blocks in 1d
+    (megatron_sp.py; the stage's inputs and outputs stay replicated over tp). Returns the
+    stage's state (its mesh, sp mode, current mask)."""
     planned, attention = split_modules(model, mesh, plan, causal=causal, checkpointing=checkpointing,
-                                       partial=True)
+                                       partial=True, sequence_parallel=sequence_parallel)
     state = Parallelized(model, mesh, sp_mode, hf=False, causal=causal, head=None, embedding=None)
     sdpa_mode.install(model, state, attention)
     inside = OnItsOwn(state)

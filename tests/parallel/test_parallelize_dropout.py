@@ -28,7 +28,8 @@ def _masks_agree_over_tp():
 
     torch.manual_seed(0)
     mesh = cached_mesh(tp=2)
-    model = shardzoo.parallelize(TinyLM(dropout=0.5), mesh, PLAN)
+    # replicated between the blocks (Megatron sequence parallelism off): every block output is whole
+    model = shardzoo.parallelize(TinyLM(dropout=0.5), mesh, PLAN, sequence_parallel=False)
     assert isinstance(model.drop, ParallelDropout) and not model.drop.parallel_region and model.blocks[1].drop.p == 0.5
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     dropped = _block_outputs(model.train(), ids)

@@ -80,6 +80,9 @@ class Style:
     needs = "any module"
     keeps_children = False  # True: hooked in place; the plan still covers the modules inside
     builds_first = False  # True: built before the others (a tied head needs the table's layer)
+    # True: inside a 1d block under Megatron sequence parallelism (megatron_sp.py) its layer runs
+    # on this rank's chunk of the sequence and stays exact (its weight gradients summed over tp)
+    on_sequence_chunks = False
     layers: dict[str, Layer] = {}
 
     def accepts(self, module: nn.Module) -> bool:

@@ -31,6 +31,7 @@ class Column(Style):
     """First of a pair: [b, s, H_l] -> [b, s, n_l], the output features split over the head axis."""
 
     name = "column"
+    on_sequence_chunks = True
     needs = "an nn.Linear or a Conv1D"
     split = "column"  # the side of the pair, for padding.py
     layers = {"1d": Layer(ParallelLinear1D, lambda ctx: {"style": "column"}),
@@ -96,6 +97,7 @@ class Dense(Column):
     1d, a grid linear in the grids (its output moved back where 3D swaps the axes)."""
 
     name = "dense"
+    on_sequence_chunks = False  # replicated in 1d: its gradient would cover this rank's tokens only
     layers = {"1d": Layer(Whole), "2d": Layer(ParallelLinear2D, canonical),
               "2.5d": Layer(ParallelLinear2p5D, canonical), "3d": Layer(ParallelLinear3D, canonical)}
 

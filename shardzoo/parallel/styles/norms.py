@@ -25,6 +25,7 @@ class Norm(Style):
     """The layout's LayerNorm / RMSNorm from the planned norm (module doc)."""
 
     name = "norm"
+    on_sequence_chunks = True
     needs = "a LayerNorm or RMSNorm"
     layers = {"1d": Layer(LayerNorm1D), "2d": Layer(LayerNorm2D, canonical), "2.5d": Layer(LayerNorm2p5D, canonical),
               "3d": Layer(LayerNorm3D, canonical)}

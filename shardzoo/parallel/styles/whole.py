@@ -27,6 +27,7 @@ class ReplicateSum(Replicate):
     """Whole on every rank, each rank's gradient a partial sum over tp."""
 
     name = "replicate_sum"
+    on_sequence_chunks = True  # its gradient is summed over tp
 
     def install(self, module: nn.Module, ctx: Build) -> None:
         sum_grads_over(module, ctx.mesh.tp_group)
@@ -47,6 +48,7 @@ class Dropout(Style):
     rank where it is split), any tp_mode: any shape -> same shape."""
 
     name = "dropout"
+    on_sequence_chunks = True
     needs = "an nn.Dropout (elementwise)"
 
     def accepts(self, module: nn.Module) -> bool:

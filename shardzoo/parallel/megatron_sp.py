@@ -1,0 +1,163 @@
+"""Megatron sequence parallelism between the 1D blocks of a split model (on by default in 1d).
+
+With tp > 1 in 1d, the activations between the tp blocks are split along the sequence over
+tp (layers/sequence_shards.py): the norms, dropout and residual adds of each block run on this
+rank's chunk of the sequence; its column layers all-gather the chunks once per tensor they read
+(q, k, v share one, gathered at the input of the attention module that holds them, whose code
+then reads the whole sequence's shape) and its row layers reduce-scatter their sum back to chunks. The same bytes
+travel as the all-reduce pair they replace; what each rank holds between blocks is 1/tp.
+
+The blocks are the children of the model's lists of repeated blocks (checkpointing.py finds
+them by structure), so the layout covers what runs inside them. The first block of each list
+enters it (its hidden-states input, replicated over tp, is cut into chunks: no communication
+forward), the last one leaves it (the chunks are all-gathered), so the embeddings, the final
+norm and the head see the replicated activation as without sequence parallelism, and whatever
+the model does outside its blocks (position tables, poolers, ``logits_to_keep``) is unchanged.
+A sequence length tp does not divide is padded with zero rows at the end, which every way out
+of the layout drops first (exact).
+
+Inside a block every planned module must be one that runs on a chunk: a column, row, norm
+(its weight gradient, computed on this rank's tokens only, is summed over tp by backward) or
+dropout (the chunk of the whole activation's mask), or a module holding no weights; a module
+of another style holding weights there is refused by name.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from shardzoo.layers.linear_1d import ParallelLinear1D
+from shardzoo.layers.norm import LayerNorm1D, RMSNorm1D
+from shardzoo.layers.random import ParallelDropout
+from shardzoo.layers.sequence_shards import SequenceShards
+from shardzoo.parallel import checkpointing as block_checkpointing
+from shardzoo.parallel.styles import STYLES
+
+_ATTR = block_checkpointing.SHARDS
+
+
+def shards_of(model: nn.Module) -> SequenceShards | None:
+    """The :class:`SequenceShards` of a model split with Megatron sequence parallelism, or None."""
+    return model.__dict__.get(_ATTR)
+
+
+def applies(tpl, enabled: bool) -> bool:
+    """Whether a model split by ``tpl`` gets sequence-sharded blocks: 1d with tp > 1, when enabled."""
+    return bool(enabled) and tpl.mode == "1d" and tpl.mesh.tp_size > 1
+
+
+def block_lists(model: nn.Module) -> list[list[str]]:
+    """The model's lists of repeated blocks (checkpointing.py), each as its blocks' names in order;
+    [] when it has none."""
+    try:
+        names = block_checkpointing.block_names(model)
+    except ValueError:
+        return []
+    lists: dict[str, list[str]] = {}
+    for name in names:
+        lists.setdefault(name.rpartition(".")[0], []).append(name)
+    return list(lists.values())
+
+
+def check(model: nn.Module, planned: dict, tpl, enabled: bool) -> None:
+    """Refuse, before anything moves, a planned module inside a block that cannot run on a chunk."""
+    if not applies(tpl, enabled):
+        return
+    inside = tuple(f"{name}." for names in block_lists(model) for name in names)
+    covered = tuple(f"{n}." for n in planned)
+    for name, module in model.named_modules():
+        if name.startswith(inside) and name not in planned and not name.startswith(covered) \
+                and next(module.parameters(recurse=False), None) is not None:
+            raise ValueError(f"{name} ({type(module).__name__}) holds weights inside a block and is not in the plan; "
+                             f"Megatron sequence parallelism (on by default in 1d, tp={tpl.mesh.tp_size}) would run "
+                             f"it on this rank's chunk of the sequence, its gradient covering those tokens only; "
+                             f"plan it, or pass sequence_parallel=False")
+    for name, (module, style, pattern) in planned.items():
+        if not name.startswith(inside) or STYLES[style].on_sequence_chunks:
+            continue
+        if next(module.parameters(), None) is not None:
+            raise ValueError(f"{name} ({type(module).__name__}) is planned {style!r} inside a block, where Megatron "
+                             f"sequence parallelism (on by default in 1d, tp={tpl.mesh.tp_size}) splits the "
+                             f"activations along the sequence, so its weight gradient would cover this rank's "
+                             f"tokens only; plan it 'column' / 'row' / 'norm', or pass sequence_parallel=False")
+
+
+def install(model: nn.Module, planned: dict, tpl, enabled: bool) -> SequenceShards | None:
+    """Put the built modules inside ``model``'s blocks on sequence chunks and hook the first and
+    last block of each list to enter and leave the layout (module doc); None when it does not
+    apply (not 1d, tp = 1, disabled, or no lists of blocks)."""
+    lists = block_lists(model)
+    if not applies(tpl, enabled) or not lists:
+        return None
+    shards = SequenceShards(tpl.mesh)
+    blocks = {name for names in lists for name in names}
+    inside = tuple(f"{name}." for name in blocks)
+    readers = set()
+    for name in planned:
+        if name.startswith(inside):
+            module = model.get_submodule(name)
+            _on_chunks(module, shards)
+            parent = name.rpartition(".")[0]
+            if isinstance(module, ParallelLinear1D) and module.style == "column" and parent not in blocks:
+                readers.add(parent)
+    for name in sorted(readers):  # gather where the attention / MLP code reads its input's shape
+        model.get_submodule(name).register_forward_pre_hook(_Gather(shards), with_kwargs=True)
+    for names in lists:
+        model.get_submodule(names[0]).register_forward_pre_hook(_Enter(shards), with_kwargs=True)
+        model.get_submodule(names[-1]).register_forward_hook(_Leave(shards))
+    model.__dict__[_ATTR] = shards
+    return shards
+
+
+def _on_chunks(module: nn.Module, shards: SequenceShards) -> None:
+    if isinstance(module, ParallelLinear1D):
+        module.use_sequence_shards(shards)
+    elif isinstance(module, (LayerNorm1D, RMSNorm1D)):
+        module.sequence_parallel = True  # weight gradient summed over tp (norm.py)
+    elif isinstance(module, ParallelDropout):
+        module.sequence = shards
+
+
+def _first_input(module: nn.Module, args: tuple, kwargs: dict, change):
+    """(args, kwargs) with ``change`` applied to the first positional input or ``hidden_states=``."""
+    if args:
+        return (change(args[0]), *args[1:]), kwargs
+    if "hidden_states" not in kwargs:
+        raise ValueError(f"{type(module).__name__} was called without a positional input or hidden_states=; "
+                         f"Megatron sequence parallelism cannot find the activation: pass sequence_parallel=False")
+    return args, {**kwargs, "hidden_states": change(kwargs["hidden_states"])}
+
+
+class _Gather:
+    """Forward pre-hook of a module holding column layers inside a block: a chunk input ->
+    the whole sequence, once for all its column layers (sequence_shards.py)."""
+
+    def __init__(self, shards: SequenceShards):
+        self.shards = shards
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
+        shards = self.shards
+        return _first_input(module, args, kwargs, lambda x: shards.gather(x) if shards.holds_chunk(x) else x)
+
+
+class _Enter:
+    """Forward pre-hook of a list's first block: its hidden states [b, s, H] -> this rank's chunk."""
+
+    def __init__(self, shards: SequenceShards):
+        self.shards = shards
+
+    def __call__(self, block: nn.Module, args: tuple, kwargs: dict):
+        return _first_input(block, args, kwargs, self.shards.split)
+
+
+class _Leave:
+    """Forward hook of a list's last block: its output chunk (or the first item of its output
+    tuple) -> [b, s, H] on every tp rank."""
+
+    def __init__(self, shards: SequenceShards):
+        self.shards = shards
+
+    def __call__(self, block: nn.Module, args: tuple, output):
+        if isinstance(output, (tuple, list)):
+            return type(output)((self.shards.join(output[0]), *output[1:]))
+        return self.shards.join(output)

@@ -1,0 +1,194 @@
+"""Megatron sequence parallelism in 1d (parallel/megatron_sp.py, on by default): transformers
+Llama, Qwen2 and GPT-2 and the four families at tp 2 and 4, with and without sp, dropout,
+activation checkpointing and a sequence tp does not divide: loss, logits and every weight after
+one SGD step equal the serial model; ``sequence_parallel=False`` still does; and between the
+blocks a rank holds 1/tp of the sequence."""
+
+import copy
+
+import pytest
+
+pytest.importorskip("transformers", reason="transformers is in the test extra; these tests build its models")
+
+import torch  # noqa: E402
+
+from shardzoo.testing import assert_close, cached_mesh, run_on_ranks  # noqa: E402
+
+VOCAB, BATCH = 64, 2
+
+
+def _tiny(kind: str, dropout: float = 0.0):
+    """A tiny transformers causal LM (hidden 32, 2 layers), fp32, training mode."""
+    import transformers
+
+    common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32, attn_implementation="sdpa")
+    if kind == "llama":
+        cls, config = transformers.LlamaForCausalLM, transformers.LlamaConfig(**common)
+    elif kind == "qwen2":
+        cls, config = transformers.Qwen2ForCausalLM, transformers.Qwen2Config(**common, tie_word_embeddings=True)
+    else:  # attention dropout stays 0: SDPA draws it over a rank's heads, which is not the serial draw
+        cls, config = transformers.GPT2LMHeadModel, transformers.GPT2Config(
+            n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=32, resid_pdrop=dropout,
+            embd_pdrop=dropout, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return cls(config).float().train()
+
+
+def _batch(seq: int):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (BATCH, seq), generator=g)
+    mask = torch.ones(BATCH, seq, dtype=torch.long)
+    mask[1, seq - 3:] = 0
+    return ids, mask, ids.masked_fill(mask == 0, -100)
+
+
+def _hf_step(model, ids, mask, labels, seed: int):
+    torch.manual_seed(seed)  # the dropout masks: the same draws on every rank and in the serial model
+    out = model(input_ids=ids, attention_mask=mask, labels=labels)
+    out.loss.backward()
+    return out
+
+
+def _check_hf(kind: str, mesh_kwargs: dict, options: dict) -> None:
+    _check_hf_with(kind, mesh_kwargs, **options)
+
+
+def _check_hf_with(kind: str, mesh_kwargs: dict, sp_mode: str = "ring", seq: int = 16, dropout: float = 0.0,
+                   checkpointing: bool = False, sequence_parallel: bool = True) -> None:
+    import shardzoo
+
+    serial = _tiny(kind, dropout)
+    parallel = copy.deepcopy(serial)
+    ids, mask, labels = _batch(seq)
+    out_s = _hf_step(serial, ids, mask, labels, seed=5)
+    mesh = cached_mesh(**mesh_kwargs)
+    shardzoo.parallelize(parallel, mesh, sp_mode=sp_mode, checkpointing=checkpointing,
+                         sequence_parallel=sequence_parallel)
+    out_p = _hf_step(parallel, ids, mask, labels, seed=5)
+    for model in (serial, parallel):
+        torch.optim.SGD(model.parameters(), lr=1.0).step()
+    real = mask.bool()
+    assert_close(out_p.loss.detach(), out_s.loss.detach(), f"{kind} loss")
+    logits = shardzoo.gather_logits(parallel, out_p.logits.detach())
+    assert_close(logits[real], out_s.logits.detach()[real], f"{kind} logits")
+    full = shardzoo.full_state_dict(parallel)
+    for name, value in serial.state_dict().items():
+        assert_close(full[name], value, f"{kind} {name} after a step")
+
+
+# (model, mesh, world, {options})
+HF_CASES = {
+    "llama-tp2": ("llama", dict(tp=2), 2, {}),
+    "llama-tp4-seq14-padded": ("llama", dict(tp=4), 4, dict(seq=14)),
+    "llama-tp2-sp2-ring-checkpointing": ("llama", dict(tp=2, sp=2), 4, dict(checkpointing=True)),
+    "qwen2-tp2-sp2-ulysses": ("qwen2", dict(tp=2, sp=2), 4, dict(sp_mode="ulysses")),
+    "qwen2-tp2-seq9-checkpointing": ("qwen2", dict(tp=2), 2, dict(seq=9, checkpointing=True)),
+    "gpt2-tp2-dropout": ("gpt2", dict(tp=2), 2, dict(dropout=0.2)),
+    "gpt2-tp2-dropout-checkpointing-seq11": ("gpt2", dict(tp=2), 2, dict(dropout=0.2, checkpointing=True, seq=11)),
+    "gpt2-tp2-sp2-ring": ("gpt2", dict(tp=2, sp=2), 4, {}),
+    "llama-tp2-off": ("llama", dict(tp=2), 2, dict(sequence_parallel=False)),
+    "gpt2-tp2-dropout-off": ("gpt2", dict(tp=2), 2, dict(dropout=0.2, sequence_parallel=False)),
+}
+
+
+@pytest.mark.parametrize("case", list(HF_CASES))
+def test_transformers_model_with_megatron_sp_equals_serial(case):
+    kind, mesh_kwargs, world, options = HF_CASES[case]
+    run_on_ranks(_check_hf, world, kind, mesh_kwargs, options)
+
+
+def _between_block_lengths(tp: int, seq: int, sequence_parallel: bool) -> list[int]:
+    """The sequence length of every norm input and block output of a parallelized Llama at tp."""
+    import shardzoo
+
+    model = _tiny("llama")
+    shardzoo.parallelize(model, cached_mesh(tp=tp), sequence_parallel=sequence_parallel)
+    seen = []
+    for layer in model.model.layers:
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norm.register_forward_pre_hook(lambda m, a: seen.append(a[0].shape[1]))
+    model.model.layers[0].register_forward_hook(lambda m, a, y: seen.append((y[0] if isinstance(y, tuple) else y)
+                                                                            .shape[1]))
+    ids, mask, labels = _batch(seq)
+    model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    return seen
+
+
+@pytest.mark.parametrize("tp, seq", [(2, 16), (4, 14)])
+def test_between_block_activations_hold_one_tpth_of_the_sequence(tp, seq):
+    """Norm inputs (the residual stream) and the first block's output: ceil(seq / tp) tokens on
+    a rank with Megatron sequence parallelism, the whole sequence without."""
+    on = run_on_ranks(_between_block_lengths, tp, tp, seq, True)
+    off = run_on_ranks(_between_block_lengths, tp, tp, seq, False)
+    assert all(n == -(-seq // tp) for rank in on for n in rank) and len(on[0]) == 5, on
+    assert all(n == seq for rank in off for n in rank), off
+
+
+# -- the families ---------------------------------------------------------------------------------
+def _family_batch(family: str, config, seq: int):
+    g = torch.Generator().manual_seed(2)
+    if family == "vit":
+        return torch.randn(BATCH, 3, config.image_size, config.image_size, generator=g), \
+            torch.randint(0, config.num_labels, (BATCH,), generator=g)
+    ids = torch.randint(0, config.vocab_size, (BATCH, seq + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _family_step(model, x, target, seed: int):
+    torch.manual_seed(seed)
+    logits = model(model.shard_input(x))
+    loss = model.loss(logits, model.shard_target(target))
+    loss.backward()
+    torch.optim.SGD(model.parameters(), lr=1.0).step()
+    return loss.detach(), model.gather_output(logits.detach())
+
+
+def _check_family(family: str, mesh_kwargs: dict, options: dict) -> None:
+    _check_family_with(family, mesh_kwargs, **options)
+
+
+def _check_family_with(family: str, mesh_kwargs: dict, seq: int = 8, dropout: float = 0.0,
+                       checkpointing: bool = False, sequence_parallel: bool = True) -> None:
+    import shardzoo
+    from shardzoo.models.spec import spec_named
+
+    spec = spec_named(family)
+    config = spec.config.from_json(spec.tiny_config(2, VOCAB, 64, dropout, hidden=32, heads=4))
+    x, target = _family_batch(family, config, seq)
+    mesh = cached_mesh(**mesh_kwargs)
+    # the serial model on every rank: each dp rank of a dp-only mesh runs the whole batch on its own
+    serial = spec.model(config, mesh=cached_mesh(dp=mesh.world_size), seed=3).train()
+    parallel = spec.model(config, mesh=mesh, seed=3, checkpointing=checkpointing,
+                          sequence_parallel=sequence_parallel).train()
+    for model in (serial, parallel):  # a family's gradients are averaged over dp x sp by data_parallel
+        shardzoo.data_parallel(model, model.mesh)
+    loss_s, logits_s = _family_step(serial, x, target, seed=7)
+    loss_p, logits_p = _family_step(parallel, x, target, seed=7)
+    assert_close(loss_p, loss_s, f"{family} loss")
+    assert_close(logits_p, logits_s, f"{family} logits")
+    full, reference = shardzoo.full_state_dict(parallel), shardzoo.full_state_dict(serial)
+    for name, value in reference.items():
+        if name.endswith("k_proj.bias"):  # its gradient is 0 in exact arithmetic (softmax ignores a per-query
+            continue  # constant): both sides are rounding noise around the zero init
+        assert_close(full[name], value, f"{family} {name} after a step")
+
+
+FAMILY_CASES = {
+    "gpt2-tp2-dropout": ("gpt2", dict(tp=2), 2, dict(dropout=0.1)),
+    "gpt2-tp4-seq6-padded": ("gpt2", dict(tp=4), 4, dict(seq=6)),
+    "gpt2-tp2-sp2-checkpointing": ("gpt2", dict(tp=2, sp=2), 4, dict(checkpointing=True)),
+    "bert-tp2-dropout-checkpointing": ("bert", dict(tp=2), 2, dict(dropout=0.1, checkpointing=True)),
+    "bert-tp4": ("bert", dict(tp=4), 4, {}),
+    "opt-tp2-sp2": ("opt", dict(tp=2, sp=2), 4, {}),
+    "opt-tp4-seq7-padded": ("opt", dict(tp=4), 4, dict(seq=7)),
+    "vit-tp2": ("vit", dict(tp=2), 2, {}),
+    "vit-tp4-checkpointing": ("vit", dict(tp=4), 4, dict(checkpointing=True)),
+    "gpt2-tp2-off": ("gpt2", dict(tp=2), 2, dict(sequence_parallel=False)),
+}
+
+
+@pytest.mark.parametrize("case", list(FAMILY_CASES))
+def test_family_with_megatron_sp_equals_serial(case):
+    family, mesh_kwargs, world, options = FAMILY_CASES[case]
+    run_on_ranks(_check_family, world, family, mesh_kwargs, options)
