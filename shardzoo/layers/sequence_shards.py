@@ -60,8 +60,9 @@ class SequenceShards:
         return comm.scatter_to(self._pad(x_full), self.mesh.tp_group, SEQ_DIM)
 
     def join(self, x_local: torch.Tensor) -> torch.Tensor:
-        """This rank's chunk [b, s_pad/p, H] -> [b, s, H] on every tp rank."""
-        return comm.gather_from(x_local, self.mesh.tp_group, SEQ_DIM)[:, :self._length()]
+        """This rank's chunk [b, s_pad/p, H] -> [b, s, H] on every tp rank (contiguous: a
+        pipeline stage sends it as it is)."""
+        return comm.gather_from(x_local, self.mesh.tp_group, SEQ_DIM)[:, :self._length()].contiguous()
 
     def gather(self, x_local: torch.Tensor) -> torch.Tensor:
         """A column layer's input: [b, s_pad/p, H] -> [b, s, H], one all-gather per tensor read."""

@@ -40,6 +40,9 @@ class PlannedModel(StagedModel):
             in backward (activation checkpointing).
         sequence_parallel: Megatron sequence parallelism between the blocks in 1d with tp > 1
             (parallel/megatron_sp.py; default on); False keeps those activations replicated.
+            A pipeline stage (``stage`` given) keeps them replicated: the stages' sends and
+            receives carry whole activations, which the sequence-sharded blocks do not yet
+            hand to torch's pipelining.
         device: of the parameters ("meta": shapes only). seed: of the init (default
             ``torch.initial_seed()``).
 
@@ -66,7 +69,8 @@ class PlannedModel(StagedModel):
         with torch.device("meta"):  # shapes only: the engine builds this rank's pieces from them
             self.build(config, blocks)
         self.stage_state = split_stage(self, mesh, self.plan, sp_mode=sp_mode, causal=self.causal,
-                                       checkpointing=checkpointing, sequence_parallel=sequence_parallel)
+                                       checkpointing=checkpointing,
+                                       sequence_parallel=sequence_parallel and stage is None)
         tokens = self.own_sequence_length(config)
         if tokens is not None and mesh.sp_size > 1 and not self.is_first:
             # the first stage's 'patch_embedding' masks the sequence padding; the others do it here

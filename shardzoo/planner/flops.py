@@ -15,14 +15,14 @@ tokens plus attention. The terms are read off the model's own pieces on one unsp
 
 from __future__ import annotations
 
-from shardzoo.layers.tensor_layout import LAYOUTS
+from shardzoo.planner.block_costs import costs_of
 from shardzoo.planner.model import Batch, assemble
 
 
 def model_flops(shape, global_batch: int, seq: int, checkpointing: bool, e: int = 2, param_bytes: int = 4) -> float:
     """FLOPs of one training step of ``global_batch`` sequences of ``seq`` tokens (a model
     making its own sequence: its ``shape.tokens``), counted as above."""
-    costs = LAYOUTS["1d"].costs(1, 1, param_bytes)
+    costs = costs_of("1d", 1, 1, param_bytes)
     cost = assemble(shape, shape.parts(costs, Batch(1, seq, 1, "ring", e, True, 1)))
     block, attention, _ = cost.block_work
     if shape.walk.causal:  # the pieces price a causal kernel's half; the formula counts the whole square

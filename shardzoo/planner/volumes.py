@@ -13,7 +13,8 @@ from __future__ import annotations
 from fractions import Fraction
 
 from shardzoo.comm.tp_grids import tp_grid
-from shardzoo.planner.block_costs import Piece, costs_of
+from shardzoo.planner import block_costs
+from shardzoo.planner.block_costs import Piece
 from shardzoo.planner.comm import call_bytes
 
 
@@ -24,7 +25,7 @@ def sent_bytes(piece: Piece) -> Fraction:
 
 def costs_of(mode: str, q: int, d: int = 1, e: int = 4):
     """The block_costs object of ``mode`` on a grid of side ``q`` (depth ``d``)."""
-    return costs_of(mode, tp_grid(mode).size(q, d), d, e)
+    return block_costs.costs_of(mode, tp_grid(mode).size(q, d), d, e)
 
 
 def _mlp_pieces(mode, rows, hidden, ffn, q, d, e) -> list[Piece]:

@@ -72,7 +72,7 @@ attention_cases = dict(
 
 
 @needs_triton
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(**attention_cases)
 def test_triton_attention_matches_sdpa(b, h, sq, sk, d, dtype, causal, mask_kind, seed):
     check_attention("triton", b, h, sq, sk, d, dtype, causal, mask_kind, seed)

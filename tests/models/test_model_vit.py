@@ -33,13 +33,11 @@ def check_vit(layout, case):
     return True
 
 
-CASES = [
+CASES = [  # 1d tp2 runs inside 1d_tp2_sp2 / 1d_tp2_dp2, and 2d tp4 inside 2d_tp4_sp2
     ("serial", {}),
-    ("1d_tp2", {}),
     ("1d_tp4", {}),
     ("1d_tp2_dp2", {}),
     ("1d_tp2_sp2", {}),
-    ("2d_tp4", {}),
     ("2d_tp4_sp2", {"sp_mode": "ulysses"}),
     ("2.5d_tp8", {}),
     ("3d_tp8", {}),

@@ -13,12 +13,16 @@ from shardzoo.testing.dtypes import TINY_MODEL_TERMS
 from support.zero_stack import CLIP, assert_weights, trained_weights, world_of
 
 ZEROS = (0, 1, 2, 3)
+# Every stage in 1d (with and without sp) and 2d; 2.5d and 3d build the same FSDP2 units on
+# their grid parameters as 2d does, so they run stage 1 (DDP + ZeroRedundancyOptimizer) and
+# stage 3 (FSDP2, resharded after forward) only.
+STAGES = {"1d": ZEROS, "1d_sp2": ZEROS, "2d": ZEROS, "2.5d": (1, 3), "3d": (1, 3)}
 
 
-@pytest.mark.parametrize("layout", ["1d", "2d", "2.5d", "3d", "1d_sp2"])
+@pytest.mark.parametrize("layout", list(STAGES))
 def test_every_zero_stage_equals_serial(layout, zero_serial):
-    results = run_on_ranks(trained_weights, world_of(layout), layout, ZEROS, torch.float32, CLIP)[0]
-    assert sorted(results) == list(ZEROS)
+    results = run_on_ranks(trained_weights, world_of(layout), layout, STAGES[layout], torch.float32, CLIP)[0]
+    assert sorted(results) == list(STAGES[layout])
     for zero, (weights, norms) in results.items():
         assert_weights(weights, zero_serial, f"{layout} zero={zero}")
         assert_close(torch.tensor(norms), torch.tensor(zero_serial[2]), f"{layout} zero={zero} global_grad_norm",

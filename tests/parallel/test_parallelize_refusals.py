@@ -218,7 +218,7 @@ def test_position_embedding_style_on_a_transformers_model_under_sp_is_refused():
 
 def _ulysses_heads_refusal():
     import shardzoo
-    from shardzoo.testing.hf_parallel import tiny_causal_lm
+    from support.hf_parallel import tiny_causal_lm
 
     model = tiny_causal_lm("llama", hidden_size=24, num_attention_heads=3, num_key_value_heads=1, head_dim=8)
     before = copy.deepcopy(model.state_dict())
