@@ -61,23 +61,28 @@ def check_state_matches(par: nn.Module, serial: nn.Module, what: str) -> None:
 
 
 def check_grads_match(par: nn.Module, serial: nn.Module, mesh, what: str, exact: nn.Module | None = None,
-                      terms: int = 1, gauge: nn.Module | None = None) -> None:
+                      terms: int = 1, gauge: nn.Module | None = None, floor: float = 0.0,
+                      condition: float = 1.0) -> None:
     """Every parameter gradient of ``par``, gathered to full size, equals the serial one (same
     parameter names) within ``reorder_bound``: measured against ``exact`` (the serial module in
     float64, after the same backward; ``gauge``: in float32, where the serial one is float64)
-    where given, else from ``terms`` alone."""
+    where given, else from ``terms`` alone. ``floor``: the size of the summands behind the
+    gradients where it exceeds their own root-mean-square (they cancel); ``condition``: how much
+    the math amplifies a rounding (see ``reorder_bound``)."""
     ref = dict(serial.named_parameters())
     ref64 = dict(exact.named_parameters()) if exact is not None else {}
     ref32 = dict(gauge.named_parameters()) if gauge is not None else {}
-    parts, floor = mesh.tp_size, rms_of(q.grad for q in serial.parameters())
+    parts, summands = mesh.tp_size, max(floor, rms_of(q.grad for q in serial.parameters()))
     for n, p in par.named_parameters():
         assert p.grad is not None, f"{what}: {n} got no gradient"
         full = gather_full(p.grad, get_shard_spec(par, n), mesh)
         if exact is not None:
             assert_close_conditioned(full, ref[n].grad, ref64[n].grad, f"{what} grad {n}", terms=terms, parts=parts,
-                                     gauge=ref32[n].grad if gauge is not None else None)
+                                     gauge=ref32[n].grad if gauge is not None else None, floor=floor,
+                                     condition=condition)
         else:
-            assert_close(full, ref[n].grad, f"{what} grad {n}", terms=terms, parts=parts, floor=floor)
+            assert_close(full, ref[n].grad, f"{what} grad {n}", terms=terms, parts=parts, floor=summands,
+                         condition=condition)
 
 
 def compare_module(par: nn.Module, serial: nn.Module, mesh, x_full: torch.Tensor, what: str,
