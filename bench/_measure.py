@@ -109,12 +109,6 @@ def count_all_reduce(totals, key, kind="all_reduce"):
         setattr(dist, kind, original)
 
 
-# The planner prices 1d with the activations between the blocks replicated over tp (Megatron
-# sequence parallelism, on by default in the models, is not priced yet: docs/planner.md), so the
-# models measured against it are built that way.
-PRICED_SEQUENCE_PARALLEL = False
-
-
 def build_model(spec: dict, mesh):
     """The spec's model (family, config dict) as this rank's stage, on CPU, seeded."""
     from shardzoo.models.spec import spec_named
@@ -123,7 +117,7 @@ def build_model(spec: dict, mesh):
     stage = (mesh.pp_rank, mesh.pp_size) if mesh.pp_size > 1 else None
     return fam.model(fam.config(**spec["config"]), mesh=mesh, stage=stage, sp_mode=spec.get("sp_mode", "ring"),
                      checkpointing=spec.get("checkpointing", False), seed=spec.get("seed", 0),
-                     sequence_parallel=spec.get("sequence_parallel", PRICED_SEQUENCE_PARALLEL))
+                     sequence_parallel=spec.get("sequence_parallel", True))
 
 
 def build_hf_model(spec: dict, mesh):
@@ -138,7 +132,7 @@ def build_hf_model(spec: dict, mesh):
     torch.manual_seed(spec.get("seed", 0))
     model = AutoModelForCausalLM.from_config(config).float()
     return parallelize(model, mesh, sp_mode=spec.get("sp_mode", "ring"), checkpointing=spec.get("checkpointing", False),
-                       sequence_parallel=spec.get("sequence_parallel", PRICED_SEQUENCE_PARALLEL))
+                       sequence_parallel=spec.get("sequence_parallel", True))
 
 
 def hf_batch(spec: dict, model, mesh) -> torch.Tensor:

@@ -70,7 +70,9 @@ class SequenceShards:
         grad = torch.is_grad_enabled()
         if self._read is not None and self._read[0]() is x_local and self._read[2] == grad:
             return self._read[1]
-        full = comm.all_gather(x_local, self.mesh.tp_group, SEQ_DIM)[:, :self._length()]
+        # contiguous: the gather lands sequence-major, and F.linear would copy a strided input
+        # once per reader (q, k and v each keeping its own copy for backward)
+        full = comm.all_gather(x_local, self.mesh.tp_group, SEQ_DIM)[:, :self._length()].contiguous()
         self._read = (weakref.ref(x_local), full, grad)
         return full
 
@@ -97,7 +99,9 @@ class SequenceShards:
         keep = F.dropout(torch.ones(shape, dtype=x_local.dtype, device=x_local.device), p, training=True)
         rows = x_local.shape[SEQ_DIM]
         start = self.mesh.tp_rank * rows
-        return x_local * self._pad(keep)[:, start:start + rows]
+        # a copy of this rank's rows: the product keeps its mask for backward, and a view would
+        # keep the whole sequence's
+        return x_local * self._pad(keep)[:, start:start + rows].clone()
 
     def _pad(self, x: torch.Tensor) -> torch.Tensor:
         extra = self.padded(x.shape[SEQ_DIM]) - x.shape[SEQ_DIM]

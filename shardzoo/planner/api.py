@@ -145,7 +145,8 @@ def candidates(pricer: Pricer, layout: Layout, costs, checkpointing, zeros, memo
 def plan(model, world: int, device_memory_gib: float, global_batch: int, seq: int, hardware="h100",
          nodes: int | None = None, devices_per_node: int | None = None, top: int | None = None, *,
          sp_mode: str = "ring", schedule: str = "1f1b", dtype: str | None = None, zero_stages=ZERO_STAGES,
-         tp_modes=TP_MODES, checkpointing=(False, True), recalibrate: bool = False, attention: str = "flash") -> Plan:
+         tp_modes=TP_MODES, checkpointing=(False, True), recalibrate: bool = False, attention: str = "flash",
+         sequence_parallel: bool = True) -> Plan:
     """Every legal layout of ``model`` (a preset name, a Hugging Face directory, a ModelShape, or
     an ``nn.Module`` that ``shardzoo.parallelize`` splits, with its default plan and pp = 1;
     ``walked.walked_model(module, plan)`` for another plan), priced from its modules and plan, on ``world``
@@ -154,7 +155,9 @@ def plan(model, world: int, device_memory_gib: float, global_batch: int, seq: in
 
     ``dtype``: "bf16" (autocast, fp32 weights; default on accelerator presets) or "fp32"
     (default on "cpu" / "calibrate": the host model's ``default_dtype``). ``sp_mode``: attention over sp; ``schedule``: the
-    pipeline schedule ("1f1b" or "gpipe"); ``attention``: the attention kernel priced (``price``)."""
+    pipeline schedule ("1f1b" or "gpipe"); ``attention``: the attention kernel priced (``price``);
+    ``sequence_parallel``: Megatron sequence parallelism in 1d with tp > 1 and pp = 1, as
+    ``parallelize`` and the families build by default (False: as built with it off)."""
     shape = load_model(model)
     hw = resolve_hardware(hardware, nodes, devices_per_node, world, recalibrate)
     dtype = dtype or hw.host.default_dtype
@@ -162,7 +165,8 @@ def plan(model, world: int, device_memory_gib: float, global_batch: int, seq: in
     if attention not in ATTENTION_KERNELS:
         raise ValueError(f"attention={attention!r} is not one of {ATTENTION_KERNELS}")
     e, ep = DTYPES[dtype]
-    problem = Problem(shape, world, global_batch, seq, sp_mode, e, ep, hw.host.dropout_mask_bytes(e), attention)
+    problem = Problem(shape, world, global_batch, seq, sp_mode, e, ep, hw.host.dropout_mask_bytes(e), attention,
+                      sequence_parallel)
     memory_bytes = int(device_memory_gib * GIB)
     pricer = Pricer(problem, hw, schedule)
     pruned: list[Pruned] = []
@@ -235,7 +239,7 @@ def price(model, world: int, global_batch: int, seq: int, layout, *, micro_batch
           checkpointing: bool = False, zero: int = 0, hardware="h100", nodes: int | None = None,
           devices_per_node: int | None = None, device_memory_gib: float | None = None, sp_mode: str = "ring",
           schedule: str = "1f1b", virtual_stages: int = 1, dtype: str | None = None,
-          attention: str = "flash") -> Priced:
+          attention: str = "flash", sequence_parallel: bool = True) -> Priced:
     """``layout`` of ``model`` priced alone, without enumerating the others: the same Candidate
     ``plan`` gives for it, with tokens/s and model TFLOP/s per device (``Priced``).
 
@@ -246,7 +250,8 @@ def price(model, world: int, global_batch: int, seq: int, layout, *, micro_batch
     ScheduleInterleaved1F1B, ``models.pipeline.build_schedule``). ``device_memory_gib``: for
     ``fits``, default the hardware's memory. ``attention``: the kernel priced, "flash" (what
     shardzoo runs: torch's scaled_dot_product_attention) or "materialized" (the score matrix
-    written out, as Megatron-LM ran in Narayanan et al. 2021; sp = 1 only)."""
+    written out, as Megatron-LM ran in Narayanan et al. 2021; sp = 1 only). ``sequence_parallel``: as
+    for ``plan``."""
     from shardzoo.planner.enumerate import explain
     from shardzoo.planner.flops import model_flops
     from shardzoo.planner.host import DedicatedDevices
@@ -269,7 +274,8 @@ def price(model, world: int, global_batch: int, seq: int, layout, *, micro_batch
     e, ep = DTYPES[dtype]
     if attention not in ATTENTION_KERNELS:
         raise ValueError(f"attention={attention!r} is not one of {ATTENTION_KERNELS}")
-    problem = Problem(shape, world, global_batch, seq, sp_mode, e, ep, hw.host.dropout_mask_bytes(e), attention)
+    problem = Problem(shape, world, global_batch, seq, sp_mode, e, ep, hw.host.dropout_mask_bytes(e), attention,
+                      sequence_parallel)
     text = _layout_text(layout, world)
     found, reasons = explain(problem, text)
     if not found:

@@ -158,24 +158,58 @@ class Costs1D:
     def after(self, layout):
         return None
 
-    def linear(self, n_in, n_out, rows, e, layout=None, *, style="column", bias=True, input_saved=True) -> Piece:
-        """Column: out split, dX all-reduced in backward; row: in split, y all-reduced forward."""
+    def linear(self, n_in, n_out, rows, e, layout=None, *, style="column", bias=True, input_saved=True,
+               chunks=1) -> Piece:
+        """Column: out split, dX all-reduced in backward; row: in split, y all-reduced forward.
+        ``chunks`` = p: Megatron sequence parallelism between the blocks (``rows`` is then the whole
+        sequence's): a column layer's input is all-gathered from the sequence chunks (once per
+        tensor read: ``input_saved`` False for the readers after the first, which share it) and
+        its dX reduce-scattered back; a row layer reduce-scatters y into chunks (all-gathers dY),
+        and its bias, added on the chunk, has its gradient summed over tp."""
         p, who = self.p, f"ParallelLinear1D({style})"
         flops = 2 * rows * n_in * n_out // p
+        sequence = chunks > 1
         if style == "column":
             need(who, "out_features", n_out, p, f"tp={p}")
-            return Piece(calls("bwd", ("tp",), "all_reduce", rows * n_in * e, p),
-                         n_out // p * n_in + (n_out // p if bias else 0), rows * n_in * e if input_saved else 0,
+            if sequence:
+                x = rows * n_in * e
+                comm = calls("fwd", ("tp",), "all_gather", x, p) + calls("bwd", ("tp",), "reduce_scatter", x, p) \
+                    if input_saved else []
+            else:
+                comm = calls("bwd", ("tp",), "all_reduce", rows * n_in * e, p)
+            return Piece(comm, n_out // p * n_in + (n_out // p if bias else 0), rows * n_in * e if input_saved else 0,
                          flops=flops, tensors=1 + bias, saves=True, **elementwise(BIAS_PASSES, rows * n_out // p if bias else 0, e))
         need(who, "in_features", n_in, p, f"tp={p}")
-        return Piece(calls("fwd", ("tp",), "all_reduce", rows * n_out * e, p, after_save=True),
-                     n_out * n_in // p + (n_out if bias else 0), rows * n_in // p * e if input_saved else 0,
-                     flops=flops, tensors=1 + bias, saves=True, **elementwise(BIAS_PASSES, rows * n_out if bias else 0, e))
+        y = rows * n_out * e
+        if sequence:
+            comm = calls("fwd", ("tp",), "reduce_scatter", y, p, after_save=True) + calls("bwd", ("tp",), "all_gather", y, p)
+            comm += calls("bwd", ("tp",), "all_reduce", n_out * self.ep, p) if bias else []
+        else:
+            comm = calls("fwd", ("tp",), "all_reduce", y, p, after_save=True)
+        return Piece(comm, n_out * n_in // p + (n_out if bias else 0), rows * n_in // p * e if input_saved else 0,
+                     flops=flops, tensors=1 + bias, saves=True,
+                     **elementwise(BIAS_PASSES, ceil_div(rows, chunks) * n_out if bias else 0, e))
 
-    def layer_norm(self, h, rows, e, layout=None, *, affine=True, bias=True) -> Piece:
-        """Replicated: saves its input and the row mean / rstd."""
-        return Piece([], (h if affine else 0) + (h if affine and bias else 0), rows * h * e + 2 * rows * e,
-                     tensors=int(affine) + int(affine and bias), **elementwise(NORM_PASSES, rows * h, e))
+    def sequence_chunks(self, h, rows, e, chunks) -> tuple[Piece, Piece]:
+        """(entering, leaving) Megatron sequence parallelism around the blocks: the first block
+        keeps this rank's chunk of its replicated input (no communication forward, the gradient
+        all-gathered backward); the last block's output is all-gathered."""
+        x = rows * h * e
+        return (Piece(calls("bwd", ("tp",), "all_gather", x, chunks)),
+                Piece(calls("fwd", ("tp",), "all_gather", x, chunks)))
+
+    def layer_norm(self, h, rows, e, layout=None, *, affine=True, bias=True, chunks=1) -> Piece:
+        """Replicated: saves its input and the row mean / rstd. ``chunks`` = p: on this rank's
+        sequence chunk (``rows`` of the whole sequence), its weight / bias gradients summed over tp."""
+        n = int(affine) + int(affine and bias)
+        rows = ceil_div(rows, chunks)
+        return Piece(self.chunk_param_grads(h, n, chunks), n * h, rows * h * e + 2 * rows * e,
+                     tensors=n, **elementwise(NORM_PASSES, rows * h, e))
+
+    def chunk_param_grads(self, n, count, chunks) -> list[Call]:
+        """The all-reduces over tp of ``count`` gradients of ``n`` elements each, computed on a
+        sequence chunk (none without Megatron sequence parallelism)."""
+        return [c for _ in range(count) for c in calls("bwd", ("tp",), "all_reduce", n * self.ep, chunks)]
 
     def vocab_embedding(self, vocab, h, rows, e, layout=None) -> Piece:
         """Table rows split over tp (padded to ceil(V/p) each); partial lookups all-reduced."""

@@ -66,13 +66,20 @@ class Problem:
     param_bytes: int = 4
     mask_bytes: int = 1  # per dropout-mask element: 1 on CUDA (bool), e on CPU
     attention: str = "flash"  # the attention kernel priced (comm.ATTENTION_KERNELS)
+    sequence_parallel: bool = True  # Megatron sequence parallelism in 1d, as parallelize and the families build
+
+    def chunks(self, mode: str, tp: int, pp: int = 1) -> int:
+        """The sequence chunks between the blocks' tp layers: tp in 1d with tp > 1 when the model
+        is built whole (a pipeline stage keeps its activations replicated, models/planned.py)."""
+        return tp if self.sequence_parallel and mode == "1d" and tp > 1 and pp == 1 else 1
 
 
 def _grid_rule(problem: Problem, mode: str, tp: int, depth: int, sp: int) -> str | None:
     """Why the model cannot be built on this tp grid with this sp at all (or None)."""
     costs = costs_of(mode, tp, depth, problem.param_bytes)
     parts = costs.batch_parts(costs.canonical)
-    probe = Batch(parts, problem.seq, sp, problem.sp_mode, problem.e, True, problem.mask_bytes, problem.attention)
+    probe = Batch(parts, problem.seq, sp, problem.sp_mode, problem.e, True, problem.mask_bytes, problem.attention,
+                  problem.chunks(mode, tp))
     try:
         problem.shape.check(costs, probe)
         problem.shape.parts(costs, probe)

@@ -94,7 +94,7 @@ class Pricer:
     def batch(self, layout: Layout) -> Batch:
         p = self.problem
         return Batch(p.global_batch // layout.dp // layout.micro_batches, p.seq, layout.sp, p.sp_mode, p.e, True,
-                     p.mask_bytes, p.attention)
+                     p.mask_bytes, p.attention, p.chunks(layout.tp_mode, layout.tp, layout.pp))
 
     def stages(self, layout: Layout) -> list[StageCost]:
         """Every pipeline stage's StageCost (raises Illegal for a layout that cannot be built)."""
@@ -111,7 +111,7 @@ class Pricer:
 
     def _stage_parts(self, layout: Layout):
         b = self.batch(layout)
-        key = (layout.tp_mode, layout.tp, layout.tp_depth, layout.sp, b.rows)
+        key = (layout.tp_mode, layout.tp, layout.tp_depth, layout.sp, b.rows, b.chunks)
         parts = self._parts.get(key)
         if parts is None:
             costs = costs_of(layout.tp_mode, layout.tp, layout.tp_depth, self.problem.param_bytes)

@@ -100,6 +100,7 @@ class Batch:
     training: bool = True
     mask_bytes: int = 1  # per element of a dropout mask: bool on CUDA, the activation dtype on CPU
     attention: str = "flash"  # the attention kernel (comm.ATTENTION_KERNELS)
+    chunks: int = 1  # Megatron sequence parallelism: the sequence chunks between the blocks' tp layers (1: off)
 
 
 DROPOUT_PASSES, GELU_PASSES, RELU_PASSES, ADD_PASSES = 5, 4, 2, 2  # elementwise passes, fwd + bwd

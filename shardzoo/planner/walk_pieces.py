@@ -27,6 +27,7 @@ from torch import nn
 from shardzoo.planner.block_costs import (ID_BYTES, NORM_PASSES, Illegal, Piece, calls, elementwise, need,
                                         stat_bytes)
 from shardzoo.parallel.heads import head_parts_fit, head_parts_that_work
+from shardzoo.parallel.styles import STYLES
 from shardzoo.planner.comm import attention_core
 from shardzoo.planner.model import ADD_PASSES, GELU_PASSES, RELU_PASSES, Batch, StageParts, dropout
 from shardzoo.planner.walk import TRACE_BATCH, Step
@@ -73,6 +74,14 @@ def check_walk(shape, costs, b: Batch) -> None:
         name = next(n for held in walk.held.values() for n, _ in held)
         raise Illegal(f"{name} holds weights the plan does not cover, and the {mode} layout splits the activations "
                       f"it reads (parallelize refuses it); plan it")
+    if b.chunks > 1:
+        inside = walk.held.get("block") or [(n, m) for n, (m, st, _) in walk.planned.items()
+                                            if _in_blocks(n, walk.blocks) and not STYLES[st].on_sequence_chunks
+                                            and next(m.parameters(), None) is not None]
+        if inside:
+            raise Illegal(f"{inside[0][0]} holds weights inside a block that cannot run on a sequence chunk, which "
+                          f"parallelize refuses under Megatron sequence parallelism (1d, tp={tp}); plan it "
+                          f"'column' / 'row' / 'norm', or price with sequence_parallel=False")
     if tp > 1 and walk.dropouts:
         raise Illegal(f"{walk.dropouts[0]} is a dropout with p > 0 the plan does not cover, which parallelize refuses "
                       f"under tp={tp}; plan it 'dropout'")
@@ -80,6 +89,10 @@ def check_walk(shape, costs, b: Batch) -> None:
         raise Illegal("a transformers model's 'position_embedding' under sp maps the positions twice (parallelize "
                       "refuses it); plan it 'embedding'")
     local_batch(shape, costs, b)
+
+
+def _in_blocks(name: str, blocks: list[str]) -> bool:
+    return any(name.startswith(f"{b}.") for b in blocks)
 
 
 def local_batch(shape, costs, b: Batch) -> tuple[int, int]:
@@ -105,10 +118,17 @@ class Context:
     b: Batch
     batch: int
     seq: int
+    chunks: int = 1  # Megatron sequence parallelism: the activation between tp layers is 1/chunks of the sequence
 
     @property
     def rows(self) -> int:
         return self.batch * self.seq
+
+    @property
+    def chunk_rows(self) -> int:
+        """This rank's tokens of an activation between the tp layers: its sequence chunk's (the
+        sequence padded to a multiple of ``chunks``), or all of them."""
+        return self.batch * -(-self.seq // self.chunks)
 
     @property
     def lay(self):
@@ -135,13 +155,16 @@ def walk_parts(shape, costs, b: Batch) -> StageParts:
     batch, seq = local_batch(shape, costs, b)
     ctx = Context(shape, costs, b, batch, seq)
     walk = shape.walk
-    first = sum(_pieces(ctx, walk.pre) + _held(ctx, "pre") + _idle(ctx, "pre") + rope_tables(ctx), Piece())
-    block = _pieces(ctx, walk.block) + _held(ctx, "block")
-    rest = _held(ctx, "post") + _idle(ctx, "post")
+    inside = dataclasses.replace(ctx, chunks=b.chunks)  # the blocks, under Megatron sequence parallelism
+    enter, leave = costs.sequence_chunks(shape.hidden, ctx.rows, b.e, b.chunks) if b.chunks > 1 else (Piece(),) * 2
+    first = sum(_pieces(ctx, walk.pre) + _held(ctx, "pre") + _idle(ctx, "pre") + rope_tables(ctx) + [enter], Piece())
+    block = _pieces(inside, walk.block) + _held(ctx, "block")
+    rest = _held(ctx, "post") + _idle(ctx, "post") + [leave]
     last_tied = sum(_pieces(ctx, walk.post) + rest, Piece())
     table = tied_table(ctx)
     last = sum(_pieces(ctx, walk.post, untie=True) + rest, Piece()) if table else last_tied
-    boundary = batch * seq * (shape.hidden // costs.hidden_parts(costs.canonical)) * b.e
+    # a block's input: what a pipeline stage sends and activation checkpointing keeps
+    boundary = inside.chunk_rows * (shape.hidden // costs.hidden_parts(costs.canonical)) * b.e
     return StageParts(first, block, last, last_tied, boundary, table.params if table else 0)
 
 
@@ -193,17 +216,22 @@ def _pieces(ctx: Context, steps: list[Step], untie: bool = False) -> list[Piece]
     it reads, so that layer keeps no copy of its input. ``untie``: price a tied head with a
     table of its own."""
     walk, out, started, relu_parent = ctx.shape.walk, [], set(), None
+    whole = dataclasses.replace(ctx, chunks=1)  # between a column layer and its row layer: the whole sequence
+    on_chunks = True  # under Megatron sequence parallelism, from a block's input to its first column layer
     for step in steps:
         parent = step.name.rpartition(".")[0]
         owner = walk.attention.get(parent)
         if owner is not None and step.style == "row" and owner.name not in started:
             started.add(owner.name)
             out += attention_pieces(ctx, owner)
+        tp_layer = step.style in ("column", "packed_column", "head_fused_column", "row")
         reads_saved = step.style == "row" and relu_parent == parent
-        pieces = step_pieces(ctx, step, untie=untie, input_saved=not reads_saved) or [Piece()]
+        here = ctx if on_chunks or tp_layer else whole
+        pieces = step_pieces(here, step, untie=untie, input_saved=not reads_saved) or [Piece()]
         out += [dataclasses.replace(pieces[0], modules=pieces[0].modules + 1), *pieces[1:]]  # one module call
         if step.style is None and step.width and _is_activation(step.module):
             relu_parent = parent if _is_relu(step.module) else None
+        on_chunks = step.style == "row" or (on_chunks and not tp_layer)
     return out
 
 
@@ -236,11 +264,16 @@ def _column(ctx: Context, step: Step, **_) -> list[Piece]:
 
 def _row(ctx: Context, step: Step, *, input_saved: bool = True, **_) -> list[Piece]:
     n_in, n_out = _features(step.module)
-    residual = Piece(**elementwise(ADD_PASSES, ctx.rows * ctx.local(n_out), ctx.b.e))
+    residual = Piece(**elementwise(ADD_PASSES, ctx.chunk_rows * ctx.local(n_out), ctx.b.e))
     owner = ctx.shape.walk.attention.get(step.name.rpartition(".")[0])
     saved = input_saved and not (owner is not None and reads_in_place(ctx, owner))
     return [ctx.costs.linear(n_in, n_out, ctx.rows, ctx.b.e, ctx.mid, style="row", bias=step.module.bias is not None,
-                             input_saved=saved), residual]
+                             input_saved=saved, **_chunked(ctx)), residual]
+
+
+def _chunked(ctx: Context) -> dict:
+    """The cost methods' ``chunks`` keyword under Megatron sequence parallelism (1d only)."""
+    return {"chunks": ctx.chunks} if ctx.chunks > 1 else {}
 
 
 def _dense(ctx: Context, step: Step, **_) -> list[Piece]:
@@ -299,7 +332,7 @@ def _lm_head(ctx: Context, step: Step, *, untie: bool = False, **_) -> list[Piec
 
 
 def _dropout(ctx: Context, step: Step, **_) -> list[Piece]:
-    return [dropout(step.module.p, ctx.rows * ctx.local(step.width), ctx.b)] if step.width else []
+    return [dropout(step.module.p, ctx.chunk_rows * ctx.local(step.width), ctx.b)] if step.width else []
 
 
 def _replicate(ctx: Context, step: Step, **_) -> list[Piece]:
@@ -370,7 +403,8 @@ def column(ctx: Context, step: Step) -> Piece:
     repeated = owner is not None and step.name in owner.kv_projections and owner.kv_heads % parts != 0
     if repeated:
         n_out = parts * owner.head_dim
-    piece = c.linear(n_in, n_out, rows, e, ctx.lay, style="column", bias=bias, input_saved=not step.shares_input)
+    piece = c.linear(n_in, n_out, rows, e, ctx.lay, style="column", bias=bias, input_saved=not step.shares_input,
+                     **_chunked(ctx))
     if repeated:
         weight = c.linear(n_in, n_out, 1, e, ctx.lay, style="column", bias=False).params
         for local in (weight, piece.params - weight) if bias else (weight,):
@@ -387,12 +421,15 @@ def norm(ctx: Context, module: nn.Module) -> Piece:
     h = weight.shape[0] if weight is not None else module.normalized_shape[-1]
     affine = weight is not None
     if "rms" not in type(module).__name__.lower():
-        return c.layer_norm(h, rows, e, lay, affine=affine, bias=getattr(module, "bias", None) is not None)
+        return c.layer_norm(h, rows, e, lay, affine=affine, bias=getattr(module, "bias", None) is not None,
+                            **_chunked(ctx))
     es = stat_bytes(e)
     # saved (measured on CPU): the input (the grids keep it in at least fp32), the row rstd,
     # and the normalized rows the weight multiplies
     if c.mode == "1d":
-        return Piece([], h if affine else 0, rows * h * e + rows * es + (rows * h * e if affine else 0),
+        rows = ctx.chunk_rows
+        return Piece(c.chunk_param_grads(h, int(affine), ctx.chunks), h if affine else 0,
+                     rows * h * e + rows * es + (rows * h * e if affine else 0),
                      tensors=int(affine), **elementwise(NORM_PASSES, rows * h, e))
     q = c.hidden_parts(lay)
     need(f"RMSNorm ({c.mode})", "normalized_shape", h, q, f"q={q}")
