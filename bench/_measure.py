@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+import warnings
 from fractions import Fraction
 
 import torch
@@ -305,3 +306,37 @@ def saved_bytes(spec: dict) -> dict:
         out[name] = out.get(name, 0) + n
     del loss
     return out
+
+
+def tracked_memory(spec: dict) -> dict:
+    """Bytes of live tensors at this rank's peak of one training step of ``spec["hf"]``'s model
+    (after a warm-up step that makes the optimizer state), by kind, as torch's ``MemTracker``
+    (a dispatch mode following every tensor's storage) sorts them: ``param``, ``grad``, ``opt``,
+    ``buffer``, ``act`` (saved for backward), ``temp`` (transient), ``other`` and ``total``."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from shardzoo.comm.mesh_cache import cached_mesh
+
+    mesh = cached_mesh(**spec["layout"])
+    model = build_hf_model(spec, mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = hf_batch(spec, model, mesh)
+    model.train()
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+
+    step()
+    tracker = MemTracker()
+    tracker.track_external(model, opt)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The module hierarchy tracking")  # parallelize's hooks re-enter modules
+        with tracker:
+            step()
+    [peak] = tracker.get_tracker_snapshot("peak").values()
+    names = {"PARAM": "param", "GRAD": "grad", "OPT": "opt", "BUFFER": "buffer", "ACT": "act", "TEMP": "temp",
+             "OTH": "other"}
+    out = {names[k.name]: int(v) for k, v in peak.items() if k != "Total"}
+    return {**out, "total": int(peak["Total"])}
