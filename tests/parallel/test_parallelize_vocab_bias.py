@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardzoo.testing import run_on_ranks
-from shardzoo.testing.asserts import assert_close_conditioned, error_messages
-from shardzoo.testing.dtypes import TINY_MODEL_TERMS
+from shardzoo.testing.asserts import error_messages
 from shardzoo.testing.meshes import with_world
 from shardzoo.testing.pools import cached_mesh
+from support.user_model import sgd_steps_match
 
 VOCAB, HIDDEN, HEADS, SEQ = 63, 32, 4, 16  # 63 rows: the vocabulary blocks end in padding
 PLAN = {
@@ -95,8 +95,6 @@ class TinyEncoder(nn.Module):
 def check_encoder(mesh_kwargs: dict, padded: bool) -> bool:
     """On every rank: the parallelized encoder equals its serial twin (loss, logits, every
     parameter after one SGD step)."""
-    import shardzoo
-
     torch.manual_seed(0)
     serial = TinyEncoder()
     exact, parallel = copy.deepcopy(serial).double(), copy.deepcopy(serial)
@@ -107,33 +105,7 @@ def check_encoder(mesh_kwargs: dict, padded: bool) -> bool:
         mask = torch.ones(4, SEQ, dtype=torch.long)
         mask[1, -5:], mask[3, -11:] = 0, 0
         labels[mask == 0] = -100
-
-    def serial_step(model):
-        logits = model(ids, mask)
-        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
-        loss.backward()
-        with torch.no_grad():
-            for p in model.parameters():
-                p -= p.grad
-        return logits.detach(), loss.detach()
-
-    (logits_s, loss_s), (logits_x, loss_x) = serial_step(serial), serial_step(exact)
-    mesh = cached_mesh(**mesh_kwargs)
-    shardzoo.parallelize(parallel, mesh, PLAN)
-    wrapped = shardzoo.data_parallel(parallel, mesh) if mesh.sp_size > 1 else parallel  # sp ranks: averaged
-    logits = wrapped(input_ids=ids, attention_mask=mask)
-    loss = shardzoo.lm_loss(parallel, logits, labels)
-    loss.backward()
-    with torch.no_grad():
-        for p in parallel.parameters():
-            p -= p.grad
-    assert_close_conditioned(loss.detach(), loss_s, loss_x, "loss", terms=TINY_MODEL_TERMS)
-    assert_close_conditioned(shardzoo.gather_logits(parallel, logits.detach()), logits_s, logits_x, "logits",
-                             terms=TINY_MODEL_TERMS)
-    full, reference, exact_state = shardzoo.full_state_dict(parallel), serial.state_dict(), exact.state_dict()
-    assert set(full) == set(reference), sorted(set(full) ^ set(reference))
-    for name, value in reference.items():
-        assert_close_conditioned(full[name], value, exact_state[name], f"{name} after a step", terms=TINY_MODEL_TERMS)
+    sgd_steps_match(serial, exact, parallel, cached_mesh(**mesh_kwargs), PLAN, ids, mask, labels, shift=False)
     return True
 
 

@@ -88,8 +88,6 @@ def check_user_model(mesh_kwargs: dict, sp_mode: str = "ring", padded: bool = Fa
     logits, every parameter after one SGD step); ``padded``: rows padded on the right, the
     padding mask passed as ``attention_mask``; ``dense``: with the 'dense' projection. Returns
     the largest parameter difference."""
-    import shardzoo
-
     torch.manual_seed(0)
     serial = TinyLM(dense=dense)
     exact, parallel = copy.deepcopy(serial).double(), copy.deepcopy(serial)
@@ -101,28 +99,34 @@ def check_user_model(mesh_kwargs: dict, sp_mode: str = "ring", padded: bool = Fa
         mask = torch.ones(4, 16, dtype=torch.long)
         mask[1, -5:], mask[3, -9:] = 0, 0
         labels[mask == 0] = -100
+    mesh = cached_mesh(**mesh_kwargs)
+    plan = {**PLAN, "proj": "dense"} if dense else PLAN
+    return sgd_steps_match(serial, exact, parallel, mesh, plan, ids, mask, labels, shift=True, sp_mode=sp_mode)
+
+
+def sgd_steps_match(serial: nn.Module, exact: nn.Module, parallel: nn.Module, mesh, plan: dict, ids, mask, labels,
+                    shift: bool, sp_mode: str = "ring") -> float:
+    """One SGD step (learning rate 1) of ``serial``, its fp64 twin ``exact`` and ``parallel``
+    (split here by ``parallelize(parallel, mesh, plan)``) on token ids [b, s] with the padding
+    ``mask`` [b, s] (or None) and ``labels`` [b, s] (-100: ignored; ``shift``: a causal LM's
+    next-token targets): loss, gathered logits and every parameter after the step equal the
+    serial run within the reorder bound at its measured noise. Returns the largest parameter
+    difference."""
+    import shardzoo
 
     def serial_step(model):
         logits = model(ids, mask)
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
-        loss.backward()
-        with torch.no_grad():
-            for p in model.parameters():
-                p -= p.grad
-        return logits.detach(), loss.detach()
+        if shift:
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+        else:
+            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return logits.detach(), sgd_step(model, loss)
 
     (logits_s, loss_s), (logits_x, loss_x) = serial_step(serial), serial_step(exact)
-    mesh = cached_mesh(**mesh_kwargs)
-    shardzoo.parallelize(parallel, mesh, {**PLAN, "proj": "dense"} if dense else PLAN, sp_mode=sp_mode)
-    # sp ranks hold other tokens of the same rows: DDP averages their gradients
-    wrapped = shardzoo.data_parallel(parallel, mesh) if mesh.sp_size > 1 else parallel
-    logits = wrapped(input_ids=ids, attention_mask=mask)
-    loss = shardzoo.lm_loss(parallel, logits, labels)
-    loss.backward()
-    with torch.no_grad():
-        for p in parallel.parameters():
-            p -= p.grad
-    assert_close_conditioned(loss.detach(), loss_s, loss_x, "loss", terms=TINY_MODEL_TERMS)
+    shardzoo.parallelize(parallel, mesh, plan, sp_mode=sp_mode)
+    logits = parallel(input_ids=ids, attention_mask=mask)
+    loss = sgd_step(parallel, shardzoo.lm_loss(parallel, logits, labels))
+    assert_close_conditioned(loss, loss_s, loss_x, "loss", terms=TINY_MODEL_TERMS)
     assert_close_conditioned(shardzoo.gather_logits(parallel, logits.detach()), logits_s, logits_x, "logits",
                              terms=TINY_MODEL_TERMS)
     full, reference, exact_state = shardzoo.full_state_dict(parallel), serial.state_dict(), exact.state_dict()
