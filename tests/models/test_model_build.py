@@ -165,7 +165,8 @@ def pipelined_dp_grads(layout):
     import torch.distributed as dist
 
     from shardzoo.models import GPT2, GPT2Config
-    from shardzoo.models.pipeline import build_schedule, sync_tied_grads
+    from shardzoo.models.pipeline import build_schedule
+    from support.zero_stack import pipeline_step
     from shardzoo.models.training import average_grads
     from shardzoo.parallel import data_parallel, ddp_of
 
@@ -180,11 +181,7 @@ def pipelined_dp_grads(layout):
         schedule = build_schedule([(mesh.pp_rank, stage)], mesh, n_microbatches=2, loss_fn=model.loss)
         for _ in range(2):  # DDP rebuilds its buckets after the first step
             model.zero_grad()
-            if model.is_first:
-                schedule.step(model.shard_input(ids))
-            else:
-                schedule.step(target=model.shard_target(target))
-            sync_tied_grads([stage], mesh)
+            pipeline_step(schedule, model, ids, target, mesh)
             if not use_ddp:
                 average_grads(model, mesh)
         grads[use_ddp] = {n: p.grad.clone() for n, p in model.named_parameters()}

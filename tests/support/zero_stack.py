@@ -280,7 +280,7 @@ def train_pipelined(layout: str, zero: int, clip: float):
     """Pipeline stages (1F1B, 2 microbatches) each wrapped by data_parallel, clipped by the
     global norm; ({name: full weight} of this stage, norms) from dp = tp = 0 ranks."""
     import shardzoo
-    from shardzoo.models.pipeline import build_schedule, sync_tied_grads
+    from shardzoo.models.pipeline import build_schedule
     from shardzoo.models.training import clip_grad_norm_
 
     mesh = mesh_of(layout)
@@ -292,11 +292,7 @@ def train_pipelined(layout: str, zero: int, clip: float):
     for step in range(STEPS):
         ids, target = (dp_rows(t, mesh) for t in batch(step))
         opt.zero_grad()
-        if stage.is_first:
-            schedule.step(stage.shard_input(ids))
-        else:
-            schedule.step(target=stage.shard_target(target))
-        sync_tied_grads([stage], mesh)
+        pipeline_step(schedule, stage, ids, target, mesh)
         norms.append(float(clip_grad_norm_([stage], clip, mesh)))
         opt.step()
     weights = shardzoo.full_state_dict(stage)
@@ -376,3 +372,15 @@ def wrapped_in_place(layout: str) -> dict:
                          engine="ddp" if ddp_of(wrapped) is not None else type(wrapped).__mro__[1].__name__,
                          averaged=averaged)
     return out
+
+
+def pipeline_step(schedule, stage, ids, target, mesh) -> None:
+    """One pipeline schedule step of a family's stage: the first stage feeds the token ids
+    [b, s], the last the targets [b, s]; then the tied table's gradients are synchronised."""
+    from shardzoo.models.pipeline import sync_tied_grads
+
+    if stage.is_first:
+        schedule.step(stage.shard_input(ids))
+    else:
+        schedule.step(target=stage.shard_target(target))
+    sync_tied_grads([stage], mesh)
