@@ -332,7 +332,8 @@ def tracked_memory(spec: dict) -> dict:
     tracker = MemTracker()
     tracker.track_external(model, opt)
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The module hierarchy tracking")  # parallelize's hooks re-enter modules
+        # parallelize's hooks call modules inside other modules' hooks, which the tracker warns of
+        warnings.filterwarnings("ignore", message="The module hierarchy tracking")
         with tracker:
             step()
     [peak] = tracker.get_tracker_snapshot("peak").values()

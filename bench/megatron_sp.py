@@ -65,6 +65,10 @@ def predicted(args, hw, sequence_parallel: bool) -> dict:
     return dict(activation=m.activations + m.workspace, tensors=m.peak - m.runtime, step_s=cand.step_seconds)
 
 
+def _versus(predicted_bytes: int, measured_bytes: int) -> str:
+    return f"{predicted_bytes / MIB:.1f} ({(predicted_bytes - measured_bytes) / measured_bytes:+.1%})"
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tp", type=int, default=4)
@@ -78,21 +82,23 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=4, help="training steps per timed run, the first a warm-up")
     ap.add_argument("--reps", type=int, default=3, help="rounds of the three variants, in alternating order")
     ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--cached-hardware", action="store_true",
+                    help="reuse the cached calibration instead of measuring this host again before the runs")
     args = ap.parse_args(argv)
     from _measure import run_layout, tracked_memory
 
     from shardzoo.comm.workers import WorkerPool
     from shardzoo.planner.calibration import calibrate
 
-    hw = calibrate(use_cache=True)
+    hw = calibrate(use_cache=args.cached_hardware)
     runs: dict[str, list[float]] = {v: [] for v in VARIANTS}
     memory: dict[str, dict] = {}
     with WorkerPool(args.tp, timeout=args.timeout) as pool:
         for v in ("off", "on"):
             got = pool.run(tracked_memory, spec_of(args, v == "on"))
             memory[v] = max(got, key=activation_peak)
-            print(f"{v}: peak {memory[v]['total'] / MIB:.1f} MiB of tensors, activations {activation_peak(memory[v]) / MIB:.1f}",
-                  flush=True)
+            act = activation_peak(memory[v])
+            print(f"{v}: peak {memory[v]['total'] / MIB:.1f} MiB of tensors, activations {act / MIB:.1f}", flush=True)
         for rep in range(args.reps):
             for v in VARIANTS if rep % 2 == 0 else VARIANTS[::-1]:
                 runs[v].append(max(r["step_s"] for r in pool.run(run_layout, spec_of(args, v == "on"))))
@@ -109,24 +115,24 @@ def main(argv=None) -> None:
                      tensor_peak_bytes=mem["total"], memory=mem, predicted=p)
         data["variants"][v] = entry
         rows.append([v, f"{entry['step_s']:.3f}", f"{entry['step_ratio']:.3f}", f"{act / MIB:.1f}",
-                     f"{entry['activation_ratio']:.3f}", f"{p['activation'] / MIB:.1f} ({(p['activation'] - act) / act:+.1%})",
-                     f"{mem['total'] / MIB:.1f}", f"{p['tensors'] / MIB:.1f} ({(p['tensors'] - mem['total']) / mem['total']:+.1%})",
-                     f"{p['step_s']:.3f}"])
+                     f"{entry['activation_ratio']:.3f}", _versus(p["activation"], act), f"{mem['total'] / MIB:.1f}",
+                     _versus(p["tensors"], mem["total"]), f"{p['step_s']:.3f}"])
     headers = ["Megatron SP", "step s (median)", "step / off (paired)", "activation peak MiB / rank",
                "activation / off", "planner's activation peak MiB (error)", "tensor peak MiB / rank",
                "planner's peak less runtime MiB (error)", "planner step s"]
     table = markdown_table(headers, rows)
     print(table)
-    cfg = llama_config(args)
+    cfg, source = llama_config(args), hw.source.split(":")[0]
     note = (f"transformers LlamaForCausalLM ({args.layers} blocks, hidden {cfg['hidden_size']}, {args.heads} heads, "
-            f"intermediate {args.ffn}, vocabulary {args.vocab}), fp32, split by shardzoo.parallelize in 1d tp={args.tp}, "
+            f"intermediate {args.ffn}, vocabulary {args.vocab}), fp32, split by shardzoo.parallelize in 1d "
+            f"tp={args.tp}, "
             f"batch {args.batch} x {args.seq} tokens, AdamW, one pool of {args.tp} ranks on this host's cores. Memory: "
             f"one step after a warm-up, under torch.distributed._tools.mem_tracker.MemTracker on every rank, worst "
             f"rank; the activation peak is the live tensors at the step's peak less parameters, gradients, optimizer "
             f"state and buffers (saved for backward, and transient). The A/A row repeats off's memory; its timings "
             f"are runs of their own. Timing: {args.reps} rounds of the three variants in alternating order, "
             f"{args.steps - 1} timed steps per run after a warm-up step, slowest rank, median. The planner: "
-            f"shardzoo.planner.api.price on the cached calibration of this host; its activation peak is its "
+            f"shardzoo.planner.api.price on this host's calibration ({source}); its activation peak is its "
             f"activation term plus its workspace.")
     write_results("megatron_sp", "Megatron sequence parallelism in 1d: activation memory and step time "
                   "(bench/megatron_sp.py)", table, data, note)
