@@ -194,9 +194,10 @@ def published_runs(names=None) -> tuple[list[list], list[dict]]:
         v = r["virtual_stages"]
         theirs = price(shape, r["gpus"], r["batch"], seq, dict(dp=dp, pp=r["pp"], tp=r["tp"]), micro_batches=m,
                        checkpointing=True, hardware=data["hardware"], schedule="interleaved" if v > 1 else "1f1b",
-                       virtual_stages=v, attention="materialized")
+                       virtual_stages=v, attention="materialized", sequence_parallel=data["sequence_parallel"])
         start = time.perf_counter()
-        planned = plan(shape, r["gpus"], 80, r["batch"], seq, hardware=data["hardware"], attention="materialized")
+        planned = plan(shape, r["gpus"], 80, r["batch"], seq, hardware=data["hardware"], attention="materialized",
+                       sequence_parallel=data["sequence_parallel"])
         plan_s = time.perf_counter() - start
         ratio = theirs.model_tflops_per_device / r["tflops_per_gpu"]
         layout = f"dp={dp} pp={r['pp']} tp={r['tp']}, {m} x {r['batch'] // dp // m}" + (f", v={v}" if v > 1 else "")

@@ -27,13 +27,15 @@ def gpt(row):
 
 def priced(row):
     """The row in its published layout: its micro-batch size (pp = 1 runs the replica's batch
-    as one), full recomputation, its schedule, Megatron-LM's materialized attention."""
+    as one), full recomputation, its schedule, Megatron-LM's materialized attention, and no
+    sequence parallelism (the activations between tp layers replicated, as these runs held them)."""
     dp = row["gpus"] // (row["tp"] * row["pp"])
     m = 1 if row["pp"] == 1 else row["batch"] // dp // row["micro_batch"]
     v = row["virtual_stages"]
     return price(gpt(row), row["gpus"], row["batch"], PUBLISHED["seq"], dict(dp=dp, pp=row["pp"], tp=row["tp"]),
                  micro_batches=m, checkpointing=True, hardware=PUBLISHED["hardware"],
-                 schedule="interleaved" if v > 1 else "1f1b", virtual_stages=v, attention="materialized")
+                 schedule="interleaved" if v > 1 else "1f1b", virtual_stages=v, attention="materialized",
+                 sequence_parallel=PUBLISHED["sequence_parallel"])
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[r["name"] for r in ROWS])
