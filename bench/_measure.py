@@ -270,7 +270,7 @@ def saved_bytes(spec: dict) -> dict:
     (the planner's activation terms, measured)."""
     from shardzoo.comm.mesh_cache import cached_mesh
 
-    from shardzoo.parallel.checkpointing import block_names
+    from shardzoo.parallel.activation_checkpointing import block_names
 
     mesh = cached_mesh(**spec["layout"])
     hf = "hf" in spec

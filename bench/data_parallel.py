@@ -69,7 +69,7 @@ def serial_stack(h, blocks):
 
 def shardzoo_stack(serial, mesh):
     from shardzoo.layers.linear_1d import ParallelLinear1D
-    from shardzoo.layers.norm import LayerNorm1D
+    from shardzoo.layers.norm_1d import LayerNorm1D
 
     model = Stack([Block(LayerNorm1D.from_serial(b.norm, mesh), ParallelLinear1D.from_serial(b.fc1, mesh, style="column"),
                          ParallelLinear1D.from_serial(b.fc2, mesh, style="row")) for b in serial.layers])

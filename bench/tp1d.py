@@ -54,7 +54,7 @@ def serial_block(h, ffn, dtype):
 
 def shardzoo_block(serial, mesh, sp):
     from shardzoo.layers.linear_1d import ParallelLinear1D
-    from shardzoo.layers.norm import LayerNorm1D
+    from shardzoo.layers.norm_1d import LayerNorm1D
 
     return MLPBlock(LayerNorm1D.from_serial(serial.norm, mesh, sequence_parallel=sp),
                     ParallelLinear1D.from_serial(serial.fc1, mesh, style="column", sequence_parallel=sp),

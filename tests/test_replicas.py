@@ -20,7 +20,7 @@ def draws_after_mesh(sync_rng):
     """Each rank seeded differently, then a dp=2 x tp=2 mesh: (default-stream draw, tp-stream
     draw) per rank."""
     from shardzoo import ParallelMesh
-    from shardzoo.layers.random import tp_rng
+    from shardzoo.layers.rng_streams import tp_rng
 
     torch.manual_seed(100 + dist.get_rank())  # as unseeded ranks are: all different
     mesh = ParallelMesh(dp=2, tp=2, sync_rng=sync_rng)

@@ -4,7 +4,7 @@ Steps (each one agreed by all ranks, so a failure anywhere raises everywhere):
 1. rank 0 checks the target, creates and locks ``<dir>.tmp-<token>`` (refused while another save
    into ``<dir>`` runs), restores or removes what earlier saves left (atomic.py);
 2. every rank offers the valid boxes the writer rule gives it; one all-gather, and every rank
-   computes the same plan (each distinct piece to the lowest rank offering it);
+   computes the same write assignment (each distinct piece to the lowest rank offering it);
 3. each writing rank streams its pieces into ``shard-<rank>.safetensors`` and fsyncs it;
 4. barrier (with the collective timeout); rank 0 writes ``index.json`` last, fsyncs, swaps
    the directory into place. On failure the temp dir is removed and the old checkpoint stays.
@@ -23,10 +23,10 @@ from shardzoo.checkpoint.errors import CheckpointError
 from shardzoo.checkpoint.index import (FORMAT, INDEX_NAME, VERSION, config_to_json, mesh_layout, own_config, shard_file_name,
                                        write_json_durably)
 from shardzoo.checkpoint.optim import merge_metas, optimizer_tensors
-from shardzoo.checkpoint.plan import Offer, pieces_of_rank, plan_writes
 from shardzoo.checkpoint.safetensors_io import SafetensorsWriter, dtype_name
 from shardzoo.checkpoint.sync import Ranks, describe
 from shardzoo.checkpoint.tensors import LocalTensor, is_candidate_writer, model_tensors, volume
+from shardzoo.checkpoint.write_assignment import Offer, assign_writes, pieces_of_rank
 from shardzoo.layers import replicas
 from shardzoo.layers.dp_shard import reshard_fsdp
 from shardzoo.layers.replicas import find_mesh
@@ -152,12 +152,12 @@ def _save_into(model, optimizer, ranks: Ranks, mesh, tmp: str, what: str, config
     except Exception as e:
         error = describe(e)
     all_offers = ranks.agree(error, what, offers)
-    plans, problems = plan_writes(all_offers)  # the same on every rank
+    assignments, problems = assign_writes(all_offers)  # the same on every rank
     if problems:
         raise CheckpointError(f"{what} failed:\n" + "\n".join(problems))
     error, written = None, None
     try:
-        written = _write_shard_file(tmp, ranks.rank, local, pieces_of_rank(plans, ranks.rank))
+        written = _write_shard_file(tmp, ranks.rank, local, pieces_of_rank(assignments, ranks.rank))
     except Exception as e:
         error = describe(e)
     ranks.barrier()  # every shard is on disk (or its rank failed) before the index is written
@@ -165,18 +165,18 @@ def _save_into(model, optimizer, ranks: Ranks, mesh, tmp: str, what: str, config
     error = None
     if ranks.rank == 0:
         try:
-            index = _build_index(plans, replies, mesh, ranks.world, config, layout)
+            index = _build_index(assignments, replies, mesh, ranks.world, config, layout)
             write_json_durably(os.path.join(tmp, INDEX_NAME), index)
         except Exception as e:
             error = describe(e)
     ranks.agree(error, what)
 
 
-def _build_index(plans, replies, mesh, world: int, config, layout) -> dict:
+def _build_index(assignments, replies, mesh, world: int, config, layout) -> dict:
     config_json, config_class = config_to_json(config)
     sections: dict[str, dict] = {"model": {}, "optimizer": {}}
-    for (section, name), plan in plans.items():
-        sections[section][name] = {"dtype": plan.dtype, "shape": list(plan.global_shape), "pieces": []}
+    for (section, name), assignment in assignments.items():
+        sections[section][name] = {"dtype": assignment.dtype, "shape": list(assignment.global_shape), "pieces": []}
     files, aliases, metas = {}, {}, []
     for written, rank_aliases, meta, serial in replies:
         aliases.update(rank_aliases)

@@ -133,7 +133,7 @@ class ParallelMesh:
             activations replicated over tp, and any other draw outside the tp region, is the
             same on all of them (one ~5 KB broadcast per sp / tp axis of size > 1, now). Ranks
             already alike are left exactly as they were. The per-rank tp stream
-            (layers/random.py) still differs per tp rank. False leaves every generator alone.
+            (layers/rng_streams.py) still differs per tp rank. False leaves every generator alone.
 
     Axis names: "dp", "pp", "sp", "tp" and the tp sub-axes of the mode (module docstring).
     ``mesh.group("tp_row", "tp_col")`` returns the group spanning several axes.

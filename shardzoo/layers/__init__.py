@@ -22,15 +22,15 @@ from shardzoo.layers.linear_1d import ParallelLinear1D
 from shardzoo.layers.linear_2d import ParallelLinear2D
 from shardzoo.layers.linear_2p5d import ParallelLinear2p5D
 from shardzoo.layers.linear_3d import ParallelLinear3D
-from shardzoo.layers.norm import LayerNorm1D, RMSNorm1D
+from shardzoo.layers.norm_1d import LayerNorm1D, RMSNorm1D
 from shardzoo.layers.norm_2d import LayerNorm2D, RMSNorm2D
 from shardzoo.layers.norm_2p5d import LayerNorm2p5D, RMSNorm2p5D
 from shardzoo.layers.norm_3d import LayerNorm3D, RMSNorm3D
 from shardzoo.layers.patch_embedding_1d import PatchEmbedding1D
 from shardzoo.layers.patch_embedding_2d import PatchEmbedding2D
 from shardzoo.layers.packing import cu_seqlens_from_position_ids, split_documents
-from shardzoo.layers.random import ParallelDropout, RNGStreams, dropout, manual_seed, rng_streams, tp_rng
 from shardzoo.layers.ring_attention import RingAttentionFunction, ring_attention
+from shardzoo.layers.rng_streams import ParallelDropout, RNGStreams, dropout, manual_seed, rng_streams, tp_rng
 from shardzoo.layers.sequence import gather_padding_mask, gather_sequence, shard_padding_mask, shard_sequence
 from shardzoo.layers.full_state import full_state_dict
 from shardzoo.layers.shard_spec import ShardSpec, gather_full, get_shard_spec, set_shard_spec

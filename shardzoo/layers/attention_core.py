@@ -7,7 +7,7 @@ when sp = 1, ring attention or Ulysses when sp > 1. Shards follow ``shard_sequen
 Dropout on the attention probabilities runs inside the block kernel with a stateless mask, a
 hash of (seed, global batch row, global head, global query position, global key position)
 (``shardzoo/kernels/dropout_mask.py``). The seed is drawn once per call from torch's default
-generator, which every tp and sp rank seeds alike (``layers/random.py``'s default stream), and
+generator, which every tp and sp rank seeds alike (``layers/rng_streams.py``'s default stream), and
 the caller passes the global index of its first head and batch row, so every layout of a tp x sp
 mesh draws exactly the serial model's mask. Eval, or ``dropout_p == 0``, draws nothing.
 """

@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardzoo.layers import random
 from shardzoo.layers.module import ParallelModule
 from shardzoo.layers.patch_embedding_2d import check_projection, serial_patch_embedding
+from shardzoo.layers.rng_streams import dropout as stream_dropout
 
 
 def _copy(t: torch.Tensor | None, device) -> nn.Parameter | None:
@@ -56,7 +56,7 @@ class PatchEmbedding1D(ParallelModule):
         proj = self.patch_embeddings.projection
         patches = F.conv2d(pixels, proj.weight, proj.bias, stride=self.patch_size).flatten(2).transpose(1, 2)
         x = torch.cat([self.cls_token.expand(patches.shape[0], -1, -1), patches], 1) + self.position_embeddings
-        return random.dropout(x, self.dropout, mesh=self.mesh, parallel_region=False, training=self.training)
+        return stream_dropout(x, self.dropout, mesh=self.mesh, parallel_region=False, training=self.training)
 
 
     def extra_repr(self) -> str:

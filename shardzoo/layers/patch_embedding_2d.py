@@ -10,7 +10,7 @@ Pixels [B, C, img, img] are split along the batch only (``shard_input``); every 
 by H (conv weight and bias along the output channels, cls token, position embeddings) is split
 like an embedding table: q * size(param_axes) chunks, gathered over ``param_axes`` in forward
 into this rank's hidden block, so the output is [B/parts, N+1, H/q] in the layer's layout.
-Dropout draws from the per-tp-rank stream (layers/random.py): every rank holds a distinct block.
+Dropout draws from the per-tp-rank stream (layers/rng_streams.py): every rank holds a distinct block.
 Parameter names follow ``ViTEmbeddings`` (``cls_token``, ``position_embeddings``,
 ``patch_embeddings.projection.weight`` / ``.bias``), so ``full_state_dict`` loads into it.
 """
@@ -22,8 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardzoo import comm
-from shardzoo.layers import layouts, random
+from shardzoo.layers import layouts
 from shardzoo.layers.layouts import ActivationLayout
+from shardzoo.layers.rng_streams import dropout as stream_dropout
 
 # (owner path, name, hidden dim); names follow HF ViTEmbeddings so full_state_dict loads into it
 _PARAMS = (("patch_embeddings.projection", "weight", 0), ("patch_embeddings.projection", "bias", 0),
@@ -110,7 +111,7 @@ class GridPatchEmbedding(layouts.GridModule):
         pixels = comm.copy_to(pixels, self.mesh.group(self.layout.hidden_axis))
         patches = F.conv2d(pixels, weight, bias, stride=self.patch_size).flatten(2).transpose(1, 2)
         x = torch.cat([cls_token.expand(patches.shape[0], -1, -1), patches], 1) + positions
-        return random.dropout(x, self.dropout, mesh=self.mesh, training=self.training)
+        return stream_dropout(x, self.dropout, mesh=self.mesh, training=self.training)
 
     def shard_input(self, pixels_full: torch.Tensor) -> torch.Tensor:
         """Pixels [B, C, img, img] (replicated) -> this rank's batch block [B/parts, C, img, img]."""

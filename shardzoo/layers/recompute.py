@@ -1,7 +1,7 @@
 """What an activation-checkpoint recompute must replay besides torch's own RNG state.
 
 ``torch.utils.checkpoint`` saves and restores torch's default generator around a recompute,
-but not the mesh's tp dropout stream (layers/random.py), which a block draws from inside
+but not the mesh's tp dropout stream (layers/rng_streams.py), which a block draws from inside
 ``fork("tp")``; :func:`stream_contexts` saves and replays it.
 """
 
@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import contextlib
 
-from shardzoo.layers import random as tp_random
+from shardzoo.layers.rng_streams import rng_streams
 
 
 def stream_contexts(mesh):
     """(forward, recompute) context managers for ``torch.utils.checkpoint``'s ``context_fn``:
-    the forward one saves the mesh's dropout streams (layers/random.py), the recompute one
+    the forward one saves the mesh's dropout streams (layers/rng_streams.py), the recompute one
     replays from those states and then puts back the states it found, so the recomputed block
     draws the same dropout masks (Megatron's ``CheckpointFunction`` does the same with its
     tracker) and later draws are unaffected."""
@@ -22,12 +22,12 @@ def stream_contexts(mesh):
 
     @contextlib.contextmanager
     def forward():
-        saved.update(tp_random.rng_streams(mesh).get_states())
+        saved.update(rng_streams(mesh).get_states())
         yield
 
     @contextlib.contextmanager
     def recompute():
-        streams = tp_random.rng_streams(mesh)
+        streams = rng_streams(mesh)
         current = streams.get_states()
         streams.set_states(saved)
         try:

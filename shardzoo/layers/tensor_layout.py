@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from shardzoo.comm import collectives as comm
-from shardzoo.layers import layouts, random
+from shardzoo.layers import layouts
 from shardzoo.layers.embedding_1d import VocabParallelEmbedding1D
 from shardzoo.layers.embedding_2d import Embedding2D, VocabParallelEmbedding2D
 from shardzoo.layers.embedding_2p5d import Embedding2p5D, PatchEmbedding2p5D, VocabParallelEmbedding2p5D
@@ -41,12 +41,13 @@ from shardzoo.layers.linear_1d import ParallelLinear1D
 from shardzoo.layers.linear_2d import ParallelLinear2D
 from shardzoo.layers.linear_2p5d import ParallelLinear2p5D
 from shardzoo.layers.linear_3d import ParallelLinear3D
-from shardzoo.layers.norm import LayerNorm1D, RMSNorm1D
+from shardzoo.layers.norm_1d import LayerNorm1D, RMSNorm1D
 from shardzoo.layers.norm_2d import LayerNorm2D, RMSNorm2D
 from shardzoo.layers.norm_2p5d import LayerNorm2p5D, RMSNorm2p5D
 from shardzoo.layers.norm_3d import LayerNorm3D, RMSNorm3D
 from shardzoo.layers.patch_embedding_1d import PatchEmbedding1D
 from shardzoo.layers.patch_embedding_2d import PatchEmbedding2D
+from shardzoo.layers.rng_streams import dropout as stream_dropout
 
 STYLES = ("column", "row")
 
@@ -239,7 +240,7 @@ class TensorLayout:
     def dropout(self, x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
         """Dropout on an activation between blocks: per-rank masks where it is split over tp
         (``parallel_region``), the same mask on every tp rank where it is replicated (1D)."""
-        return random.dropout(x, p, mesh=self.mesh, parallel_region=self.parallel_region, training=training)
+        return stream_dropout(x, p, mesh=self.mesh, parallel_region=self.parallel_region, training=training)
 
     def head_axis(self, layout: ActivationLayout | None = None) -> tuple[str, int]:
         """(mesh axis splitting the attention heads, its size) for activations in ``layout``."""

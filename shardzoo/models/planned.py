@@ -26,7 +26,7 @@ from shardzoo.layers.attention_core import check_heads
 from shardzoo.layers.tensor_layout import layout_of
 from shardzoo.models import common
 from shardzoo.models.pipeline import StagedModel
-from shardzoo.parallel.patches import mask_padding
+from shardzoo.parallel.patch_embedding import mask_padding
 from shardzoo.parallel.stage import split_stage
 
 

@@ -3,7 +3,7 @@
 A plain ``nn.Dropout`` draws from torch's generator on each rank on its own; on an activation
 that is replicated over tp that is the same mask on every tp rank only while every rank has
 drawn exactly the same numbers before, and the replicas drift apart silently once they have
-not. ``ParallelDropout`` (layers/random.py) draws from the mesh's streams, where the layout says
+not. ``ParallelDropout`` (layers/rng_streams.py) draws from the mesh's streams, where the layout says
 its activations between blocks are: the default stream, kept equal over tp, where they are
 replicated (1d), the per-rank tp stream where they are split (the grids; the layout's
 ``parallel_region``).
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from shardzoo.layers.random import ParallelDropout
+from shardzoo.layers.rng_streams import ParallelDropout
 from shardzoo.layers.tensor_layout import layout_of
 
 

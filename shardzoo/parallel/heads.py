@@ -38,7 +38,7 @@ _MARKERS = HEAD_ATTRS + GROUP_ATTRS + ("head_dim",)
 
 
 @dataclass
-class Attention:
+class AttentionHeads:
     """One attention module: its global head counts, the head parts of the layout, and which
     planned projections carry q heads and which kv heads."""
 
@@ -77,13 +77,13 @@ def _looks_like_attention(module: nn.Module) -> bool:
     return any(n in module.__dict__ for n in _MARKERS) or "attention" in type(module).__name__.lower()
 
 
-def attention_modules(model: nn.Module, planned: dict, tpl, config_heads) -> dict[str, Attention]:
+def attention_modules(model: nn.Module, planned: dict, tpl, config_heads) -> dict[str, AttentionHeads]:
     """Every module with 'column' children that is an attention module, its counts checked
     against the layout. ``config_heads``: (heads, kv heads, head_dim) from a transformers
     config, used where the module itself holds no count."""
     axis = tpl.linear_output(tpl.activation).hidden_axis
     parts = tpl.mesh.size(axis)
-    found: dict[str, Attention] = {}
+    found: dict[str, AttentionHeads] = {}
     for name, module in model.named_modules():
         children = {f"{name}.{c}" if name else c: m for c, m in module.named_children()}
         columns = {n: m for n, m in children.items() if n in planned and planned[n][1] in COLUMN_STYLES}
@@ -96,7 +96,7 @@ def attention_modules(model: nn.Module, planned: dict, tpl, config_heads) -> dic
         kv = _int_attr(module, KV_ATTRS) or (config_heads[1] if config_heads else None) or heads
         head_dim = _int_attr(module, ("head_dim",)) or (config_heads[2] if config_heads else None)
         head_dim = head_dim or _out_features(next(iter(columns.values()))) // heads
-        spec = Attention(name, module, heads, kv, head_dim, parts, axis)
+        spec = AttentionHeads(name, module, heads, kv, head_dim, parts, axis)
         _check_counts(spec, tpl)
         _check_attributes(spec)
         for n, m in columns.items():
@@ -134,7 +134,7 @@ def head_parts_that_work(heads: int, kv_heads: int) -> list[int]:
     return [t for t in range(1, heads + 1) if head_parts_fit(heads, kv_heads, t)]
 
 
-def _check_counts(spec: Attention, tpl) -> None:
+def _check_counts(spec: AttentionHeads, tpl) -> None:
     p, n, kv = spec.parts, spec.heads, spec.kv_heads
     if head_parts_fit(n, kv, p):
         return
@@ -145,7 +145,7 @@ def _check_counts(spec: Attention, tpl) -> None:
                      f"{works}")
 
 
-def check_ulysses(attention: dict[str, Attention], sp: int) -> None:
+def check_ulysses(attention: dict[str, AttentionHeads], sp: int) -> None:
     """Refuse, before anything moves, heads Ulysses cannot split: it hands each of the ``sp``
     ranks whole heads of this rank's q heads, so their count must be a multiple of sp."""
     for spec in attention.values():
@@ -158,7 +158,7 @@ def check_ulysses(attention: dict[str, Attention], sp: int) -> None:
                              f"{spec.parts * sp} (e.g. {up})")
 
 
-def _check_attributes(spec: Attention) -> None:
+def _check_attributes(spec: AttentionHeads) -> None:
     """Refuse a head-named integer of the attention module that :func:`make_local` cannot set."""
     known = set(_local_values(spec)) | {"head_dim"}
     for attr, value in vars(spec.module).items():
@@ -169,7 +169,7 @@ def _check_attributes(spec: Attention) -> None:
                              f"{', '.join(HEAD_ATTRS + KV_ATTRS)} or use tp=1")
 
 
-def make_local(attention: dict[str, Attention]) -> None:
+def make_local(attention: dict[str, AttentionHeads]) -> None:
     """Set every head count and width an attention module (and its ``config``) holds to this
     rank's value (:func:`_check_attributes` refused the ones it cannot set)."""
     for spec in attention.values():
@@ -189,7 +189,7 @@ def make_local(attention: dict[str, Attention]) -> None:
             spec.module.config = config
 
 
-def _local_values(spec: Attention) -> dict:
+def _local_values(spec: AttentionHeads) -> dict:
     """attr -> fn(global value) -> local value, for the counts this attention module splits."""
     n, kv, d = spec.heads, spec.kv_heads, spec.head_dim
     hq, hkv = spec.local_heads, spec.local_kv_heads

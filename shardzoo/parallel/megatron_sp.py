@@ -7,7 +7,7 @@ rank's chunk of the sequence; its column layers all-gather the chunks once per t
 then reads the whole sequence's shape) and its row layers reduce-scatter their sum back to chunks. The same bytes
 travel as the all-reduce pair they replace; what each rank holds between blocks is 1/tp.
 
-The blocks are the children of the model's lists of repeated blocks (checkpointing.py finds
+The blocks are the children of the model's lists of repeated blocks (activation_checkpointing.py finds
 them by structure), so the layout covers what runs inside them. The first block of each list
 enters it (its hidden-states input, replicated over tp, is cut into chunks: no communication
 forward), the last one leaves it (the chunks are all-gathered), so the embeddings, the final
@@ -27,13 +27,13 @@ from __future__ import annotations
 from torch import nn
 
 from shardzoo.layers.linear_1d import ParallelLinear1D
-from shardzoo.layers.norm import LayerNorm1D, RMSNorm1D
-from shardzoo.layers.random import ParallelDropout
+from shardzoo.layers.norm_1d import LayerNorm1D, RMSNorm1D
+from shardzoo.layers.rng_streams import ParallelDropout
 from shardzoo.layers.sequence_shards import SequenceShards
-from shardzoo.parallel import checkpointing as block_checkpointing
+from shardzoo.parallel import activation_checkpointing
 from shardzoo.parallel.styles import STYLES
 
-_ATTR = block_checkpointing.SHARDS
+_ATTR = activation_checkpointing.SHARDS
 
 
 def shards_of(model: nn.Module) -> SequenceShards | None:
@@ -47,10 +47,10 @@ def applies(tpl, enabled: bool) -> bool:
 
 
 def block_lists(model: nn.Module) -> list[list[str]]:
-    """The model's lists of repeated blocks (checkpointing.py), each as its blocks' names in order;
+    """The model's lists of repeated blocks (activation_checkpointing.py), each as its blocks' names in order;
     [] when it has none."""
     try:
-        names = block_checkpointing.block_names(model)
+        names = activation_checkpointing.block_names(model)
     except ValueError:
         return []
     lists: dict[str, list[str]] = {}
@@ -113,7 +113,7 @@ def _on_chunks(module: nn.Module, shards: SequenceShards) -> None:
     if isinstance(module, ParallelLinear1D):
         module.use_sequence_shards(shards)
     elif isinstance(module, (LayerNorm1D, RMSNorm1D)):
-        module.sequence_parallel = True  # weight gradient summed over tp (norm.py)
+        module.sequence_parallel = True  # weight gradient summed over tp (norm_1d.py)
     elif isinstance(module, ParallelDropout):
         module.sequence = shards
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from shardzoo.layers.attention_core import SP_MODES
 from shardzoo.layers.tensor_layout import layout_of
-from shardzoo.parallel import checkpointing as block_checkpointing
+from shardzoo.parallel import activation_checkpointing
 from shardzoo.parallel import heads as head_counts
 from shardzoo.parallel import hf_model, inputs, megatron_sp, sdpa_mode, sp_grads
 from shardzoo.parallel.coverage import refuse_uncovered
@@ -50,7 +50,7 @@ def parallelize(model: nn.Module, mesh, plan: dict[str, str] | None = None, *, s
             / ``*LMHeadModel`` is; a module of one's own is unless its ``is_causal`` attribute
             is False.
         checkpointing: recompute each block in backward (activation checkpointing): every
-            child of the model's lists of repeated blocks (checkpointing.py), under
+            child of the model's lists of repeated blocks (activation_checkpointing.py), under
             ``torch.utils.checkpoint`` with the SDPA mode and the dropout streams replayed.
         check_inputs: "first" (default), "every" or "never": compare the inputs the tp and sp
             ranks of a dp replica were given (a checksum of the ids, mask, labels and positions,
@@ -122,7 +122,7 @@ def split_modules(model: nn.Module, mesh, plan: dict[str, str], *, causal: bool,
     tpl = layout_of(mesh)
     refuse_uncovered(model, planned, tpl, whole_tables)
     if checkpointing:
-        block_checkpointing.block_names(model)  # raises when there are no blocks
+        activation_checkpointing.block_names(model)  # raises when there are no blocks
     megatron_sp.check(model, planned, tpl, sequence_parallel)
     attention = head_counts.attention_modules(model, planned, tpl, config_heads)
     if mesh.sp_size > 1 and sp_mode == "ulysses":
@@ -156,10 +156,10 @@ def build_layers(ctx: Build) -> dict[str, nn.Module]:
 
 
 def install_checkpointing(model: nn.Module, state, checkpointing: bool) -> None:
-    """Recompute each block of ``model`` in backward when ``checkpointing`` (checkpointing.py)."""
+    """Recompute each block of ``model`` in backward when ``checkpointing`` (activation_checkpointing.py)."""
     if checkpointing:
-        for name in block_checkpointing.block_names(model):
-            block_checkpointing.install(model.get_submodule(name), model, state)
+        for name in activation_checkpointing.block_names(model):
+            activation_checkpointing.install(model.get_submodule(name), model, state)
 
 
 def _is_causal(model: nn.Module, hf: bool) -> bool:

@@ -135,7 +135,7 @@ def _leave(mode: SequenceParallelSDPA, output, where: str) -> None:
 
 def install(model: nn.Module, state, attention: dict | None = None) -> SequenceParallelSDPA:
     """Route ``model``'s SDPA calls over sp: the mode is entered during the forward of each
-    attention module of ``attention`` ({name: heads.Attention}, from ``split_modules``), or of
+    attention module of ``attention`` ({name: heads.AttentionHeads}, from ``split_modules``), or of
     the whole model where that is empty (module doc)."""
     owner = type(model).__name__
     mode = SequenceParallelSDPA(state, owner)

@@ -13,7 +13,7 @@ and may be one of several pipeline stages. So the stage builder takes the same m
 * a forward pre-hook that takes the padding mask argument (``key_padding_mask``, this rank's
   [b, s] shard) out of the call into the mode's state: the plain forward gets None and calls
   SDPA without a mask tensor, and the attention core applies the mask to keys on every rank;
-* activation checkpointing of the stage's blocks (checkpointing.py);
+* activation checkpointing of the stage's blocks (activation_checkpointing.py);
 * the same mask hook on each block, active only when the block is called on its own (outside
   the stage's forward, as a test or a probe running the blocks one by one does), so a block
   given this rank's shards and mask computes what it computes inside the stage.
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from shardzoo.parallel import checkpointing as block_checkpointing
+from shardzoo.parallel import activation_checkpointing
 from shardzoo.parallel import heads as head_counts
 from shardzoo.parallel import sdpa_mode
 from shardzoo.parallel.inputs import Parallelized
@@ -46,17 +46,17 @@ def split_stage(model: nn.Module, mesh, plan: dict[str, str], *, sp_mode: str, c
                                        partial=True, sequence_parallel=sequence_parallel)
     state = Parallelized(model, mesh, sp_mode, hf=False, causal=causal, head=None, embedding=None)
     sdpa_mode.install(model, state, attention)
-    inside = OnItsOwn(state)
+    inside = StageMaskHooks(state)
     model.register_forward_pre_hook(inside.enter_stage, with_kwargs=True)
     model.register_forward_hook(inside.leave_stage, always_call=True)
-    for name in block_checkpointing.block_names(model):  # a stage holds at least one block
+    for name in activation_checkpointing.block_names(model):  # a stage holds at least one block
         inside.install(model.get_submodule(name))
     head_counts.make_local(attention)
     install_checkpointing(model, state, checkpointing)
     return state
 
 
-class OnItsOwn:
+class StageMaskHooks:
     """The mask hooks of a stage and its blocks: the stage's forward takes the padding mask
     argument; a block called outside it (the stage's depth 0) takes its own, as the stage's
     forward would; inside the stage's forward the block's hooks do nothing."""

@@ -22,7 +22,7 @@ from torch import nn
 
 from shardzoo.parallel import heads as head_counts
 from shardzoo.parallel import hf_model
-from shardzoo.parallel.checkpointing import block_names
+from shardzoo.parallel.activation_checkpointing import block_names
 from shardzoo.parallel.dropouts import is_dropout
 from shardzoo.parallel.kinds import is_weighted_kind
 from shardzoo.parallel.parallelize import state_of
@@ -55,7 +55,7 @@ class Walk:
     model: nn.Module
     plan: dict[str, str]
     planned: dict[str, tuple[nn.Module, str, str]]  # name -> (module, style, pattern), as parallelize
-    attention: dict[str, head_counts.Attention]  # attention module name -> its counts (one head part)
+    attention: dict[str, head_counts.AttentionHeads]  # attention module name -> its counts (one head part)
     blocks: list[str]
     pre: list[Step]  # before the first block: the embeddings
     block: list[Step]  # the first block, priced once and repeated

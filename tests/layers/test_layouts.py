@@ -79,7 +79,7 @@ def check_patch_dropout(name, seed):
     a different mask on every tp rank, and off in eval mode."""
     import torch.distributed as dist
 
-    from shardzoo.layers import random
+    from shardzoo.layers.rng_streams import manual_seed
 
     mesh = mesh_of(name)
     torch.manual_seed(seed)
@@ -87,7 +87,7 @@ def check_patch_dropout(name, seed):
     pixels = layer.shard_input(torch.ones(2 * BATCH_PARTS[name], 1, 4, 4))
     runs = []
     for _ in range(2):
-        random.manual_seed(mesh, seed)
+        manual_seed(mesh, seed)
         runs.append(layer(pixels).detach())
     assert torch.equal(runs[0], runs[1]), "dropout is not reproducible from the seed"
     assert (runs[0] == 0).any() and (runs[0] != 0).any(), "p=0.5 dropped nothing or everything"

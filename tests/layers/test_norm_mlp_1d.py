@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from shardzoo.layers.linear_1d import ParallelLinear1D
-from shardzoo.layers.norm import LayerNorm1D, RMSNorm1D
+from shardzoo.layers.norm_1d import LayerNorm1D, RMSNorm1D
 from shardzoo.layers.full_state import full_state_dict
 from shardzoo.layers.shard_spec import gather_full, get_shard_spec
 from shardzoo.testing import assert_close_conditioned, cached_mesh, dtypes, run_on_ranks

@@ -141,7 +141,7 @@ def closed_mesh_is_freed():
     import weakref
 
     from shardzoo import ParallelMesh
-    from shardzoo.layers.random import rng_streams
+    from shardzoo.layers.rng_streams import rng_streams
 
     mesh = ParallelMesh(tp=2)
     layout_of(mesh), rng_streams(mesh)

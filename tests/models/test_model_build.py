@@ -29,7 +29,7 @@ def data(vocab, batch=4, seq=8, seed=100):
 
 # -- activation checkpointing with dropout ------------------------------------------------------
 def grads_with_dropout(layout):
-    from shardzoo.layers import random
+    from shardzoo.layers.rng_streams import manual_seed
     from shardzoo.models import GPT2, GPT2Config
 
     mesh = cached_mesh(**LAYOUTS[layout][0])
@@ -38,7 +38,7 @@ def grads_with_dropout(layout):
     grads = {}
     for flag in (False, True):
         model = GPT2(config, mesh=mesh, checkpointing=flag, seed=1).train()
-        random.manual_seed(mesh, 7)  # the same dropout masks in both runs, if replayed right
+        manual_seed(mesh, 7)  # the same dropout masks in both runs, if replayed right
         loss = model.loss(model(model.shard_input(ids)), model.shard_target(target))
         loss.backward()
         grads[flag] = {n: p.grad for n, p in model.named_parameters()}

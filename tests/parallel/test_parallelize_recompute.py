@@ -14,7 +14,7 @@ from support.user_model import PLAN, TinyLM
 def _grads(mesh, checkpointing: bool, dropout: float) -> tuple[dict, int]:
     """(this rank's gradient of every parameter, forwards of blocks.0) after one step."""
     import shardzoo
-    from shardzoo.layers import random
+    from shardzoo.layers.rng_streams import manual_seed
 
     torch.manual_seed(0)
     model = shardzoo.parallelize(TinyLM(dropout=dropout), mesh, PLAN, checkpointing=checkpointing)
@@ -24,7 +24,7 @@ def _grads(mesh, checkpointing: bool, dropout: float) -> tuple[dict, int]:
     ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(4, 16, dtype=torch.long)
     mask[1, -5:] = 0
-    random.manual_seed(mesh, 7)  # the default and tp streams start alike in both models
+    manual_seed(mesh, 7)  # the default and tp streams start alike in both models
     logits = wrapped(input_ids=ids, attention_mask=mask)
     shardzoo.lm_loss(model, logits, ids.masked_fill(mask == 0, -100)).backward()
     return {n: p.grad.clone() for n, p in model.named_parameters()}, len(calls)

@@ -73,7 +73,7 @@ def build(layout: str, seed: int, dtype=torch.float32) -> Stack:
     if mesh.tp_mode == "1d":
         from shardzoo.layers.embedding_1d import VocabParallelEmbedding1D
         from shardzoo.layers.linear_1d import ParallelLinear1D
-        from shardzoo.layers.norm import LayerNorm1D
+        from shardzoo.layers.norm_1d import LayerNorm1D
 
         if mesh.pp_size > 1 and mesh.pp_rank == 0:  # a pipeline stage keeps global names
             return Stack(VocabParallelEmbedding1D.from_serial(serial.emb, mesh), LayerNorm1D.from_serial(serial.ln, mesh),

@@ -2,7 +2,7 @@
 'embedding' (a small table whose output follows the activation layout; replicated in 1d),
 'position_embedding' (an 'embedding' indexed by local positions, mapped to this rank's global
 ones under sp: positions.py) and 'patch_embedding' (a ViTEmbeddings-like module making the
-tokens from pixels: patches.py). ids [b, s] (pixels [b, C, img, img]) -> [b, s, H_l].
+tokens from pixels: patch_embedding.py). ids [b, s] (pixels [b, C, img, img]) -> [b, s, H_l].
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from shardzoo.layers.embedding_3d import Embedding3D, PatchEmbedding3D, VocabPar
 from shardzoo.layers.patch_embedding_1d import PatchEmbedding1D
 from shardzoo.layers.patch_embedding_2d import PatchEmbedding2D
 from shardzoo.parallel import hf_model
-from shardzoo.parallel.patches import build_patch_embedding, check_patch_embedding
+from shardzoo.parallel.patch_embedding import build_patch_embedding, check_patch_embedding
 from shardzoo.parallel.positions import build_position_embedding
 from shardzoo.parallel.styles.base import Build, Layer, Style, Whole, canonical
 
@@ -62,7 +62,7 @@ class PositionEmbedding(Embedding):
 
 
 class PatchEmbedding(Style):
-    """A ViTEmbeddings-like module: pixels -> cls token + patches + positions (patches.py)."""
+    """A ViTEmbeddings-like module: pixels -> cls token + patches + positions (patch_embedding.py)."""
 
     name = "patch_embedding"
     needs = ("a ViTEmbeddings-like module: patch_embeddings.projection (nn.Conv2d), cls_token [1, 1, H] and "

@@ -13,7 +13,7 @@ import copy
 import torch
 from torch import nn
 
-from shardzoo.layers.norm import LayerNorm1D, RMSNorm1D
+from shardzoo.layers.norm_1d import LayerNorm1D, RMSNorm1D
 from shardzoo.layers.norm_2d import LayerNorm2D, RMSNorm2D
 from shardzoo.layers.norm_2p5d import LayerNorm2p5D, RMSNorm2p5D
 from shardzoo.layers.norm_3d import LayerNorm3D, RMSNorm3D

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardzoo.layers.random import (TP_SEED_OFFSET, ParallelDropout, RNGStreams, dropout, manual_seed, open_forks,
-                                    rng_streams, tp_rng)
+from shardzoo.layers.rng_streams import (TP_SEED_OFFSET, ParallelDropout, RNGStreams, dropout, manual_seed, open_forks,
+                                         rng_streams, tp_rng)
 from shardzoo.testing import cached_mesh, run_on_ranks
 
 SHAPE = (4, 8, 32)  # 1024 elements: two independent masks agree with probability ~2**-1024
