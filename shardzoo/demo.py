@@ -72,7 +72,7 @@ def demo_on_ranks(job: dict[str, Any]) -> dict[str, Any]:
     try:
         model = _load(family, job["weights"], mesh)
         serial = _load(family, job["weights"], serial_mesh)
-        parts = model.layout.batch_parts(mesh) if model.layout is not None else 1
+        parts = model.placement.batch_parts(mesh) if model.placement is not None else 1
         mask = None
         if family == "vit":
             x = pixels(model.config, parts)

@@ -248,7 +248,7 @@ SYNTHETIC = """
 import torch
 from shardzoo.comm import collectives
 from shardzoo import kernels
-import shardzoo.layers.layouts
+import shardzoo.layers.placements
 
 def f(name):
     from ..models import gpt2
@@ -270,7 +270,7 @@ def test_checker_catches_upward_imports():
 
 
 @pytest.mark.parametrize("source, module, is_package, target", [
-    ("from . import layouts", "shardzoo.layers", True, "shardzoo.layers.layouts"),
+    ("from . import placements", "shardzoo.layers", True, "shardzoo.layers.placements"),
     ("from .. import comm", "shardzoo.layers.linear_1d", False, "shardzoo.comm"),
     ("from ..comm.mesh import ParallelMesh", "shardzoo.layers.linear_1d", False, "shardzoo.comm.mesh"),
     ("from shardzoo import ParallelMesh", "shardzoo.demo", False, "shardzoo"),
@@ -282,4 +282,5 @@ def test_resolution(source, module, is_package, target):
 
 
 def test_lower_imports_pass():
-    assert violations("from shardzoo.comm import ops\nfrom ..layers import layouts\n", "shardzoo.models.x", "x.py") == []
+    source = "from shardzoo.comm import ops\nfrom ..layers import placements\n"
+    assert violations(source, "shardzoo.models.x", "x.py") == []

@@ -16,7 +16,7 @@ from shardzoo.layers.head_1d import Classifier1D, LMHead1D
 from shardzoo.layers.head_2d import Classifier2D, LMHead2D
 from shardzoo.layers.head_2p5d import Classifier2p5D, LMHead2p5D
 from shardzoo.layers.head_3d import Classifier3D, LMHead3D
-from shardzoo.layers.layouts import (ActivationLayout, canonical_layout, gather_activation, gather_batch,
+from shardzoo.layers.placements import (ActivationPlacement, canonical_placement, gather_activation, gather_batch,
                                      shard_activation, shard_batch)
 from shardzoo.layers.linear_1d import ParallelLinear1D
 from shardzoo.layers.linear_2d import ParallelLinear2D
@@ -47,7 +47,8 @@ __all__ = [
     "Embedding2D", "Embedding2p5D", "Embedding3D", "VocabParallelEmbedding2D", "VocabParallelEmbedding2p5D",
     "VocabParallelEmbedding3D", "PatchEmbedding2D", "PatchEmbedding2p5D", "PatchEmbedding3D", "Classifier2D",
     "Classifier2p5D", "Classifier3D", "LMHead2D", "LMHead2p5D", "LMHead3D",
-    "ActivationLayout", "canonical_layout", "shard_activation", "gather_activation", "shard_batch", "gather_batch",
+    "ActivationPlacement", "canonical_placement", "shard_activation", "gather_activation", "shard_batch",
+    "gather_batch",
     # loss, dropout
     "vocab_parallel_cross_entropy", "RNGStreams", "ParallelDropout", "dropout", "manual_seed", "rng_streams", "tp_rng",
     # sequence parallelism

@@ -1,7 +1,7 @@
 """The loss of a whole batch whose targets are split over mesh axes: the global mean over real
 (non-ignored) targets, with gradients that stay exact once they are averaged over dp x sp.
 
-A model's targets are split along the batch axes of its head's layout (tp rows), along the
+A model's targets are split along the batch axes of its head's placement (tp rows), along the
 sequence (sp) and across data-parallel replicas (dp); a rank holds one block. The layers sum
 parameter gradients over the tp axes themselves, and data parallelism *averages* them over
 dp x sp afterwards (``shardzoo.data_parallel``, ``training.average_grads``). So the loss

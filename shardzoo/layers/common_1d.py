@@ -1,9 +1,9 @@
-"""Pieces shared by the 1D (Megatron) layers: specs, divisibility checks, sequence layout.
+"""Pieces shared by the 1D (Megatron) layers: specs, divisibility checks, sequence placement.
 
 Activations are ``[batch, seq, hidden]``. With sequence parallelism the activations *outside*
 the tensor-parallel region (norms, dropout, residual adds) are split along the sequence dim,
 ``SEQ_DIM = 1``, over the tp group; a column layer all-gathers them on entry and a row layer
-reduce-scatters its output back to that layout.
+reduce-scatters its output back to that placement.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def require_divisible(layer: str, what: str, value: int, tp: int) -> None:
         )
 
 
-def require_sequence_layout(layer: str, x: torch.Tensor) -> None:
+def require_sequence_placement(layer: str, x: torch.Tensor) -> None:
     """Sequence-parallel inputs are [batch, seq, hidden] with seq split over tp."""
     if x.dim() != 3:
         raise ValueError(

@@ -22,7 +22,7 @@ from shardzoo.layers.common_1d import (
     leave_sequence_parallel,
     local_param,
     require_divisible,
-    require_sequence_layout,
+    require_sequence_placement,
     split_spec,
 )
 from shardzoo.layers.module import ParallelModule
@@ -89,7 +89,7 @@ class VocabParallelEmbedding1D(ParallelModule):
         check_token_ids(ids, self.num_embeddings, type(self).__name__)
         out = vocab_block_lookup(ids, self.weight, self.vocab_start, self.padding_idx)
         if self.sequence_parallel:
-            require_sequence_layout("VocabParallelEmbedding1D", out)
+            require_sequence_placement("VocabParallelEmbedding1D", out)
             return comm.reduce_scatter(out, self.mesh.tp_group, SEQ_DIM)
         return comm.reduce_from(out, self.mesh.tp_group)
 

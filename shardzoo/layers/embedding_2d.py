@@ -1,7 +1,7 @@
-"""Embeddings on the 2D layout, and the layout-generic bases the 2.5D / 3D ones subclass.
+"""Embeddings on the 2D layout, and the placement-generic bases the 2.5D / 3D ones subclass.
 
 Both take token ids split like the activations' batch (``shard_input``: [B, S] ->
-[B/parts, S]) and return [B/parts, S, H/q] in the layer's layout.
+[B/parts, S]) and return [B/parts, S, H/q] in the layer's placement.
 
 * ``GridEmbedding`` (nn.Embedding, table split along the hidden dim): the table [V, H] is cut
   into q * size(param_axes) hidden chunks, one per rank (replicated over tp_dep in 2.5D); the
@@ -25,70 +25,72 @@ from torch import nn
 from shardzoo import comm
 from shardzoo.comm import ops
 from shardzoo.comm.mesh import default_device
-from shardzoo.layers import layouts
+from shardzoo.layers import placements
 from shardzoo.layers.embedding_1d import vocab_block_lookup
-from shardzoo.layers.layouts import ActivationLayout
+from shardzoo.layers.placements import ActivationPlacement
 from shardzoo.layers.shard_spec import ShardSpec, get_shard_spec, shard_param
 from shardzoo.layers.token_ids import check_token_ids
 
 
-def vocab_axes(layout: ActivationLayout) -> tuple[str, tuple[str, ...]]:
-    """(vocab_axis, vocab_sub_axes) of a vocabulary-split table in ``layout``."""
-    vocab_axis = layout.batch_axes[-1]
-    return vocab_axis, tuple(a for a in layout.param_axes if a != vocab_axis)
+def vocab_axes(placement: ActivationPlacement) -> tuple[str, tuple[str, ...]]:
+    """(vocab_axis, vocab_sub_axes) of a vocabulary-split table in ``placement``."""
+    vocab_axis = placement.batch_axes[-1]
+    return vocab_axis, tuple(a for a in placement.param_axes if a != vocab_axis)
 
 
-def vocab_parallel_param(module: nn.Module, weight: torch.Tensor, mesh, layout: ActivationLayout,
+def vocab_parallel_param(module: nn.Module, weight: torch.Tensor, mesh, placement: ActivationPlacement,
                          device) -> nn.Parameter:
     """Register as ``module.weight`` this rank's block of a [V, H] table: vocabulary chunk
     ``vocab_rank * sub + sub_rank`` of ``size(vocab_axis) * sub`` (padded), hidden block
     ``hidden_rank`` of q."""
-    vocab_axis, sub_axes = vocab_axes(layout)
+    vocab_axis, sub_axes = vocab_axes(placement)
     sub = mesh.size(*sub_axes) if sub_axes else 1
     index = mesh.rank(vocab_axis) * sub + (mesh.rank(*sub_axes) if sub_axes else 0)
-    split = {0: (index, mesh.size(vocab_axis) * sub), 1: (mesh.rank(layout.hidden_axis), mesh.size(layout.hidden_axis))}
-    spec = ShardSpec.split(tuple(weight.shape), split, (layout.hidden_axis, vocab_axis) + sub_axes, layout.replica_axes)
+    hidden_axis = placement.hidden_axis
+    split = {0: (index, mesh.size(vocab_axis) * sub), 1: (mesh.rank(hidden_axis), mesh.size(hidden_axis))}
+    spec = ShardSpec.split(tuple(weight.shape), split, (hidden_axis, vocab_axis) + sub_axes, placement.replica_axes)
     return shard_param(module, "weight", weight, spec, device if device is not None else default_device(mesh))
 
 
-def vocab_block(weight: torch.Tensor, mesh, layout: ActivationLayout) -> torch.Tensor:
+def vocab_block(weight: torch.Tensor, mesh, placement: ActivationPlacement) -> torch.Tensor:
     """This rank's vocabulary block [V_pad/size(vocab_axis), H/q] of a :func:`vocab_parallel_param`
     (differentiable): gathered over the vocabulary sub-axes (gradient reduce-scattered back),
     gradient summed over the replica axes."""
-    _, sub_axes = vocab_axes(layout)
-    if layout.replica_axes:
-        weight = comm.copy_to(weight, mesh.group(*layout.replica_axes))
+    _, sub_axes = vocab_axes(placement)
+    if placement.replica_axes:
+        weight = comm.copy_to(weight, mesh.group(*placement.replica_axes))
     if sub_axes:
         weight = comm.all_gather(weight, mesh.group(*sub_axes), 0)
     return weight
 
 
-def vocab_table(weight: torch.Tensor, mesh, layout: ActivationLayout) -> torch.Tensor:
+def vocab_table(weight: torch.Tensor, mesh, placement: ActivationPlacement) -> torch.Tensor:
     """The whole padded table's hidden block [V_pad, H/q] of a :func:`vocab_parallel_param`:
     :func:`vocab_block` gathered over ``vocab_axis`` too, whose ranks hold other batch rows,
     so the gradient is reduce-scattered (summed) there. A classifier tied to the table uses it."""
-    return comm.all_gather(vocab_block(weight, mesh, layout), mesh.group(vocab_axes(layout)[0]), 0)
+    return comm.all_gather(vocab_block(weight, mesh, placement), mesh.group(vocab_axes(placement)[0]), 0)
 
 
-class _GridEmbeddingBase(layouts.GridModule):
+class _GridEmbeddingBase(placements.GridModule):
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, *, mesh,
-                 dtype=None, device=None, layout: ActivationLayout | None = None):
+                 dtype=None, device=None, placement: ActivationPlacement | None = None):
         super().__init__()
         serial = nn.Embedding(num_embeddings, embedding_dim, padding_idx, dtype=dtype, device="cpu")
-        self._setup(serial, mesh, device, layout)
+        self._setup(serial, mesh, device, placement)
 
-    def _setup(self, serial: nn.Embedding, mesh, device, layout: ActivationLayout | None = None) -> None:
-        self._bind(mesh, layout)
+    def _setup(self, serial: nn.Embedding, mesh, device, placement: ActivationPlacement | None = None) -> None:
+        self._bind(mesh, placement)
         self.num_embeddings, self.embedding_dim = serial.num_embeddings, serial.embedding_dim
         self.padding_idx = serial.padding_idx
         self._place(serial.weight, device)
 
     def shard_input(self, ids_full: torch.Tensor) -> torch.Tensor:
         """Token ids [B, ...] (replicated) -> this rank's batch block [B/parts, ...]."""
-        return layouts.shard_batch(ids_full, self.mesh, self.layout, type(self).__name__)
+        return placements.shard_batch(ids_full, self.mesh, self.placement, type(self).__name__)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, padding_idx={self.padding_idx}, layout=({self.layout})"
+        return (f"{self.num_embeddings}, {self.embedding_dim}, padding_idx={self.padding_idx}, "
+                f"placement=({self.placement})")
 
 
 class GridEmbedding(_GridEmbeddingBase):
@@ -96,14 +98,15 @@ class GridEmbedding(_GridEmbeddingBase):
     ids [B/parts, ...] -> [B/parts, ..., H/q]."""
 
     def _place(self, weight: torch.Tensor, device) -> None:
-        layouts.check_hidden_parts(type(self).__name__, "embedding_dim", self.embedding_dim, self.mesh, self.layout)
-        layouts.hidden_param(self, "weight", weight, 1, self.mesh, self.layout, device)
+        placements.check_hidden_parts(type(self).__name__, "embedding_dim", self.embedding_dim, self.mesh,
+                                      self.placement)
+        placements.hidden_param(self, "weight", weight, 1, self.mesh, self.placement, device)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [B/parts, ...] (this rank's batch block, ``shard_input``) -> [B/parts, ..., H/q]
-        in ``self.layout``: rows of the gathered hidden block [V, H/q] of the table."""
+        in ``self.placement``: rows of the gathered hidden block [V, H/q] of the table."""
         check_token_ids(ids, self.num_embeddings, type(self).__name__)
-        weight = layouts.gather_hidden_param(self.weight, -1, self.mesh, self.layout)  # [V, H/q]
+        weight = placements.gather_hidden_param(self.weight, -1, self.mesh, self.placement)  # [V, H/q]
         return F.embedding(ids, weight, self.padding_idx)
 
 
@@ -114,21 +117,21 @@ class GridVocabParallelEmbedding(_GridEmbeddingBase):
     ``vocab_block`` (global id range of this rank's gathered block)."""
 
     def _place(self, weight: torch.Tensor, device) -> None:
-        q = self.mesh.size(self.layout.hidden_axis)
-        layouts.check_divisible(type(self).__name__, "embedding_dim", self.embedding_dim, q, f"q={q}")
-        vocab_parallel_param(self, weight, self.mesh, self.layout, device)
-        self.vocab_axis, self.vocab_sub_axes = vocab_axes(self.layout)
+        q = self.mesh.size(self.placement.hidden_axis)
+        placements.check_divisible(type(self).__name__, "embedding_dim", self.embedding_dim, q, f"q={q}")
+        vocab_parallel_param(self, weight, self.mesh, self.placement, device)
+        self.vocab_axis, self.vocab_sub_axes = vocab_axes(self.placement)
         sub = self.mesh.size(*self.vocab_sub_axes) if self.vocab_sub_axes else 1
         self.vocab_block = get_shard_spec(self, "weight").local_shape[0] * sub
         self.vocab_start = self.mesh.rank(self.vocab_axis) * self.vocab_block
 
     def gathered_weight(self) -> torch.Tensor:
         """This rank's vocabulary block [V_pad/vocab_parts*sub, H/q] (differentiable)."""
-        return vocab_block(self.weight, self.mesh, self.layout)
+        return vocab_block(self.weight, self.mesh, self.placement)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [B/parts, ...] (this rank's batch block, ``shard_input``) -> [B/parts, ..., H/q]
-        in ``self.layout``. Inside: ids gathered over ``vocab_axis`` [B/parts * size(vocab_axis),
+        in ``self.placement``. Inside: ids gathered over ``vocab_axis`` [B/parts * size(vocab_axis),
         ...], lookup in the local vocabulary block [vocab_block, H/q] (other ids give zeros),
         reduce-scatter over ``vocab_axis`` back to [B/parts, ..., H/q]."""
         group = self.mesh.group(self.vocab_axis)

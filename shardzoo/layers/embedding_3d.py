@@ -2,7 +2,7 @@
 
 * ``Embedding3D``: table [V, H] cut into q^3 hidden chunks, gathered over I*J in forward.
 * ``VocabParallelEmbedding3D``: rank (i, j, l) holds vocabulary chunk j*q + i of q^2 (padded)
-  and hidden block l, which is ParallelLinear3D's weight placement for the same layout, so
+  and hidden block l, which is ParallelLinear3D's weight placement for the same activation placement, so
   ``LMHead3D(tie_to=...)`` shares it. Forward: gather the table over I, ids over J, masked
   lookup, reduce-scatter over J.
 * ``PatchEmbedding3D``: ViT patch embedding, every H-indexed tensor cut into q^3 chunks.

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardzoo.comm import collectives as comm
-from shardzoo.layers.common_1d import SEQ_DIM, enter_sequence_parallel, local_param, require_sequence_layout, split_spec
+from shardzoo.layers.common_1d import (SEQ_DIM, enter_sequence_parallel, local_param, require_sequence_placement,
+                                       split_spec)
 from shardzoo.layers.cross_entropy import vocab_parallel_cross_entropy
 from shardzoo.layers.embedding_1d import Embedding1D, VocabParallelEmbedding1D
 from shardzoo.layers.module import ParallelModule
@@ -100,7 +101,7 @@ class LMHead1D(ParallelModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = self.mesh.tp_group
         if self.sequence_parallel:
-            require_sequence_layout("LMHead1D", x)
+            require_sequence_placement("LMHead1D", x)
             x = comm.all_gather(x, group, SEQ_DIM)
         else:
             x = comm.copy_to(x, group)

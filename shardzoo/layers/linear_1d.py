@@ -35,7 +35,7 @@ from shardzoo.layers.common_1d import (
     local_param,
     replicated_spec,
     require_divisible,
-    require_sequence_layout,
+    require_sequence_placement,
     split_spec,
     tp_sum_grad,
 )
@@ -127,7 +127,7 @@ class ParallelLinear1D(ParallelModule):
         if self.sequence is not None:
             return self._forward_shards(x)
         if self.sequence_parallel:
-            require_sequence_layout("ParallelLinear1D", x)
+            require_sequence_placement("ParallelLinear1D", x)
         if self.style == "column":
             y = column_linear(x, self.param("weight"), self.param("bias"), group, self.sequence_parallel)
             return comm.gather_from(y, group, -1) if self.output_gathered else y

@@ -17,61 +17,61 @@ from torch import nn
 
 from shardzoo import comm
 from shardzoo.comm.mesh import default_device
-from shardzoo.layers import layouts
-from shardzoo.layers.layouts import ActivationLayout
+from shardzoo.layers import placements
+from shardzoo.layers.placements import ActivationPlacement
 from shardzoo.layers.shard_spec import ShardSpec, shard_param
 from shardzoo.layers.summa_2d import Grid2D, summa_linear
 
 
-class SummaLinearBase(layouts.GridModule):
+class SummaLinearBase(placements.GridModule):
     """Shared by ParallelLinear2D and ParallelLinear2p5D; ``mode`` picks the mesh layout.
 
-    x: [B/(d*q), ..., in/q] (the mode's canonical layout) -> y: [B/(d*q), ..., out/q] (same
-    layout); d = 1 in 2D."""
+    x: [B/(d*q), ..., in/q] (the mode's canonical placement) -> y: [B/(d*q), ..., out/q] (same
+    placement); d = 1 in 2D."""
 
     mode = "2d"
-    any_layout = False
+    any_placement = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, mesh, dtype=None, device=None,
-                 layout: ActivationLayout | None = None):
+                 placement: ActivationPlacement | None = None):
         super().__init__()
         self._check(in_features, out_features, mesh)  # before drawing a serial layer of the wrong size
         serial = nn.Linear(in_features, out_features, bias=bias, dtype=dtype, device="cpu")
-        self._setup(serial, mesh, device, layout=layout)
+        self._setup(serial, mesh, device, placement=placement)
 
     @classmethod
     def _check(cls, in_features: int, out_features: int, mesh) -> None:
-        layouts.check_mesh(mesh, cls.mode, cls.__name__)
+        placements.check_mesh(mesh, cls.mode, cls.__name__)
         q = mesh.q
-        layouts.check_divisible(cls.__name__, "in_features", in_features, q, f"q={q}")
-        layouts.check_divisible(cls.__name__, "out_features", out_features, q, f"q={q}")
+        placements.check_divisible(cls.__name__, "in_features", in_features, q, f"q={q}")
+        placements.check_divisible(cls.__name__, "out_features", out_features, q, f"q={q}")
 
-    def _setup(self, serial: nn.Linear, mesh, device, layout: ActivationLayout | None = None) -> None:
+    def _setup(self, serial: nn.Linear, mesh, device, placement: ActivationPlacement | None = None) -> None:
         self._check(serial.in_features, serial.out_features, mesh)
-        self._bind(mesh, layout)
+        self._bind(mesh, placement)
         self.in_features, self.out_features = serial.in_features, serial.out_features
         self.grid = Grid2D(mesh)
         q, i, j = mesh.q, self.grid.i, self.grid.j
         device = device if device is not None else default_device(mesh)
         w_spec = ShardSpec.split(
-            tuple(serial.weight.shape), {0: (j, q), 1: (i, q)}, ("tp_row", "tp_col"), self.layout.replica_axes
+            tuple(serial.weight.shape), {0: (j, q), 1: (i, q)}, ("tp_row", "tp_col"), self.placement.replica_axes
         )
         shard_param(self, "weight", serial.weight, w_spec, device)
         if serial.bias is not None:  # b[out block j], replicated over the batch axes
-            layouts.block_param(self, "bias", serial.bias, 0, mesh, self.layout, device)
+            placements.block_param(self, "bias", serial.bias, 0, mesh, self.placement, device)
         else:
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B/(d*q), ..., in/q] -> [B/(d*q), ..., out/q]."""
         q = self.mesh.q
-        layouts.check_local_input(type(self).__name__, x, self.in_features, q)
+        placements.check_local_input(type(self).__name__, x, self.in_features, q)
         weight = self.param("weight")
-        if self.layout.replica_axes:  # 2.5D: replicated over depth, so the gradient is summed there
-            weight = comm.copy_to(weight, self.mesh.group(*self.layout.replica_axes))
+        if self.placement.replica_axes:  # 2.5D: replicated over depth, so the gradient is summed there
+            weight = comm.copy_to(weight, self.mesh.group(*self.placement.replica_axes))
         y = summa_linear(x, weight.t(), self.grid)
         if self.bias is not None:
-            y = y + layouts.use_block_param(self.param("bias"), self.mesh, self.layout)
+            y = y + placements.use_block_param(self.param("bias"), self.mesh, self.placement)
         return y
 
     def extra_repr(self) -> str:

@@ -33,7 +33,7 @@ class ParallelModule(nn.Module):
     @classmethod
     def from_serial(cls, module: nn.Module, mesh, device=None, **options):
         """This rank's piece of ``module`` (same on every rank); ``options`` as the layer's
-        constructor (``style=``, ``layout=``, ``sequence_parallel=`` ...)."""
+        constructor (``style=``, ``placement=``, ``sequence_parallel=`` ...)."""
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self._setup(module, mesh, device, **options)

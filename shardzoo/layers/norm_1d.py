@@ -1,4 +1,4 @@
-"""LayerNorm / RMSNorm for 1D tensor parallelism, with an optional sequence-parallel layout.
+"""LayerNorm / RMSNorm for 1D tensor parallelism, with an optional sequence-parallel placement.
 
 Parameters are replicated on every tp rank (ShardSpec ``replicated_over=("tp",)``). Without
 sequence parallelism every rank normalises the same full activation and computes the full
@@ -20,7 +20,7 @@ from shardzoo.layers.common_1d import (
     leave_sequence_parallel,
     local_param,
     replicated_spec,
-    require_sequence_layout,
+    require_sequence_placement,
     tp_sum_grad,
 )
 from shardzoo.layers.module import ParallelModule
@@ -31,7 +31,7 @@ def _shape(normalized_shape) -> tuple[int, ...]:
 
 
 class _Norm1D(ParallelModule):
-    """Shared plumbing: replicated params, sequence-parallel gradient sum, layout helpers."""
+    """Shared plumbing: replicated params, sequence-parallel gradient sum, placement helpers."""
 
     def _setup(self, serial: nn.Module, mesh, device, sequence_parallel: bool = False) -> None:
         self.normalized_shape, self.eps = tuple(serial.normalized_shape), serial.eps
@@ -50,7 +50,7 @@ class _Norm1D(ParallelModule):
 
     def _check(self, x: torch.Tensor) -> None:
         if self.sequence_parallel:
-            require_sequence_layout(type(self).__name__, x)
+            require_sequence_placement(type(self).__name__, x)
 
     def shard_input(self, x_full: torch.Tensor) -> torch.Tensor:
         """``[b, s, h]`` -> ``[b, s/p, h]`` under sequence parallelism; identity otherwise."""

@@ -1,7 +1,7 @@
 """LayerNorm / RMSNorm over a hidden dimension split across a tp group (2D, and the bases of
 2.5D / 3D).
 
-x: [B/parts, ..., H/q], hidden split over the layout's ``hidden_axis``. The mean and the
+x: [B/parts, ..., H/q], hidden split over the placement's ``hidden_axis``. The mean and the
 variance are sums over the full hidden size, so each is a local partial sum followed by an
 all-reduce over the hidden group (two-pass: mean, then centred squares, as nn.LayerNorm).
 The backward is written out rather than left to autograd: with xhat = (x - mean) * rstd and
@@ -25,8 +25,8 @@ from torch import nn
 
 from shardzoo import comm
 from shardzoo.comm import ops
-from shardzoo.layers import layouts
-from shardzoo.layers.layouts import ActivationLayout
+from shardzoo.layers import placements
+from shardzoo.layers.placements import ActivationPlacement
 
 
 class _SplitNormalize(torch.autograd.Function):
@@ -55,60 +55,60 @@ class _SplitNormalize(torch.autograd.Function):
         return dx.to(grad.dtype), None, None, None
 
 
-class _GridNorm(layouts.GridModule):
+class _GridNorm(placements.GridModule):
     """Shared by the grid LayerNorm / RMSNorm: the hidden-block parameters and the input check."""
 
-    def _setup(self, serial: nn.Module, mesh, device, layout: ActivationLayout | None = None) -> None:
-        self._bind(mesh, layout)
+    def _setup(self, serial: nn.Module, mesh, device, placement: ActivationPlacement | None = None) -> None:
+        self._bind(mesh, placement)
         name = type(self).__name__
         if len(serial.normalized_shape) != 1:
             raise ValueError(f"{name} normalises one (the last) dim; got normalized_shape={serial.normalized_shape}")
         self.normalized_shape, self.eps = tuple(serial.normalized_shape), serial.eps
         hidden = self.normalized_shape[0]
-        q = mesh.size(self.layout.hidden_axis)
-        layouts.check_divisible(name, "normalized_shape", hidden, q, f"q={q}")
+        q = mesh.size(self.placement.hidden_axis)
+        placements.check_divisible(name, "normalized_shape", hidden, q, f"q={q}")
         for pname in self.param_names:
             full = getattr(serial, pname, None)
             if full is None:
                 self.register_parameter(pname, None)
             else:
-                layouts.block_param(self, pname, full, 0, mesh, self.layout, device)
+                placements.block_param(self, pname, full, 0, mesh, self.placement, device)
 
     def _group(self, x: torch.Tensor):
         """The hidden group, after checking that ``x`` is a local block [..., H/q]."""
-        hidden, q = self.normalized_shape[0], self.mesh.size(self.layout.hidden_axis)
+        hidden, q = self.normalized_shape[0], self.mesh.size(self.placement.hidden_axis)
         if x.shape[-1] * q != hidden:
             raise ValueError(
                 f"{type(self).__name__} expects the local block [..., H/q={hidden // q}]; "
                 f"got shape {tuple(x.shape)}. Enter the parallel region with module.shard_input(x_full)"
             )
-        return self.mesh.group(self.layout.hidden_axis)
+        return self.mesh.group(self.placement.hidden_axis)
 
     def _affine(self, y: torch.Tensor) -> torch.Tensor:
         if self.weight is not None:
-            y = y * layouts.use_block_param(self.weight, self.mesh, self.layout)
+            y = y * placements.use_block_param(self.weight, self.mesh, self.placement)
         if getattr(self, "bias", None) is not None:
-            y = y + layouts.use_block_param(self.bias, self.mesh, self.layout)
+            y = y + placements.use_block_param(self.bias, self.mesh, self.placement)
         return y
 
     def extra_repr(self) -> str:
-        return f"{self.normalized_shape}, eps={self.eps}, layout=({self.layout})"
+        return f"{self.normalized_shape}, eps={self.eps}, placement=({self.placement})"
 
 
 class GridLayerNorm(_GridNorm):
-    """LayerNorm whose normalised (last) dim is split over ``layout.hidden_axis``.
+    """LayerNorm whose normalised (last) dim is split over ``placement.hidden_axis``.
 
     Args: as nn.LayerNorm for a single normalised dim (``normalized_shape`` an int H), plus
-    ``mesh`` and ``layout`` (default the mode's canonical layout). H must be divisible by q.
+    ``mesh`` and ``placement`` (default the mode's canonical placement). H must be divisible by q.
     Shapes: [B/parts, ..., H/q] -> same."""
 
     param_names = ("weight", "bias")
 
     def __init__(self, normalized_shape: int, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
-                 *, mesh, dtype=None, device=None, layout: ActivationLayout | None = None):
+                 *, mesh, dtype=None, device=None, placement: ActivationPlacement | None = None):
         super().__init__()
         serial = nn.LayerNorm(normalized_shape, eps, elementwise_affine, bias=bias, dtype=dtype, device="cpu")
-        self._setup(serial, mesh, device, layout)
+        self._setup(serial, mesh, device, placement)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B/parts, ..., H/q] -> [B/parts, ..., H/q]."""
@@ -117,18 +117,18 @@ class GridLayerNorm(_GridNorm):
 
 
 class GridRMSNorm(_GridNorm):
-    """RMSNorm whose normalised (last) dim is split over ``layout.hidden_axis``.
+    """RMSNorm whose normalised (last) dim is split over ``placement.hidden_axis``.
 
     Args: as nn.RMSNorm for a single normalised dim (eps None: the dtype's machine epsilon),
-    plus ``mesh`` and ``layout``. H must be divisible by q. Shapes: [B/parts, ..., H/q] -> same."""
+    plus ``mesh`` and ``placement``. H must be divisible by q. Shapes: [B/parts, ..., H/q] -> same."""
 
     param_names = ("weight",)
 
     def __init__(self, normalized_shape: int, eps: float | None = None, elementwise_affine: bool = True, *, mesh,
-                 dtype=None, device=None, layout: ActivationLayout | None = None):
+                 dtype=None, device=None, placement: ActivationPlacement | None = None):
         super().__init__()
         serial = nn.RMSNorm(normalized_shape, eps, elementwise_affine, dtype=dtype, device="cpu")
-        self._setup(serial, mesh, device, layout)
+        self._setup(serial, mesh, device, placement)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B/parts, ..., H/q] -> [B/parts, ..., H/q]."""

@@ -1,7 +1,7 @@
 """LayerNorm / RMSNorm on a 3D layout (I, J | L): x [B/q^2, ..., H/q], hidden over L (see norm_2d.py).
 
-Pass ``layout=`` the producing layer's ``output_layout`` when the input is not in the canonical
-(tp_x, tp_y | tp_z) layout.
+Pass ``placement=`` the producing layer's ``output_placement`` when the input is not in the canonical
+(tp_x, tp_y | tp_z) placement.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from shardzoo.layers.norm_2d import GridLayerNorm, GridRMSNorm
 
 class LayerNorm3D(GridLayerNorm):
     """LayerNorm on a 3D layout; drop-in for ``nn.LayerNorm(H)`` on a tp_mode="3d" mesh.
-    Statistics all-reduced over the layout's hidden axis; weight / bias gradients summed over
+    Statistics all-reduced over the placement's hidden axis; weight / bias gradients summed over
     its two batch axes. Shapes: [B/q^2, ..., H/q] -> same."""
 
     mode = "3d"

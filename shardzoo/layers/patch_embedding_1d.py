@@ -28,12 +28,12 @@ class PatchEmbedding1D(ParallelModule):
     dropout, dtype, device); ``from_serial`` takes a HF-style ``ViTEmbeddings``."""
 
     def __init__(self, image_size: int, patch_size: int, in_channels: int, hidden_size: int, *, mesh,
-                 dropout: float = 0.0, dtype=None, device=None, layout=None):
+                 dropout: float = 0.0, dtype=None, device=None, placement=None):
         super().__init__()
         serial = serial_patch_embedding(image_size, patch_size, in_channels, hidden_size, dropout, dtype)
         self._setup(serial, mesh, device, image_size=image_size)
 
-    def _setup(self, serial: nn.Module, mesh, device, layout=None, image_size: int | None = None) -> None:
+    def _setup(self, serial: nn.Module, mesh, device, placement=None, image_size: int | None = None) -> None:
         proj = serial.patch_embeddings.projection
         positions = serial.position_embeddings
         self.mesh = mesh

@@ -9,7 +9,7 @@ Equal to Hugging Face ``ViTEmbeddings`` (no mask token, no position interpolatio
 Pixels [B, C, img, img] are split along the batch only (``shard_input``); every tensor indexed
 by H (conv weight and bias along the output channels, cls token, position embeddings) is split
 like an embedding table: q * size(param_axes) chunks, gathered over ``param_axes`` in forward
-into this rank's hidden block, so the output is [B/parts, N+1, H/q] in the layer's layout.
+into this rank's hidden block, so the output is [B/parts, N+1, H/q] in the layer's placement.
 Dropout draws from the per-tp-rank stream (layers/rng_streams.py): every rank holds a distinct block.
 Parameter names follow ``ViTEmbeddings`` (``cls_token``, ``position_embeddings``,
 ``patch_embeddings.projection.weight`` / ``.bias``), so ``full_state_dict`` loads into it.
@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardzoo import comm
-from shardzoo.layers import layouts
-from shardzoo.layers.layouts import ActivationLayout
+from shardzoo.layers import placements
+from shardzoo.layers.placements import ActivationPlacement
 from shardzoo.layers.rng_streams import dropout as stream_dropout
 
 # (owner path, name, hidden dim); names follow HF ViTEmbeddings so full_state_dict loads into it
@@ -52,7 +52,7 @@ def check_projection(who: str, proj: nn.Conv2d, image_size: int) -> None:
         raise ValueError(f"{who} needs a square projection with kernel_size == stride (non-overlapping "
                          f"patches); got kernel_size={proj.kernel_size}, stride={proj.stride}. Build the "
                          f"Conv2d with kernel_size=stride=patch_size")
-    layouts.check_divisible(who, "image_size", image_size, proj.kernel_size[0], f"patch_size={proj.kernel_size[0]}")
+    placements.check_divisible(who, "image_size", image_size, proj.kernel_size[0], f"patch_size={proj.kernel_size[0]}")
 
 
 class _Holder(nn.Module):
@@ -63,29 +63,29 @@ class _Holder(nn.Module):
         self.mesh = mesh
 
 
-class GridPatchEmbedding(layouts.GridModule):
+class GridPatchEmbedding(placements.GridModule):
     """Patch projection + cls token + position embeddings; pixels [B/parts, C, img, img] ->
     [B/parts, (img/p)^2 + 1, H/q]. H must be divisible by q * size(param_axes)."""
 
     def __init__(self, image_size: int, patch_size: int, in_channels: int, hidden_size: int, *, mesh,
-                 dropout: float = 0.0, dtype=None, device=None, layout: ActivationLayout | None = None):
+                 dropout: float = 0.0, dtype=None, device=None, placement: ActivationPlacement | None = None):
         super().__init__()
         serial = serial_patch_embedding(image_size, patch_size, in_channels, hidden_size, dropout, dtype)
-        self._setup(serial, mesh, device, layout=layout, image_size=image_size)
+        self._setup(serial, mesh, device, placement=placement, image_size=image_size)
 
-    def _setup(self, serial: nn.Module, mesh, device, layout: ActivationLayout | None = None,
+    def _setup(self, serial: nn.Module, mesh, device, placement: ActivationPlacement | None = None,
                image_size: int | None = None) -> None:
         """``serial``: a HF-style ``ViTEmbeddings`` (``cls_token``, ``position_embeddings``,
         ``patch_embeddings.projection``: nn.Conv2d, optional ``dropout``)."""
         proj, cls_token, positions = serial.patch_embeddings.projection, serial.cls_token, serial.position_embeddings
         image_size = image_size or int(round((positions.shape[1] - 1) ** 0.5)) * proj.kernel_size[0]
         dropout = getattr(getattr(serial, "dropout", None), "p", 0.0)
-        self._bind(mesh, layout)
+        self._bind(mesh, placement)
         name = type(self).__name__
         self.patch_size, self.in_channels, self.hidden_size = proj.kernel_size[0], proj.in_channels, proj.out_channels
         self.image_size, self.dropout = image_size, dropout
         check_projection(name, proj, image_size)
-        layouts.check_hidden_parts(name, "hidden_size", self.hidden_size, mesh, self.layout)
+        placements.check_hidden_parts(name, "hidden_size", self.hidden_size, mesh, self.placement)
         self.patch_embeddings = _Holder(mesh)
         self.patch_embeddings.projection = _Holder(mesh)
         full = {"weight": proj.weight, "bias": proj.bias, "cls_token": cls_token, "position_embeddings": positions}
@@ -94,11 +94,11 @@ class GridPatchEmbedding(layouts.GridModule):
             if full[pname] is None:
                 module.register_parameter(pname, None)
             else:
-                layouts.hidden_param(module, pname, full[pname], dim, mesh, self.layout, device)
+                placements.hidden_param(module, pname, full[pname], dim, mesh, self.placement, device)
 
     def _gathered(self, owner: str, name: str, dim: int):
         p = getattr(self.get_submodule(owner), name)
-        return None if p is None else layouts.gather_hidden_param(p, dim, self.mesh, self.layout)
+        return None if p is None else placements.gather_hidden_param(p, dim, self.mesh, self.placement)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """pixels [B/parts, C, img, img] -> [B/parts, N+1, H/q]."""
@@ -108,18 +108,18 @@ class GridPatchEmbedding(layouts.GridModule):
                              f"Resize the images, or build the layer with image_size / in_channels of the data")
         weight, bias, cls_token, positions = (self._gathered(o, n, d) for o, n, d in _PARAMS)
         # every rank of the hidden group projects the same pixels onto its own channels
-        pixels = comm.copy_to(pixels, self.mesh.group(self.layout.hidden_axis))
+        pixels = comm.copy_to(pixels, self.mesh.group(self.placement.hidden_axis))
         patches = F.conv2d(pixels, weight, bias, stride=self.patch_size).flatten(2).transpose(1, 2)
         x = torch.cat([cls_token.expand(patches.shape[0], -1, -1), patches], 1) + positions
         return stream_dropout(x, self.dropout, mesh=self.mesh, training=self.training)
 
     def shard_input(self, pixels_full: torch.Tensor) -> torch.Tensor:
         """Pixels [B, C, img, img] (replicated) -> this rank's batch block [B/parts, C, img, img]."""
-        return layouts.shard_batch(pixels_full, self.mesh, self.layout, type(self).__name__)
+        return placements.shard_batch(pixels_full, self.mesh, self.placement, type(self).__name__)
 
     def extra_repr(self) -> str:
         return (f"image_size={self.image_size}, patch_size={self.patch_size}, in_channels={self.in_channels}, "
-                f"hidden_size={self.hidden_size}, dropout={self.dropout}, layout=({self.layout})")
+                f"hidden_size={self.hidden_size}, dropout={self.dropout}, placement=({self.placement})")
 
 
 class PatchEmbedding2D(GridPatchEmbedding):

@@ -1,5 +1,5 @@
 """Pieces every model family shares: pipeline stage ranges, entering / leaving the mesh's
-batch x sequence layout, loading full (serial) weights, renaming Hugging Face parameters.
+batch x sequence placement, loading full (serial) weights, renaming Hugging Face parameters.
 The blocks themselves come from the mesh's layout object (layers/tensor_layout.py).
 
 Token tensors (ids, masks, targets) ``[B, S]`` are split along the batch like the activations
@@ -55,10 +55,10 @@ def check_seq_len(who: str, seq: int, max_positions: int, field: str) -> None:
 
 
 # -- tokens in and out ------------------------------------------------------------------------
-def shard_tokens(t_full: torch.Tensor, mesh, layout, zigzag: bool) -> torch.Tensor:
-    """[B, S, ...] ids / masks / targets -> this rank's [b, s, ...] (no gradient); ``layout``
+def shard_tokens(t_full: torch.Tensor, mesh, placement, zigzag: bool) -> torch.Tensor:
+    """[B, S, ...] ids / masks / targets -> this rank's [b, s, ...] (no gradient); ``placement``
     None: the batch stays whole."""
-    t = t_full if layout is None else layout_of(mesh).shard_batch(t_full, layout)
+    t = t_full if placement is None else layout_of(mesh).shard_batch(t_full, placement)
     world = mesh.sp_size
     if world == 1:
         return t
@@ -72,9 +72,9 @@ def shard_tokens(t_full: torch.Tensor, mesh, layout, zigzag: bool) -> torch.Tens
     return ops.split_local(t, mesh.sp_group, 1)
 
 
-def gather_tokens(y_local: torch.Tensor, mesh, layout, zigzag: bool) -> torch.Tensor:
+def gather_tokens(y_local: torch.Tensor, mesh, placement, zigzag: bool) -> torch.Tensor:
     """Inverse of :func:`shard_tokens` for float outputs [b, s, ...] (differentiable)."""
-    y = y_local if layout is None else layout_of(mesh).gather_batch(y_local, layout)
+    y = y_local if placement is None else layout_of(mesh).gather_batch(y_local, placement)
     return gather_sequence(y, mesh.sp_group, 1, zigzag=zigzag)
 
 

@@ -1,7 +1,7 @@
 """The loss of every model family: the global token mean (layers/batch_loss.py), with the
 step's count of real targets for micro-batches (``count_targets``). Mixed into
 ``pipeline.StagedModel``; uses its ``mesh``, ``is_last``, ``head_name`` and, on the last stage,
-``target_layout`` (the batch layout of the head's output)."""
+``target_placement`` (the batch placement of the head's output)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ class GlobalLoss:
     def target_axes(self) -> tuple[str, ...]:
         """Mesh axes this rank's targets are one block of: dp, sp and the batch axes of the
         head's output (last stage only)."""
-        return ("dp", "sp") + tuple(getattr(self.target_layout, "batch_axes", ()))
+        return ("dp", "sp") + tuple(getattr(self.target_placement, "batch_axes", ()))
 
     def count_targets(self, target=None, ignore_index: int = -100, *, labels=None) -> torch.Tensor:
         """Real targets (``!= ignore_index``) of the whole global batch, int64 on every rank:

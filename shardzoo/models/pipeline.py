@@ -45,9 +45,9 @@ class StagedModel(GlobalLoss, nn.Module):
     the seeded init.
 
     Subclasses (models/planned.py ``PlannedModel``) set ``causal`` and, in ``__init__``:
-    ``mesh``, ``layout`` (the activation layout of ``tpl``, the mesh's layout object),
+    ``mesh``, ``placement`` (the activation placement of ``tpl``, the mesh's layout object),
     ``is_first``, ``is_last``, ``checkpointing`` and on the last stage the head's
-    ``target_layout``."""
+    ``target_placement``."""
 
     causal = False
     head_name = "lm_head"
@@ -82,9 +82,9 @@ class StagedModel(GlobalLoss, nn.Module):
         return layout_of(self.mesh)
 
     @property
-    def mask_layout(self):
-        """Batch layout of key padding masks: the attention's, i.e. its QKV projection's output."""
-        return self.tpl.linear_output(self.layout)
+    def mask_placement(self):
+        """Batch placement of key padding masks: the attention's, i.e. its QKV projection's output."""
+        return self.tpl.linear_output(self.placement)
 
     def shard_input(self, ids_full: torch.Tensor) -> torch.Tensor:
         """Token ids [B, S] -> this rank's [b, s] (batch as the tp layout, sequence over sp).
@@ -95,17 +95,17 @@ class StagedModel(GlobalLoss, nn.Module):
         if replicas.debug_mode():
             replicas.check_same_input(ids_full, self.mesh, f"{type(self).__name__}.shard_input")
         check_token_ids(ids_full, self.config.vocab_size, type(self).__name__)
-        return common.shard_tokens(ids_full, self.mesh, self.layout, zigzag=self.causal)
+        return common.shard_tokens(ids_full, self.mesh, self.placement, zigzag=self.causal)
 
     def shard_mask(self, mask_full: torch.Tensor) -> torch.Tensor:
         """Key padding mask bool [B, S] (True = attend) -> this rank's [b, s]."""
-        return common.shard_tokens(mask_full, self.mesh, self.mask_layout, zigzag=self.causal)
+        return common.shard_tokens(mask_full, self.mesh, self.mask_placement, zigzag=self.causal)
 
     def shard_target(self, target_full: torch.Tensor) -> torch.Tensor:
         """Targets [B, S] (or [B] for classifiers) -> this rank's rows of the head's output."""
         if target_full.dim() == 1:
-            return self.tpl.shard_batch(target_full, self.target_layout)
-        return common.shard_tokens(target_full, self.mesh, self.target_layout, zigzag=self.causal)
+            return self.tpl.shard_batch(target_full, self.target_placement)
+        return common.shard_tokens(target_full, self.mesh, self.target_placement, zigzag=self.causal)
 
     def gather_output(self, y_local: torch.Tensor) -> torch.Tensor:
         """This stage's output -> the full tensor on every rank: logits [B, S, V] on the last
@@ -115,7 +115,7 @@ class StagedModel(GlobalLoss, nn.Module):
             if y.dim() == 2:  # pooled / classifier logits [B, C]: no sequence dim
                 return y
             return common.gather_tokens(y, self.mesh, None, zigzag=self.causal)
-        y = self.tpl.gather_hidden(y_local, self.layout)
+        y = self.tpl.gather_hidden(y_local, self.placement)
         return common.gather_tokens(y, self.mesh, None, zigzag=self.causal)
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> list[str]:

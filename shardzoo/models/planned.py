@@ -77,10 +77,10 @@ class PlannedModel(StagedModel):
             state = self.stage_state
             self.register_forward_pre_hook(lambda m, a: mask_padding(state, tokens, a[0].shape[0], a[0].device))
         tpl = layout_of(mesh)
-        self.layout = tpl.activation
-        if self.is_last:  # without a head the last stage returns hidden states in the activation layout
+        self.placement = tpl.activation
+        if self.is_last:  # without a head the last stage returns hidden states in the activation placement
             head = self.head_name
-            self.target_layout = tpl.after(self.get_submodule(head)) if head is not None else self.layout
+            self.target_placement = tpl.after(self.get_submodule(head)) if head is not None else self.placement
         self.allocate(device, seed)
 
     @classmethod
@@ -117,9 +117,9 @@ class PlannedModel(StagedModel):
         raise NotImplementedError
 
     def gather_rows(self, y_local: torch.Tensor) -> torch.Tensor:
-        """One vector per row in the activation layout (a pooled output), [b, H_l] -> [B, H]
+        """One vector per row in the activation placement (a pooled output), [b, H_l] -> [B, H]
         on every rank."""
-        return self.tpl.gather_hidden(y_local, self.layout)
+        return self.tpl.gather_hidden(y_local, self.placement)
 
     def shard_input(self, ids_full: torch.Tensor) -> torch.Tensor:
         """Token ids [B, S] -> this rank's [b, s] (batch as the tp layout, sequence over sp);
@@ -129,7 +129,7 @@ class PlannedModel(StagedModel):
         if self.own_sequence_length(self.config) is not None:
             if replicas.debug_mode():
                 replicas.check_same_input(ids_full, self.mesh, f"{type(self).__name__}.shard_input")
-            return self.tpl.shard_batch(ids_full, self.layout)
+            return self.tpl.shard_batch(ids_full, self.placement)
         if self.positions_field is not None and ids_full.dim() == 2:
             common.check_seq_len(self.family, ids_full.shape[1], getattr(self.config, self.positions_field),
                                  self.positions_field)
@@ -149,7 +149,7 @@ class PlannedModel(StagedModel):
         """dp, sp and the head's batch axes (loss.GlobalLoss); a pooled head's targets are the
         same on every sp rank (its token is broadcast over sp), so not split over sp."""
         if self.pooled_head:
-            return ("dp",) + tuple(getattr(self.target_layout, "batch_axes", ()))
+            return ("dp",) + tuple(getattr(self.target_placement, "batch_axes", ()))
         return super().target_axes
 
     def per_target_loss(self, logits: torch.Tensor, target: torch.Tensor, ignore_index: int,

@@ -1,10 +1,10 @@
-"""The ``dense`` style: an ``nn.Linear`` whose output stays in its input's activation layout
+"""The ``dense`` style: an ``nn.Linear`` whose output stays in its input's activation placement
 (BERT's pooler and MLM transform, OPT's project_in / project_out), where a column / row pair
 does not fit because nothing follows it to undo the split.
 
 The style builds it (styles/linears.py ``Dense``: replicated in 1d, a grid linear in 2d / 2.5d /
-3d), and the forward hook here moves the output back to the input's layout where the grid's
-linear leaves it in another one (3D swaps the batch and hidden axes; ``TensorLayout.relayout`` moves it back).
+3d), and the forward hook here moves the output back to the input's placement where the grid's
+linear leaves it in another one (3D swaps the batch and hidden axes; ``TensorLayout.change_placement`` moves it back).
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from __future__ import annotations
 from torch import nn
 
 
-class BackToLayout:
-    """Forward hook: the dense layer's output, in the layout its input had."""
+class BackToPlacement:
+    """Forward hook: the dense layer's output, in the placement its input had."""
 
     def __init__(self, tpl):
         self.tpl = tpl
 
     def __call__(self, module: nn.Module, args: tuple, output):
-        layout = self.tpl.activation
-        return self.tpl.relayout(output, self.tpl.after(module, layout), layout)
+        placement = self.tpl.activation
+        return self.tpl.change_placement(output, self.tpl.after(module, placement), placement)

@@ -45,7 +45,7 @@ from shardzoo.layers.tensor_layout import layout_of
 
 class Parallelized:
     """What ``parallelize`` recorded on a model: mesh, sp mode, whether it is causal, the
-    qualified names of its head and token table, the batch layouts of its inputs, and the
+    qualified names of its head and token table, the batch placements of its inputs, and the
     current forward's padding mask for the sequence-parallel attention."""
 
     def __init__(self, model: nn.Module, mesh, sp_mode: str, hf: bool, causal: bool, head: str | None,
@@ -59,9 +59,9 @@ class Parallelized:
         self.check_inputs = "first"  # compare the tp / sp ranks' inputs: "first" forward, "every" forward, "never"
         self.inputs_checked = False
         tpl = layout_of(mesh)
-        self.input_layout = tpl.activation
-        self.mask_layout = tpl.linear_output(tpl.activation)  # the attention's batch rows
-        self.target_layout = tpl.activation
+        self.input_placement = tpl.activation
+        self.mask_placement = tpl.linear_output(tpl.activation)  # the attention's batch rows
+        self.target_placement = tpl.activation
         self.rows: int | None = None  # this forward's batch rows, before padding
         self.padded_rows: int | None = None  # ... after: a multiple of the batch parts
 
@@ -71,8 +71,8 @@ class Parallelized:
 
     def batch_parts(self) -> int:
         """How many blocks the batch is cut into (the same for inputs, masks and targets)."""
-        return math.lcm(*(lay.batch_parts(self.mesh) for lay in (self.input_layout, self.mask_layout,
-                                                                  self.target_layout)))
+        return math.lcm(*(placement.batch_parts(self.mesh)
+                          for placement in (self.input_placement, self.mask_placement, self.target_placement)))
 
     def start_batch(self, rows: int, model: nn.Module) -> None:
         """Record this forward's batch of ``rows`` and the rows it is padded to; refuse it where
@@ -80,7 +80,7 @@ class Parallelized:
         parts = self.batch_parts()
         self.rows, self.padded_rows = rows, -(-rows // parts) * parts
         if self.padded_rows != rows and self.head is None:
-            axes = "*".join(f"{a}={self.mesh.size(a)}" for a in self.input_layout.batch_axes)
+            axes = "*".join(f"{a}={self.mesh.size(a)}" for a in self.input_placement.batch_axes)
             raise ValueError(f"a batch of {rows} rows does not split over the {self.mesh.tp_mode} layout's {parts} "
                              f"batch parts ({axes}), and {type(model).__name__} has no 'lm_head' whose loss and "
                              f"gathered logits shardzoo pads and trims; pass a batch of a multiple of {parts} rows "
@@ -98,14 +98,14 @@ class Parallelized:
         """A gathered [padded_rows, ...] output -> this forward's [rows, ...]."""
         return t[:self.rows] if self.rows is not None and t.shape[0] == self.padded_rows else t
 
-    def shard(self, t: torch.Tensor, layout, fill=None) -> torch.Tensor:
+    def shard(self, t: torch.Tensor, placement, fill=None) -> torch.Tensor:
         """[B, S, ...] -> this rank's [b, s, ...]: padded (:meth:`pad`), batch rows of
-        ``layout`` (None, or one row broadcast over a larger batch: kept whole), then the sp
+        ``placement`` (None, or one row broadcast over a larger batch: kept whole), then the sp
         shard."""
-        if layout is not None:
+        if placement is not None:
             t = self.pad(t, fill)
-        if layout is not None and t.shape[0] != 1:
-            t = layout_of(self.mesh).shard_batch(t, layout)
+        if placement is not None and t.shape[0] != 1:
+            t = layout_of(self.mesh).shard_batch(t, placement)
         if self.mesh.sp_size > 1:
             t = shard_sequence(t, self.mesh.sp_group, 1, zigzag=self.zigzag, cu_seqlens=self.cu_seqlens)
         return t
@@ -115,9 +115,9 @@ class Parallelized:
 
 
 def install(model: nn.Module, state: Parallelized) -> None:
-    """Register the input-splitting pre-hook and record the head's output layout."""
+    """Register the input-splitting pre-hook and record the head's output placement."""
     if state.head is not None:
-        state.target_layout = layout_of(state.mesh).after(model.get_submodule(state.head))
+        state.target_placement = layout_of(state.mesh).after(model.get_submodule(state.head))
         if not hasattr(model, "count_targets"):  # model.count_targets(labels): the step's count
             model.count_targets = functools.partial(count_targets, model)
     model.register_forward_pre_hook(lambda m, a, k: _split_inputs(state, m, a, k), with_kwargs=True)
@@ -146,12 +146,12 @@ def _split_inputs(state: Parallelized, model: nn.Module, args: tuple, kwargs: di
         if mask.dim() != 2:
             raise ValueError(f"a parallelized model takes a [batch, seq] padding mask (1 = attend); got attention_mask "
                              f"of shape {tuple(mask.shape)}. Pass the 2-d mask; the model builds the rest")
-        local = state.shard(mask, state.mask_layout)
+        local = state.shard(mask, state.mask_placement)
         state.key_padding_mask = local.bool()
         kwargs["attention_mask"] = None if state.mesh.sp_size > 1 else local
     positions = kwargs.get("position_ids")
     if positions is not None:
-        kwargs["position_ids"] = state.shard(positions, state.mask_layout)
+        kwargs["position_ids"] = state.shard(positions, state.mask_placement)
     elif state.hf and state.mesh.sp_size > 1 and seq is not None:
         local = shard_positions(seq // state.mesh.sp_size, state.mesh.sp_rank, state.mesh.sp_size, state.zigzag)
         kwargs["position_ids"] = local[None].to(_device(args, kwargs))
@@ -203,14 +203,14 @@ def _packed_documents(state: Parallelized, positions, mask) -> torch.Tensor | No
 
 def _ids(state: Parallelized, ids: torch.Tensor) -> torch.Tensor:
     if torch.is_floating_point(ids) and ids.dim() == 4:  # pixels [B, C, H, W]: the embedding makes the sequence
-        return layout_of(state.mesh).shard_batch(state.pad(ids), state.input_layout)
+        return layout_of(state.mesh).shard_batch(state.pad(ids), state.input_placement)
     if torch.is_floating_point(ids) and ids.dim() == 3:  # activations [B, S, H]
         return shard_activations(state, ids)
     if ids.dim() != 2:
         raise ValueError(f"a parallelized model takes input_ids [batch, seq] of this dp replica, pixels [batch, "
                          f"channels, height, width] or float activations [batch, seq, hidden]; got shape "
                          f"{tuple(ids.shape)} ({ids.dtype})")
-    return state.shard(ids, state.input_layout)
+    return state.shard(ids, state.input_placement)
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -234,7 +234,7 @@ def shard_activations(state: Parallelized, x: torch.Tensor) -> torch.Tensor:
     :func:`gather_output` hands the gradient back sp times larger (the convention of the loss,
     whose sp ranks' shares ``backward()`` averages, sp_grads.py); it is divided here again."""
     tpl = layout_of(state.mesh)
-    x = tpl.shard_hidden(x, state.input_layout)
+    x = tpl.shard_hidden(x, state.input_placement)
     if state.mesh.sp_size > 1:
         x = shard_sequence(_ScaleGrad.apply(x, 1.0 / state.mesh.sp_size), state.mesh.sp_group, 1,
                            zigzag=state.zigzag)
@@ -253,7 +253,7 @@ def shard_labels(state: Parallelized, labels: torch.Tensor, ignore_index: int = 
     causal LM (position t predicts token t + 1, the last position ignored)."""
     if state.causal:
         labels = batch_loss.shift_labels(labels, ignore_index)
-    return state.shard(labels, state.target_layout, fill=ignore_index)
+    return state.shard(labels, state.target_placement, fill=ignore_index)
 
 
 def local_loss(state: Parallelized, model: nn.Module, logits: torch.Tensor, target: torch.Tensor, *,
@@ -262,7 +262,7 @@ def local_loss(state: Parallelized, model: nn.Module, logits: torch.Tensor, targ
     rank's ``target`` [b, s] (already split by :func:`shard_labels`)."""
     head = model.get_submodule(state.head)
     losses = head.loss(logits, target, ignore_index=ignore_index, reduction="none")
-    axes = ("dp", "sp") + tuple(state.target_layout.batch_axes)
+    axes = ("dp", "sp") + tuple(state.target_placement.batch_axes)
     return batch_loss.reduce_loss(losses, target != ignore_index, mesh=state.mesh, axes=axes,
                                   num_targets=num_targets)
 
@@ -323,7 +323,7 @@ def gather_output(model: nn.Module, y: torch.Tensor) -> torch.Tensor:
     if y.dim() != 3:
         raise ValueError(f"gather_output takes the model's local [batch, seq, hidden] output; got shape "
                          f"{tuple(y.shape)}. For a model's logits use shardzoo.gather_logits")
-    full = layout_of(state.mesh).gather_hidden(y, state.input_layout)
+    full = layout_of(state.mesh).gather_hidden(y, state.input_placement)
     if state.mesh.sp_size == 1:
         return full
     full = _ScaleGrad.apply(full, float(state.mesh.sp_size))

@@ -86,7 +86,7 @@ def _pad(t: torch.Tensor, dim: int, extra: int) -> torch.Tensor:
 
 def _zero_padded_inputs(layer: nn.Module, n: int, tpl) -> None:
     """On a rank whose input block holds padded features, a pre-hook sets them to 0."""
-    axis = getattr(layer, "layout", tpl.activation).hidden_axis
+    axis = getattr(layer, "placement", tpl.activation).hidden_axis
     width = layer.in_features // tpl.mesh.size(axis)
     valid = max(0, min(width, n - tpl.mesh.rank(axis) * width))
     if valid == width:

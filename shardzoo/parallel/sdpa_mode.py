@@ -49,7 +49,7 @@ def run_sequence_attention(state, q, k, v, *, causal: bool, softmax_scale=None, 
     if state.sp_mode == "ulysses" and not _ulysses_fits(k.shape[1], mesh.sp_size):
         rep = q.shape[1] // k.shape[1]  # Ulysses splits kv heads over sp, or copies them
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    batch_offset, head_offset = layout_of(mesh).block_offsets(state.mask_layout, q.shape[0], q.shape[1])
+    batch_offset, head_offset = layout_of(mesh).block_offsets(state.mask_placement, q.shape[0], q.shape[1])
     zigzag = None if state.cu_seqlens is not None else state.zigzag
     return sequence_attention(q, k, v, mesh=mesh, causal=causal, key_padding_mask=state.key_padding_mask,
                               softmax_scale=softmax_scale, sp_mode=state.sp_mode, dropout_p=dropout_p,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardzoo.layers.layouts import use_block_param
+from shardzoo.layers.placements import use_block_param
 from shardzoo.layers.shard_spec import ShardSpec, shard_param
 
 
@@ -52,14 +52,14 @@ class BiasOverBatch:
     """Pre-hook and hook: the forward reads ``bias`` with its gradient summed over the batch
     axes of the logits (module doc), then the parameter is put back."""
 
-    def __init__(self, mesh, layout):
-        self.mesh, self.layout = mesh, layout
+    def __init__(self, mesh, placement):
+        self.mesh, self.placement = mesh, placement
         self.saved: list = []  # a stack: the module may run inside itself
 
     def before(self, module: nn.Module, args: tuple) -> None:
         bias = module._parameters["bias"]
         self.saved.append(bias)
-        module._parameters["bias"] = use_block_param(bias, self.mesh, self.layout)
+        module._parameters["bias"] = use_block_param(bias, self.mesh, self.placement)
 
     def after(self, module: nn.Module, args: tuple, output) -> None:
         module._parameters["bias"] = self.saved.pop()

@@ -6,12 +6,12 @@ docs/planner.md); the planner adds pieces up. Each layout states its costs throu
 per tp_mode (:func:`costs_of`, e.g. ``costs_of("2d", tp=4)``) offers the same methods, one
 per kind of block: ``linear``,
 ``layer_norm``, ``vocab_embedding``, ``hidden_embedding``, ``lm_head``, ``loss``, ``dense`` (a
-projection that leaves the activation in its layout), ``classifier``, ``patch_embedding``,
+projection that leaves the activation in its placement), ``classifier``, ``patch_embedding``,
 ``vocab_bias``; each returns a :class:`Piece`.
 
 Arguments: ``rows`` = this rank's activation rows (tokens), ``e`` = bytes per activation
-element, ``layout`` = the activation layout consumed (None in 1D; ``after(layout)`` is the one a
-linear produces). Parameters, their gradients and gathered tables travel in ``ep`` bytes per
+element, ``placement`` = the activation placement consumed (None in 1D; ``after(placement)`` is the one
+a linear produces). Parameters, their gradients and gathered tables travel in ``ep`` bytes per
 element. A call on a group of one rank is left out: ``shardzoo.comm`` sends nothing there.
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shardzoo.layers.layouts import ActivationLayout, canonical_for, swapped_3d
+from shardzoo.layers.placements import ActivationPlacement, canonical_for, swapped_3d
 
 ID_BYTES = 8  # int64 token ids and lookup indices
 MASK_BYTES = 1  # bool masks
@@ -141,24 +141,24 @@ class Costs1D:
     def __init__(self, tp: int, depth: int = 1, ep: int = 4):
         self.p, self.tp, self.ep, self.canonical = tp, tp, ep, None
 
-    def batch_parts(self, layout) -> int:
+    def batch_parts(self, placement) -> int:
         return 1
 
-    def hidden_parts(self, layout) -> int:
+    def hidden_parts(self, placement) -> int:
         return 1
 
-    def head_parts(self, layout) -> int:
+    def head_parts(self, placement) -> int:
         """Parts the attention heads are split into."""
         return self.p
 
-    def inner_parts(self, layout) -> int:
+    def inner_parts(self, placement) -> int:
         """Parts a column layer's output (the MLP's inner width) is split into."""
         return self.p
 
-    def after(self, layout):
+    def after(self, placement):
         return None
 
-    def linear(self, n_in, n_out, rows, e, layout=None, *, style="column", bias=True, input_saved=True,
+    def linear(self, n_in, n_out, rows, e, placement=None, *, style="column", bias=True, input_saved=True,
                chunks=1) -> Piece:
         """Column: out split, dX all-reduced in backward; row: in split, y all-reduced forward.
         ``chunks`` = p: Megatron sequence parallelism between the blocks (``rows`` is then the whole
@@ -198,7 +198,7 @@ class Costs1D:
         return (Piece(calls("bwd", ("tp",), "all_gather", x, chunks)),
                 Piece(calls("fwd", ("tp",), "all_gather", x, chunks)))
 
-    def layer_norm(self, h, rows, e, layout=None, *, affine=True, bias=True, chunks=1) -> Piece:
+    def layer_norm(self, h, rows, e, placement=None, *, affine=True, bias=True, chunks=1) -> Piece:
         """Replicated: saves its input and the row mean / rstd. ``chunks`` = p: on this rank's
         sequence chunk (``rows`` of the whole sequence), its weight / bias gradients summed over tp."""
         n = int(affine) + int(affine and bias)
@@ -211,41 +211,41 @@ class Costs1D:
         sequence chunk (none without Megatron sequence parallelism)."""
         return [c for _ in range(count) for c in calls("bwd", ("tp",), "all_reduce", n * self.ep, chunks)]
 
-    def vocab_embedding(self, vocab, h, rows, e, layout=None) -> Piece:
+    def vocab_embedding(self, vocab, h, rows, e, placement=None) -> Piece:
         """Table rows split over tp (padded to ceil(V/p) each); partial lookups all-reduced."""
         return Piece(calls("fwd", ("tp",), "all_reduce", rows * h * e, self.p, after_save=True),
                      ceil_div(vocab, self.p) * h, rows * (ID_BYTES + MASK_BYTES), tensors=1,
                      **elementwise(LOOKUP_PASSES, rows * h, e))
 
-    def hidden_embedding(self, n, h, ids, e, layout=None) -> Piece:
+    def hidden_embedding(self, n, h, ids, e, placement=None) -> Piece:
         """A small table (positions, token types) replicated on every tp rank."""
         return Piece([], n * h, ids * ID_BYTES, tensors=1, **elementwise(LOOKUP_PASSES, ids * h, e))
 
-    def lm_head(self, vocab, h, rows, e, layout=None, *, tied=False) -> Piece:
+    def lm_head(self, vocab, h, rows, e, placement=None, *, tied=False) -> Piece:
         """Vocabulary-split logits [rows, ceil(V/p)]: copy_to on entry (dX all-reduced)."""
         logits = rows * ceil_div(vocab, self.p) * e
         return Piece(calls("bwd", ("tp",), "all_reduce", rows * h * e, self.p),
                      0 if tied else ceil_div(vocab, self.p) * h, rows * h * e, workspace=2 * logits,
                      flops=2 * rows * h * ceil_div(vocab, self.p), tensors=0 if tied else 1)
 
-    def loss(self, vocab, rows, e, layout=None) -> Piece:
+    def loss(self, vocab, rows, e, placement=None) -> Piece:
         return vocab_loss(("tp",), self.p, (), 1, rows, ceil_div(vocab, self.p), e, batch_mean=False)
 
-    def dense(self, n_in, n_out, rows, e, layout=None, *, bias=True) -> Piece:
+    def dense(self, n_in, n_out, rows, e, placement=None, *, bias=True) -> Piece:
         """A replicated nn.Linear (poolers, an MLM head's transform): no communication."""
         return Piece([], n_in * n_out + (n_out if bias else 0), rows * n_in * e, flops=2 * rows * n_in * n_out,
                      tensors=1 + bias)
 
-    def classifier(self, classes, h, rows, e, layout=None) -> Piece:
+    def classifier(self, classes, h, rows, e, placement=None) -> Piece:
         return self.dense(h, classes, rows, e)
 
-    def patch_embedding(self, image, patch, channels, h, batch, e, layout=None) -> Piece:
+    def patch_embedding(self, image, patch, channels, h, batch, e, placement=None) -> Piece:
         """An image model's patch embeddings replicated: conv weight and bias, cls token, positions."""
         tokens = (image // patch) ** 2 + 1
         return Piece([], h * channels * patch * patch + 2 * h + tokens * h, batch * channels * image * image * e,
                      flops=2 * batch * (tokens - 1) * channels * patch * patch * h, tensors=4)
 
-    def vocab_bias(self, vocab, rows, e, layout=None) -> Piece:
+    def vocab_bias(self, vocab, rows, e, placement=None) -> Piece:
         return Piece([], ceil_div(vocab, self.p), 0, tensors=1)
 
 
@@ -264,69 +264,70 @@ class GridCosts:
             n *= self.sizes[a]
         return n
 
-    def batch_parts(self, layout: ActivationLayout) -> int:
-        return self.size(*layout.batch_axes)
+    def batch_parts(self, placement: ActivationPlacement) -> int:
+        return self.size(*placement.batch_axes)
 
-    def hidden_parts(self, layout: ActivationLayout) -> int:
-        return self.size(layout.hidden_axis)
+    def hidden_parts(self, placement: ActivationPlacement) -> int:
+        return self.size(placement.hidden_axis)
 
-    def head_parts(self, layout: ActivationLayout) -> int:
-        return self.size(layout.hidden_axis)
+    def head_parts(self, placement: ActivationPlacement) -> int:
+        return self.size(placement.hidden_axis)
 
-    def inner_parts(self, layout: ActivationLayout) -> int:
-        return self.size(layout.hidden_axis)
+    def inner_parts(self, placement: ActivationPlacement) -> int:
+        return self.size(placement.hidden_axis)
 
-    def _param_use(self, layout, local, full_block) -> list[Call]:
+    def _param_use(self, placement, local, full_block) -> list[Call]:
         """gather_hidden_param of a piece of ``local`` elements: gradient summed over the
         replica axes, gathered over the parameter axes into ``full_block`` elements."""
         ep, out = self.ep, []
-        if layout.replica_axes:
-            out += calls("bwd", layout.replica_axes, "all_reduce", local * ep, self.size(*layout.replica_axes))
-        g = self.size(*layout.param_axes)
-        out += calls("fwd", layout.param_axes, "all_gather", full_block * ep, g)
-        return out + calls("bwd", layout.param_axes, "reduce_scatter", full_block * ep, g)
+        if placement.replica_axes:
+            out += calls("bwd", placement.replica_axes, "all_reduce", local * ep, self.size(*placement.replica_axes))
+        g = self.size(*placement.param_axes)
+        out += calls("fwd", placement.param_axes, "all_gather", full_block * ep, g)
+        return out + calls("bwd", placement.param_axes, "reduce_scatter", full_block * ep, g)
 
-    def _block_param_grads(self, layout, n_local, count) -> list[Call]:
+    def _block_param_grads(self, placement, n_local, count) -> list[Call]:
         """use_block_param (LayerNorm weight / bias, biases): gradient summed over the batch axes."""
-        return calls("bwd", layout.batch_axes, "all_reduce", n_local * self.ep, self.batch_parts(layout), times=count)
+        return calls("bwd", placement.batch_axes, "all_reduce", n_local * self.ep, self.batch_parts(placement),
+                     times=count)
 
-    def _split_params(self, who, what, h, layout) -> int:
+    def _split_params(self, who, what, h, placement) -> int:
         """q * size(param_axes) hidden chunks (q*q in 2D / 2.5D, q^3 in 3D), with the rule."""
-        parts = self.hidden_parts(layout) * self.size(*layout.param_axes)
+        parts = self.hidden_parts(placement) * self.size(*placement.param_axes)
         need(who, what, h, parts, f"{'q*q*q' if self.mode == '3d' else 'q*q'}={parts}")
         return parts
 
-    def layer_norm(self, h, rows, e, layout, *, affine=True, bias=True) -> Piece:
+    def layer_norm(self, h, rows, e, placement, *, affine=True, bias=True) -> Piece:
         """Mean and variance all-reduced over the hidden axis; one all-reduce of both row sums
         backward; weight / bias gradients summed over the batch axes. Saves xhat and rstd."""
-        q = self.hidden_parts(layout)
+        q = self.hidden_parts(placement)
         need(f"LayerNorm{self.suffix[self.mode]}", "normalized_shape", h, q, f"q={q}")
-        es, hid = stat_bytes(e), (layout.hidden_axis,)
+        es, hid = stat_bytes(e), (placement.hidden_axis,)
         n = (1 if affine else 0) + (1 if affine and bias else 0)
         out = calls("fwd", hid, "all_reduce", rows * es, q, times=2) + calls("bwd", hid, "all_reduce", 2 * rows * es, q)
-        out += self._block_param_grads(layout, h // q, n) if n else []
+        out += self._block_param_grads(placement, h // q, n) if n else []
         return Piece(out, n * h // q, rows * (h // q) * es + rows * es, tensors=n,
                      **elementwise(NORM_PASSES, rows * (h // q), e))
 
-    def hidden_embedding(self, n, h, ids, e, layout) -> Piece:
+    def hidden_embedding(self, n, h, ids, e, placement) -> Piece:
         """Table cut into q * size(param_axes) hidden chunks, gathered in forward."""
-        parts = self._split_params(f"Embedding{self.suffix[self.mode]}", "embedding_dim", h, layout)
-        local, hl = n * h // parts, h // self.hidden_parts(layout)
-        return Piece(self._param_use(layout, local, n * hl), local, ids * ID_BYTES, tensors=1,
+        parts = self._split_params(f"Embedding{self.suffix[self.mode]}", "embedding_dim", h, placement)
+        local, hl = n * h // parts, h // self.hidden_parts(placement)
+        return Piece(self._param_use(placement, local, n * hl), local, ids * ID_BYTES, tensors=1,
                      **elementwise(LOOKUP_PASSES, ids * hl, e))
 
-    def vocab_embedding(self, vocab, h, rows, e, layout) -> Piece:
+    def vocab_embedding(self, vocab, h, rows, e, placement) -> Piece:
         """Ids all-gathered over the vocabulary axis, masked lookup, partial embeddings
         reduce-scattered back; 3D also gathers the table over its second batch axis."""
-        q = self.hidden_parts(layout)
+        q = self.hidden_parts(placement)
         need(f"VocabParallelEmbedding{self.suffix[self.mode]}", "embedding_dim", h, q, f"q={q}")
-        ep, vocab_axis = self.ep, layout.batch_axes[-1]
-        sub_axes = tuple(a for a in layout.param_axes if a != vocab_axis)
+        ep, vocab_axis = self.ep, placement.batch_axes[-1]
+        sub_axes = tuple(a for a in placement.param_axes if a != vocab_axis)
         qv, sub = self.size(vocab_axis), self.size(*sub_axes)
         local = ceil_div(vocab, qv * sub) * (h // q)
         out = calls("fwd", (vocab_axis,), "all_gather", qv * rows * ID_BYTES, qv)
-        if layout.replica_axes:
-            out += calls("bwd", layout.replica_axes, "all_reduce", local * ep, self.size(*layout.replica_axes))
+        if placement.replica_axes:
+            out += calls("bwd", placement.replica_axes, "all_reduce", local * ep, self.size(*placement.replica_axes))
         out += calls("fwd", sub_axes, "all_gather", sub * local * ep, sub)
         out += calls("bwd", sub_axes, "reduce_scatter", sub * local * ep, sub)
         partial = qv * rows * (h // q) * e
@@ -335,46 +336,47 @@ class GridCosts:
         return Piece(out, local, qv * rows * (ID_BYTES + MASK_BYTES), workspace=partial + sub * local * ep, tensors=1,
                      **elementwise(LOOKUP_PASSES, qv * rows * (h // q), e))
 
-    def loss(self, vocab, rows, e, layout) -> Piece:
+    def loss(self, vocab, rows, e, placement) -> Piece:
         """Per-target cross entropy over the head's vocabulary axis (the global mean is
         ``model.loss_reduction``'s)."""
-        out = self.after_head(layout)
+        out = self.after_head(placement)
         q = self.hidden_parts(out)
         return vocab_loss((out.hidden_axis,), q, out.batch_axes, self.batch_parts(out), rows,
                           self.vocab_pad(vocab) // q, e, batch_mean=False)
 
-    def classifier(self, classes, h, rows, e, layout) -> Piece:
+    def classifier(self, classes, h, rows, e, placement) -> Piece:
         """Weight gathered like a table, partial logits all-reduced over the hidden axis."""
-        parts = self._split_params(f"Classifier{self.suffix[self.mode]}", "in_features", h, layout)
-        q = self.hidden_parts(layout)
-        out = self._param_use(layout, classes * h // parts, classes * (h // q))
-        out += calls("fwd", (layout.hidden_axis,), "all_reduce", rows * classes * e, q)
-        out += self._block_param_grads(layout, classes, 1)
+        parts = self._split_params(f"Classifier{self.suffix[self.mode]}", "in_features", h, placement)
+        q = self.hidden_parts(placement)
+        out = self._param_use(placement, classes * h // parts, classes * (h // q))
+        out += calls("fwd", (placement.hidden_axis,), "all_reduce", rows * classes * e, q)
+        out += self._block_param_grads(placement, classes, 1)
         return Piece(out, classes * h // parts + classes, rows * (h // q) * e + classes * (h // q) * self.ep,
                      flops=2 * rows * (h // q) * classes, tensors=2)
 
-    def patch_embedding(self, image, patch, channels, h, batch, e, layout) -> Piece:
+    def patch_embedding(self, image, patch, channels, h, batch, e, placement) -> Piece:
         """Conv weight and bias, cls token and positions each split and gathered like a table."""
-        parts = self._split_params(f"PatchEmbedding{self.suffix[self.mode]}", "hidden_size", h, layout)
+        parts = self._split_params(f"PatchEmbedding{self.suffix[self.mode]}", "hidden_size", h, placement)
         need(f"PatchEmbedding{self.suffix[self.mode]}", "image_size", image, patch, f"patch_size={patch}")
-        q, tensors = self.hidden_parts(layout), (h * channels * patch * patch, h, h, ((image // patch) ** 2 + 1) * h)
-        out = [c for n in tensors for c in self._param_use(layout, n // parts, n // q)]
+        q = self.hidden_parts(placement)
+        tensors = (h * channels * patch * patch, h, h, ((image // patch) ** 2 + 1) * h)
+        out = [c for n in tensors for c in self._param_use(placement, n // parts, n // q)]
         saved = batch * channels * image * image * e + (h // q) * channels * patch * patch * self.ep
-        rows = batch // self.batch_parts(layout)
+        rows = batch // self.batch_parts(placement)
         return Piece(out, sum(tensors) // parts, saved,
                      flops=2 * rows * (image // patch) ** 2 * channels * patch * patch * (h // q), tensors=len(tensors))
 
-    def vocab_bias(self, vocab, rows, e, layout) -> Piece:
+    def vocab_bias(self, vocab, rows, e, placement) -> Piece:
         """An MLM head's output bias, split like the logits; gradient summed over the batch axes."""
-        out = self.after_head(layout)
+        out = self.after_head(placement)
         local = self.vocab_pad(vocab) // self.hidden_parts(out)
         return Piece(self._block_param_grads(out, local, 1), local, 0, tensors=1)
 
-    def dense(self, n_in, n_out, rows, e, layout, *, bias=True) -> Piece:
-        """The mode's linear, moved back to ``layout`` (3D) by common.relayout."""
-        piece = self.linear(n_in, n_out, rows, e, layout, bias=bias)
-        src = self.after(layout)
-        return piece if src == layout else piece + self.relayout(n_out, rows, e, src, layout)
+    def dense(self, n_in, n_out, rows, e, placement, *, bias=True) -> Piece:
+        """The mode's linear, moved back to ``placement`` (3D) by TensorLayout.change_placement."""
+        piece = self.linear(n_in, n_out, rows, e, placement, bias=bias)
+        src = self.after(placement)
+        return piece if src == placement else piece + self.change_placement(n_out, rows, e, src, placement)
 
 
 class Costs2D(GridCosts):
@@ -386,11 +388,11 @@ class Costs2D(GridCosts):
         super().__init__({"tp_row": q, "tp_col": q, "tp_dep": depth}, ep)
         self.canonical = canonical_for(mode)
 
-    def after(self, layout):
-        return layout
+    def after(self, placement):
+        return placement
 
-    def after_head(self, layout):
-        return layout
+    def after_head(self, placement):
+        return placement
 
     def vocab_pad(self, vocab: int) -> int:
         return ceil_div(vocab, self.q) * self.q
@@ -400,9 +402,9 @@ class Costs2D(GridCosts):
         q = self.q
         return calls(phase, a_axes, "broadcast", a_bytes, q, times=q) + calls(phase, b_axes, b_kind, b_bytes, q, times=q)
 
-    def linear(self, n_in, n_out, rows, e, layout=None, *, style="column", bias=True, input_saved=True) -> Piece:
+    def linear(self, n_in, n_out, rows, e, placement=None, *, style="column", bias=True, input_saved=True) -> Piece:
         """nn forward; nt (dX) and tn (dW) backward; 2.5D sums dW over depth."""
-        q, d, layout = self.q, self.d, layout or self.canonical
+        q, d, placement = self.q, self.d, placement or self.canonical
         who = f"ParallelLinear{self.suffix[self.mode]}"
         need(who, "in_features", n_in, q, f"q={q}")
         need(who, "out_features", n_out, q, f"q={q}")
@@ -410,12 +412,12 @@ class Costs2D(GridCosts):
         row, col = ("tp_col",), ("tp_row",)  # the ranks of a grid row vary tp_col
         out = self._summa("fwd", row, x, col, w) + self._summa("bwd", col, w, row, x, "reduce")
         out += self._summa("bwd", row, x, col, w, "reduce") + calls("bwd", ("tp_dep",), "all_reduce", w, d)
-        out += self._block_param_grads(layout, n_out // q, 1) if bias else []
+        out += self._block_param_grads(placement, n_out // q, 1) if bias else []
         return Piece(out, n_in * n_out // (q * q) + (n_out // q if bias else 0), x if input_saved else 0,
                      workspace=2 * (x + w), flops=2 * rows * n_in * n_out // q, tensors=1 + bias, saves=True,
                      **elementwise(BIAS_PASSES, rows * n_out // q if bias else 0, e))
 
-    def lm_head(self, vocab, h, rows, e, layout=None, *, tied=False) -> Piece:
+    def lm_head(self, vocab, h, rows, e, placement=None, *, tied=False) -> Piece:
         """Logits x E^T by SUMMA nt; nn (dX) and tn (dE) backward."""
         q, d = self.q, self.d
         need(f"LMHead{self.suffix[self.mode]}", "in_features", h, q, f"q={q}")
@@ -429,7 +431,7 @@ class Costs2D(GridCosts):
 
 
 class Costs3D(GridCosts):
-    """3D (Bian et al.) on a q x q x q cube; a linear maps layout (I, J | L) to (I, L | J)."""
+    """3D (Bian et al.) on a q x q x q cube; a linear maps placement (I, J | L) to (I, L | J)."""
 
     mode = "3d"
 
@@ -437,47 +439,47 @@ class Costs3D(GridCosts):
         q = round(tp ** (1 / 3))
         self.q, self.d = q, 1
         super().__init__({"tp_x": q, "tp_y": q, "tp_z": q}, ep)
-        self.canonical = ActivationLayout("3d", ("tp_x", "tp_y"), "tp_z")
+        self.canonical = ActivationPlacement("3d", ("tp_x", "tp_y"), "tp_z")
 
-    def after(self, layout):
-        return swapped_3d(layout)
+    def after(self, placement):
+        return swapped_3d(placement)
 
-    def after_head(self, layout):
-        return swapped_3d(layout)
+    def after_head(self, placement):
+        return swapped_3d(placement)
 
     def vocab_pad(self, vocab: int) -> int:
         return ceil_div(vocab, self.q * self.q) * self.q * self.q
 
-    def _cube(self, n_in, n_out, rows, e, layout) -> tuple[list[Call], int, int]:
+    def _cube(self, n_in, n_out, rows, e, placement) -> tuple[list[Call], int, int]:
         """(calls, saved bytes, partial-output bytes) of linear_3d: all-gather x over J and W
         over I, reduce-scatter y over L; the adjoints backward."""
-        q, (i_axis, j_axis), l_axis = self.q, layout.batch_axes, layout.hidden_axis
+        q, (i_axis, j_axis), l_axis = self.q, placement.batch_axes, placement.hidden_axis
         x, w, y = rows * (n_in // q) * e, n_in * n_out // q**3 * self.ep, rows * (n_out // q) * e
         out = calls("fwd", (j_axis,), "all_gather", q * x, q) + calls("fwd", (i_axis,), "all_gather", q * w, q)
         out += calls("fwd", (l_axis,), "reduce_scatter", q * y, q, after_save=True)
         out += calls("bwd", (l_axis,), "all_gather", q * y, q) + calls("bwd", (i_axis,), "reduce_scatter", q * w, q)
         return out + calls("bwd", (j_axis,), "reduce_scatter", q * x, q), q * x + q * w, q * y
 
-    def linear(self, n_in, n_out, rows, e, layout=None, *, style="column", bias=True, input_saved=True) -> Piece:
-        q, layout = self.q, layout or self.canonical
+    def linear(self, n_in, n_out, rows, e, placement=None, *, style="column", bias=True, input_saved=True) -> Piece:
+        q, placement = self.q, placement or self.canonical
         need("ParallelLinear3D", "in_features", n_in, q, f"q={q}")
         need("ParallelLinear3D", "out_features", n_out, q * q, f"q*q={q * q}")
-        out, saved, partial = self._cube(n_in, n_out, rows, e, layout)
-        out += self._block_param_grads(swapped_3d(layout), n_out // q, 1) if bias else []
+        out, saved, partial = self._cube(n_in, n_out, rows, e, placement)
+        out += self._block_param_grads(swapped_3d(placement), n_out // q, 1) if bias else []
         return Piece(out, n_in * n_out // q**3 + (n_out // q if bias else 0), saved, workspace=partial,
                      flops=2 * rows * n_in * n_out // q, tensors=1 + bias,
                      **elementwise(BIAS_PASSES, rows * n_out // q if bias else 0, e))
 
-    def lm_head(self, vocab, h, rows, e, layout=None, *, tied=False) -> Piece:
-        q, layout = self.q, layout or self.canonical
+    def lm_head(self, vocab, h, rows, e, placement=None, *, tied=False) -> Piece:
+        q, placement = self.q, placement or self.canonical
         need("LMHead3D", "in_features", h, q, f"q={q}")
         v_pad = self.vocab_pad(vocab)
-        out, saved, partial = self._cube(h, v_pad, rows, e, layout)
+        out, saved, partial = self._cube(h, v_pad, rows, e, placement)
         return Piece(out, 0 if tied else v_pad * h // q**3, saved, workspace=partial + 2 * rows * (v_pad // q) * e,
                      flops=2 * rows * h * v_pad // q, tensors=0 if tied else 1)
 
-    def relayout(self, h, rows, e, src, dst) -> Piece:
-        """common.relayout: gather the activation to full size, keep the ``dst`` block."""
+    def change_placement(self, h, rows, e, src, dst) -> Piece:
+        """TensorLayout.change_placement: gather the activation to full size, keep the ``dst`` block."""
         q, parts = self.q, self.batch_parts(src)
         out = calls("fwd", (src.hidden_axis,), "all_gather", rows * h * e, q)
         gathered = rows * h * e

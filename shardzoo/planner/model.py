@@ -121,8 +121,8 @@ def target_axes(shape, costs, dp: int, sp: int) -> list[tuple[str, int]]:
     """(axis, size) of the mesh axes the targets are split over (layers/batch_loss.py): dp, sp
     (not for a pooled head, whose targets every sp rank holds) and the batch axes of the
     head's layout."""
-    lay = costs.canonical
-    batch = [(a, costs.size(a)) for a in lay.batch_axes] if lay is not None else []
+    placement = costs.canonical
+    batch = [(a, costs.size(a)) for a in placement.batch_axes] if placement is not None else []
     return [("dp", dp)] + ([] if shape.pooled else [("sp", sp)]) + batch
 
 

@@ -30,9 +30,10 @@ def costs_of(mode: str, q: int, d: int = 1, e: int = 4):
 
 def _mlp_pieces(mode, rows, hidden, ffn, q, d, e) -> list[Piece]:
     costs = costs_of(mode, q, d, e)
-    layout = costs.canonical
-    return [costs.layer_norm(hidden, rows, e, layout), costs.linear(hidden, ffn, rows, e, layout, style="column"),
-            costs.linear(ffn, hidden, rows, e, costs.after(layout), style="row")]
+    placement = costs.canonical
+    return [costs.layer_norm(hidden, rows, e, placement),
+            costs.linear(hidden, ffn, rows, e, placement, style="column"),
+            costs.linear(ffn, hidden, rows, e, costs.after(placement), style="row")]
 
 
 def mlp_block_bytes(mode: str, batch: int, seq: int, hidden: int, ffn: int, q: int, d: int = 1, e: int = 4) -> Fraction:

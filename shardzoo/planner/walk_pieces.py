@@ -131,7 +131,7 @@ class Context:
         return self.batch * -(-self.seq // self.chunks)
 
     @property
-    def lay(self):
+    def placement(self):
         return self.costs.canonical
 
     @property
@@ -142,7 +142,7 @@ class Context:
         """This rank's part of an activation of ``width`` features: the hidden size split as the
         block's input, any other width (an MLP's inner width) as a column layer's output."""
         if width == self.shape.hidden:
-            return width // self.costs.hidden_parts(self.lay)
+            return width // self.costs.hidden_parts(self.placement)
         return width // self.costs.inner_parts(self.mid)
 
 
@@ -181,7 +181,7 @@ def tied_table(ctx: Context) -> Piece | None:
     table = tied_embedding(ctx.shape.walk)
     if table is None:
         return None
-    return ctx.costs.vocab_embedding(table.num_embeddings, table.embedding_dim, 1, ctx.b.e, ctx.lay)
+    return ctx.costs.vocab_embedding(table.num_embeddings, table.embedding_dim, 1, ctx.b.e, ctx.placement)
 
 
 def _idle(ctx: Context, part: str) -> list[Piece]:
@@ -279,26 +279,26 @@ def _chunked(ctx: Context) -> dict:
 def _dense(ctx: Context, step: Step, **_) -> list[Piece]:
     n_in, n_out = _features(step.module)
     rows = ctx.batch if step.dims == 2 else ctx.rows
-    return [ctx.costs.dense(n_in, n_out, rows, ctx.b.e, ctx.lay, bias=step.module.bias is not None)]
+    return [ctx.costs.dense(n_in, n_out, rows, ctx.b.e, ctx.placement, bias=step.module.bias is not None)]
 
 
 def _classifier(ctx: Context, step: Step, **_) -> list[Piece]:
     """On one vector per row; F.cross_entropy keeps the logits and targets."""
     n_in, n_out = _features(step.module)
     e = ctx.b.e
-    return [ctx.costs.classifier(n_out, n_in, ctx.batch, e, ctx.lay),
+    return [ctx.costs.classifier(n_out, n_in, ctx.batch, e, ctx.placement),
             Piece([], 0, ctx.batch * (n_out * e + ID_BYTES) + e)]
 
 
 def _first_token(ctx: Context, step: Step, **_) -> list[Piece]:
     """Token 0 lives on sp rank 0: broadcast forward, its gradient reduced."""
-    n = ctx.batch * (step.width // ctx.costs.hidden_parts(ctx.lay)) * ctx.b.e
+    n = ctx.batch * (step.width // ctx.costs.hidden_parts(ctx.placement)) * ctx.b.e
     sp = ctx.b.sp
     return [Piece(calls("fwd", ("sp",), "broadcast", n, sp) + calls("bwd", ("sp",), "reduce", n, sp))]
 
 
 def _vocab_bias(ctx: Context, step: Step, **_) -> list[Piece]:
-    return [ctx.costs.vocab_bias(step.module.bias.shape[0], ctx.rows, ctx.b.e, ctx.lay)]
+    return [ctx.costs.vocab_bias(step.module.bias.shape[0], ctx.rows, ctx.b.e, ctx.placement)]
 
 
 def _patch_embedding(ctx: Context, step: Step, **_) -> list[Piece]:
@@ -311,13 +311,13 @@ def _norm(ctx: Context, step: Step, **_) -> list[Piece]:
 
 def _vocab_embedding(ctx: Context, step: Step, **_) -> list[Piece]:
     m = step.module
-    return [ctx.costs.vocab_embedding(m.num_embeddings, m.embedding_dim, ctx.rows, ctx.b.e, ctx.lay)]
+    return [ctx.costs.vocab_embedding(m.num_embeddings, m.embedding_dim, ctx.rows, ctx.b.e, ctx.placement)]
 
 
 def _embedding(ctx: Context, step: Step, **_) -> list[Piece]:
     ids = ctx.seq * (ctx.batch if step.lead == TRACE_BATCH else 1)
     m = step.module
-    return [ctx.costs.hidden_embedding(m.num_embeddings, m.embedding_dim, ids, ctx.b.e, ctx.lay)]
+    return [ctx.costs.hidden_embedding(m.num_embeddings, m.embedding_dim, ids, ctx.b.e, ctx.placement)]
 
 
 def _lm_head(ctx: Context, step: Step, *, untie: bool = False, **_) -> list[Piece]:
@@ -327,8 +327,8 @@ def _lm_head(ctx: Context, step: Step, *, untie: bool = False, **_) -> list[Piec
     # a transformers model's loss runs on the logits upcast to fp32 (parallel/hf_model.py, as
     # transformers' own causal-LM loss does); the calls carry fp32 statistics either way
     loss_e = stat_bytes(e) if ctx.shape.walk.transformers else e
-    return [ctx.costs.lm_head(vocab, module.in_features, ctx.rows, e, ctx.lay, tied=tied and not untie),
-            ctx.costs.loss(vocab, ctx.rows, loss_e, ctx.lay)]
+    return [ctx.costs.lm_head(vocab, module.in_features, ctx.rows, e, ctx.placement, tied=tied and not untie),
+            ctx.costs.loss(vocab, ctx.rows, loss_e, ctx.placement)]
 
 
 def _dropout(ctx: Context, step: Step, **_) -> list[Piece]:
@@ -360,9 +360,9 @@ def patch_embedding(ctx: Context, step: Step) -> list[Piece]:
     rank's projection keeps are a view of the micro-batch it was given."""
     conv = next(m for m in step.module.modules() if isinstance(m, nn.Conv2d))
     drop = next((m.p for m in step.module.modules() if isinstance(m, nn.Dropout)), 0.0)
-    hl = conv.out_channels // ctx.costs.hidden_parts(ctx.lay)
+    hl = conv.out_channels // ctx.costs.hidden_parts(ctx.placement)
     emb = ctx.costs.patch_embedding(step.width, conv.kernel_size[0], conv.in_channels, conv.out_channels, ctx.b.rows,
-                                    ctx.b.e, ctx.lay)
+                                    ctx.b.e, ctx.placement)
     return [emb, dropout(drop, ctx.batch * ctx.shape.tokens * hl, ctx.b)]
 
 
@@ -403,10 +403,10 @@ def column(ctx: Context, step: Step) -> Piece:
     repeated = owner is not None and step.name in owner.kv_projections and owner.kv_heads % parts != 0
     if repeated:
         n_out = parts * owner.head_dim
-    piece = c.linear(n_in, n_out, rows, e, ctx.lay, style="column", bias=bias, input_saved=not step.shares_input,
+    piece = c.linear(n_in, n_out, rows, e, ctx.placement, style="column", bias=bias, input_saved=not step.shares_input,
                      **_chunked(ctx))
     if repeated:
-        weight = c.linear(n_in, n_out, 1, e, ctx.lay, style="column", bias=False).params
+        weight = c.linear(n_in, n_out, 1, e, ctx.placement, style="column", bias=False).params
         for local in (weight, piece.params - weight) if bias else (weight,):
             piece = piece + Piece(calls("bwd", (head_axis(c),), "all_reduce", owner.kv_heads * local * c.ep, parts))
     return piece
@@ -416,12 +416,12 @@ def norm(ctx: Context, module: nn.Module) -> Piece:
     """LayerNorm by the cost object; RMSNorm: 1d replicated (input and rstd saved); grids: the
     mean of squares all-reduced over the hidden axis forward (its adjoint backward), the weight's
     gradient summed over the batch axes."""
-    c, e, rows, lay = ctx.costs, ctx.b.e, ctx.rows, ctx.lay
+    c, e, rows, placement = ctx.costs, ctx.b.e, ctx.rows, ctx.placement
     weight = getattr(module, "weight", None)
     h = weight.shape[0] if weight is not None else module.normalized_shape[-1]
     affine = weight is not None
     if "rms" not in type(module).__name__.lower():
-        return c.layer_norm(h, rows, e, lay, affine=affine, bias=getattr(module, "bias", None) is not None,
+        return c.layer_norm(h, rows, e, placement, affine=affine, bias=getattr(module, "bias", None) is not None,
                             **_chunked(ctx))
     es = stat_bytes(e)
     # saved (measured on CPU): the input (the grids keep it in at least fp32), the row rstd,
@@ -431,12 +431,12 @@ def norm(ctx: Context, module: nn.Module) -> Piece:
         return Piece(c.chunk_param_grads(h, int(affine), ctx.chunks), h if affine else 0,
                      rows * h * e + rows * es + (rows * h * e if affine else 0),
                      tensors=int(affine), **elementwise(NORM_PASSES, rows * h, e))
-    q = c.hidden_parts(lay)
+    q = c.hidden_parts(placement)
     need(f"RMSNorm ({c.mode})", "normalized_shape", h, q, f"q={q}")
-    hid = (lay.hidden_axis,)
+    hid = (placement.hidden_axis,)
     out = calls("fwd", hid, "all_reduce", rows * es, q) + calls("bwd", hid, "all_reduce", rows * es, q)
     if affine:
-        out += calls("bwd", lay.batch_axes, "all_reduce", h // q * c.ep, c.batch_parts(lay))
+        out += calls("bwd", placement.batch_axes, "all_reduce", h // q * c.ep, c.batch_parts(placement))
     saved = rows * (h // q) * es + rows * es + (rows * (h // q) * e if affine else 0)
     return Piece(out, h // q if affine else 0, saved, tensors=int(affine),
                  **elementwise(NORM_PASSES, rows * (h // q), e))

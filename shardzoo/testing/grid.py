@@ -75,11 +75,11 @@ class MLPBlock(nn.Module):
 
 def parallel_mlp(serial: MLPBlock, mesh) -> MLPBlock:
     """The twin of a serial ``MLPBlock`` (LayerNorm, Linear, Linear) on ``mesh``, built through
-    the mode's factory; it consumes and returns activations in the mesh's canonical layout."""
+    the mode's factory; it consumes and returns activations in the mesh's canonical placement."""
     from shardzoo.layers.tensor_layout import layout_of
 
     tpl = layout_of(mesh)
     fc1 = tpl.linear(serial=serial.fc1, style="column")
-    fc2 = tpl.linear(serial=serial.fc2, style="row")  # consumes fc1's output layout (3D: swapped)
-    assert tpl.after(fc2) == tpl.activation, "a column / row pair ends in the layout it started from"
+    fc2 = tpl.linear(serial=serial.fc2, style="row")  # consumes fc1's output placement (3D: swapped)
+    assert tpl.after(fc2) == tpl.activation, "a column / row pair ends in the placement it started from"
     return MLPBlock(tpl.norm(serial=serial.ln), fc1, fc2)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 from shardzoo.comm.tp_grids import tp_grid
-from shardzoo.layers.layouts import canonical_for
+from shardzoo.layers.placements import canonical_for
 
 _SIZE_KEYS = ("dp", "pp", "sp", "tp")
 
@@ -34,7 +34,7 @@ def with_world(**kwargs) -> tuple[dict, int]:
 
 def batch_parts(kwargs: dict) -> int:
     """Parts the mode's canonical activation cuts the batch (dim 0) into on this mesh: the
-    product of its batch axes (layers/layouts.py); a batch must be a multiple of it."""
+    product of its batch axes (layers/placements.py); a batch must be a multiple of it."""
     sizes = tp_shape(kwargs)
     return math.prod(sizes[a] for a in canonical_for(kwargs.get("tp_mode", "1d")).batch_axes)
 

@@ -1,4 +1,4 @@
-"""Chaining the 2D / 2.5D / 3D layers: the layout contract (factory chaining, what is
+"""Chaining the 2D / 2.5D / 3D layers: the placement contract (factory chaining, what is
 checked at construction and by shape), and a transformer MLP block
 (shardzoo.testing.grid.MLPBlock) trained for three AdamW steps against serial, on every grid
 mesh (with dp=2 or sp=2 around the 2D grid each replica / sp rank feeds its own data)."""
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from shardzoo.layers import layouts
+from shardzoo.layers import placements
 from shardzoo.layers.tensor_layout import layout_of
 from shardzoo.layers.full_state import full_state_dict
 from shardzoo.testing import assert_close, assert_close_conditioned, run_on_ranks
@@ -19,7 +19,7 @@ from shardzoo.testing.grid import BATCH_PARTS, DTYPES, MLPBlock, mesh_of, parall
 from shardzoo.testing.serial_twin import check_grads_match, data_seed, perturbed, randn
 
 
-# -- layouts are fixed at construction: what is checked, and where ----------------------------
+# -- placements are fixed at construction: what is checked, and where -------------------------
 def error_of(fn, *args, **kwargs):
     try:
         fn(*args, **kwargs)
@@ -28,32 +28,32 @@ def error_of(fn, *args, **kwargs):
     raise AssertionError(f"{fn} accepted a bad input")
 
 
-def check_layout_contract(name, seed):
-    """The factory chains a column / row pair on the right layouts and equals serial; a layout
-    of another mode is refused at construction; a block of the wrong shape at run time."""
+def check_placement_contract(name, seed):
+    """The factory chains a column / row pair on the right placements and equals serial; a
+    placement of another mode is refused at construction; a block of the wrong shape at run time."""
     mesh = mesh_of(name)
     tpl = layout_of(mesh)
     torch.manual_seed(seed)
     s1, s2 = nn.Linear(8, 16, dtype=torch.float64), nn.Linear(16, 8, dtype=torch.float64)
     x_full = randn(seed, (2 * BATCH_PARTS[name], 3, 8), torch.float64)
     fc1, fc2 = tpl.linear(serial=s1, style="column"), tpl.linear(serial=s2, style="row")
-    assert fc1.layout == tpl.activation and fc2.layout == tpl.after(fc1) and tpl.after(fc2) == tpl.activation
+    assert fc1.placement == tpl.activation and fc2.placement == tpl.after(fc1) and tpl.after(fc2) == tpl.activation
     y = fc2(fc1(tpl.shard_input(x_full)))
     assert_close(tpl.gather_output(y).detach(), s2(s1(x_full)).detach(), "factory-chained pair", terms=8 + 16 + 16,
                  parts=mesh.tp_size)
-    other = layouts.ActivationLayout("2.5d" if tpl.mode != "2.5d" else "2d", ("tp_row",), "tp_col")
-    m = error_of(type(fc1).from_serial, s1, mesh, layout=other)
-    assert f"got a layout for tp_mode={other.mode!r}" in m and "Pass the output_layout" in m, m
+    other = placements.ActivationPlacement("2.5d" if tpl.mode != "2.5d" else "2d", ("tp_row",), "tp_col")
+    m = error_of(type(fc1).from_serial, s1, mesh, placement=other)
+    assert f"got a placement for tp_mode={other.mode!r}" in m and "Pass the output_placement" in m, m
     m = error_of(fc1, x_full)  # the full activation where a local block is expected
     assert "expects the local input block" in m and "shard_input(x_full)" in m, m
     return True
 
 
 @pytest.mark.parametrize("name", ["2d", "3d"])
-def test_layout_contract(name):
-    """A block in another layout of the same shape cannot be detected (docs/design.md, "Layouts
-    are fixed at construction"); what can be checked is, at construction and by shape."""
-    assert all(run_on_ranks(check_layout_contract, world_of(name), name, 1))
+def test_placement_contract(name):
+    """A block in another placement of the same shape cannot be detected (docs/design.md,
+    "Placements are fixed at construction"); what can be checked is, at construction and by shape."""
+    assert all(run_on_ranks(check_placement_contract, world_of(name), name, 1))
 
 
 # -- a transformer MLP block trained for three AdamW steps ----------------------------------
@@ -81,7 +81,7 @@ def check_mlp_training(case):
         (y_s * g).sum().backward()
         y_e = exact(xe)
         (y_e * g.double()).sum().backward()
-        y_p = layouts.gather_activation(par(layouts.shard_activation(xp, mesh)), mesh)
+        y_p = placements.gather_activation(par(placements.shard_activation(xp, mesh)), mesh)
         (y_p * g).sum().backward()
         y_g = xg = None
         if gauge is not None:

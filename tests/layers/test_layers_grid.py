@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from shardzoo.layers import layouts
+from shardzoo.layers import placements
 from shardzoo.testing import assert_close, run_on_ranks
 from shardzoo.testing.dtypes import rms_of
 from shardzoo.testing.grid import BATCH_PARTS, DTYPES, classes, hidden_parts_of, mesh_of, world_of
@@ -221,7 +221,7 @@ def check_lm(case):
     loss_p = head_p.loss(logits_p, head_p.shard_target(target), label_smoothing=ls, reduction=reduction)
     if reduction == "none":  # this rank's block of per-token losses, batch split as the targets
         assert loss_p.shape == head_p.shard_target(target).shape
-        loss_p = layouts.gather_batch(loss_p, mesh, head_p.output_layout).flatten()
+        loss_p = placements.gather_batch(loss_p, mesh, head_p.output_placement).flatten()
     else:
         assert loss_p.dim() == 0
     w = randn(dseed + 1, loss.shape, loss.dtype)  # weights every per-token loss differently
@@ -378,11 +378,11 @@ def grid_tie_errors(name):
     with pytest.raises(ValueError, match=rf"{who}\(in_features={h}, num_classes=11\) cannot tie to .* with "
                                          r"embedding_dim=in_features, num_embeddings=num_classes"):
         kinds["classifier"](h, 11, mesh=mesh, tie_to=emb)
-    with pytest.raises(ValueError, match="of the same mode, mesh and layout"):
+    with pytest.raises(ValueError, match="of the same mode, mesh and placement"):
         kinds["classifier"](h, 10, mesh=mesh, tie_to=nn.Embedding(10, h))
-    if name == "3d":  # a table in another layout holds other hidden blocks
-        with pytest.raises(ValueError, match="of the same mode, mesh and layout"):
-            kinds["classifier"](h, 10, mesh=mesh, tie_to=emb, layout=layouts.swapped_3d(emb.layout))
+    if name == "3d":  # a table in another placement holds other hidden blocks
+        with pytest.raises(ValueError, match="of the same mode, mesh and placement"):
+            kinds["classifier"](h, 10, mesh=mesh, tie_to=emb, placement=placements.swapped_3d(emb.placement))
     return True
 
 

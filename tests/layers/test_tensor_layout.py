@@ -107,7 +107,7 @@ def check_kinds(mode, seed):
         if kind == "first_token":
             ys, y = run(xs), leave(tpl.first_token(enter(xp)))
         elif kind == "dense":
-            ys, y = serial(xs), leave(tpl.relayout(par(enter(xp)), tpl.after(par), tpl.activation))
+            ys, y = serial(xs), leave(tpl.change_placement(par(enter(xp)), tpl.after(par), tpl.activation))
         else:
             ys, y = serial(xs), leave(par(enter(xp)))
         g = randn(seed + 4, ys.shape, ys.dtype)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from shardzoo.layers import layouts
+from shardzoo.layers import placements
 from shardzoo.testing import dtypes, run_on_ranks
 from shardzoo.layers.tensor_layout import layout_of
 from shardzoo.planner import volumes
@@ -85,11 +85,11 @@ def check_layer_volumes(name, vocab, hidden, classes_, batch, seq):
     mesh = mesh_of(name)
     kinds = classes(mesh.tp_mode)
     q, d, mode = mesh.q, mesh.tp_depth, mesh.tp_mode
-    parts = layouts.canonical_layout(mesh).batch_parts(mesh)
+    parts = placements.canonical_placement(mesh).batch_parts(mesh)
     rows = batch // parts * seq
     torch.manual_seed(0)
-    ids = layouts.shard_batch(torch.randint(0, vocab, (batch, seq)), mesh)
-    x = layouts.shard_activation(torch.randn(batch, seq, hidden), mesh).requires_grad_(True)
+    ids = placements.shard_batch(torch.randint(0, vocab, (batch, seq)), mesh)
+    x = placements.shard_activation(torch.randn(batch, seq, hidden), mesh).requires_grad_(True)
     cases = [
         ("embedding", kinds["embedding"](vocab, hidden, mesh=mesh), ids, volumes.embedding_bytes(mode, vocab, hidden, q, d)),
         ("vocab_embedding", kinds["vocab_embedding"](vocab, hidden, mesh=mesh), ids,
@@ -98,7 +98,8 @@ def check_layer_volumes(name, vocab, hidden, classes_, batch, seq):
          volumes.classifier_bytes(mode, classes_, hidden, rows, q, d)),
         ("lm_head", kinds["lm_head"](hidden, vocab, True, mesh=mesh), x,
          volumes.lm_head_bytes(mode, vocab, hidden, rows, q, d, bias=True)),
-        ("patch", kinds["patch"](4, 2, 3, hidden, mesh=mesh), layouts.shard_batch(torch.randn(batch, 3, 4, 4), mesh),
+        ("patch", kinds["patch"](4, 2, 3, hidden, mesh=mesh),
+         placements.shard_batch(torch.randn(batch, 3, 4, 4), mesh),
          volumes.patch_embedding_bytes(mode, 4, 2, 3, hidden, q, d)),
     ]
     for kind, layer, inp, expected in cases:
@@ -191,9 +192,9 @@ def check_forward_backward_volumes(name, dtype_name):
     f = split_formulas(mesh.tp_mode, mesh.q, mesh.tp_depth, batch, seq, vocab, hidden, classes_, 4, 2, 3, dtype.itemsize)
     torch.manual_seed(0)
     # clones: shard_batch may return a view of the full batch, whose storage would count as saved
-    ids = layouts.shard_batch(torch.randint(0, vocab, (batch, seq)), mesh).clone()
-    x = layouts.shard_activation(torch.randn(batch, seq, hidden, dtype=dtype), mesh).requires_grad_(True)
-    pixels = layouts.shard_batch(torch.randn(batch, 3, 4, 4, dtype=dtype), mesh).clone()
+    ids = placements.shard_batch(torch.randint(0, vocab, (batch, seq)), mesh).clone()
+    x = placements.shard_activation(torch.randn(batch, seq, hidden, dtype=dtype), mesh).requires_grad_(True)
+    pixels = placements.shard_batch(torch.randn(batch, 3, 4, 4, dtype=dtype), mesh).clone()
     head = kinds["lm_head"](hidden, vocab, True, mesh=mesh, dtype=dtype)
     layers = {"norm": (kinds["norm"](hidden, mesh=mesh, dtype=dtype), x),
               "embedding": (kinds["embedding"](vocab, hidden, mesh=mesh, dtype=dtype), ids),

@@ -86,7 +86,7 @@ def build(layout: str, seed: int, dtype=torch.float32) -> Stack:
                      ParallelLinear1D.from_serial(serial.fc2, mesh, style="row"))
     emb_cls, norm_cls, linear_cls = _grid_classes(mesh.tp_mode)
     fc1 = linear_cls.from_serial(serial.fc1, mesh)
-    fc2 = (linear_cls.from_serial(serial.fc2, mesh, input_layout=fc1.output_layout) if mesh.tp_mode == "3d"
+    fc2 = (linear_cls.from_serial(serial.fc2, mesh, input_placement=fc1.output_placement) if mesh.tp_mode == "3d"
            else linear_cls.from_serial(serial.fc2, mesh))
     return Stack(emb_cls.from_serial(serial.emb, mesh), norm_cls.from_serial(serial.ln, mesh), fc1, fc2)
 

@@ -3,10 +3,10 @@
 
 ================== ==================================================================
 column             first of a pair (nn.Linear): output features split over the head axis
-row                second of a pair: input features split, output in the block's layout
+row                second of a pair: input features split, output in the block's placement
 norm               LayerNorm / RMSNorm over the hidden size, in the layout's split
 vocab_embedding    token table split along the vocabulary (and the hidden in the grids)
-embedding          small table (positions) whose output follows the activation layout
+embedding          small table (positions) whose output follows the activation placement
 position_embedding an nn.Embedding indexed by token positions 0..S-1 computed from the
                    local length: under sp each index becomes this rank's global position
                    (plus the table's ``offset`` attribute, OPT's row of position 0)
@@ -20,8 +20,8 @@ packed_column      a column layer whose output packs equal parts (GPT-2's q|k|v 
 head_fused_column  a column layer whose output rows are grouped by head, each head's
                    parts together (Megatron's fused QKV: head, q|k|v, head_dim), so
                    any contiguous split holds whole heads: split as a column layer
-dense              an nn.Linear whose output stays in the layout of its input (a pooler, an
-                   MLM transform, a projection between widths): replicated in 1d
+dense              an nn.Linear whose output stays in the placement of its input (a pooler,
+                   an MLM transform, a projection between widths): replicated in 1d
 first_token        a module reading token 0 of its input (a pooler's ``x[:, 0]``): under
                    sp it gets the global token 0 as [b, 1, ...]; its children are planned
                    as any others

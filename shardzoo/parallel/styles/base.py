@@ -57,8 +57,8 @@ class Layer(NamedTuple):
 
 
 def canonical(ctx: Build) -> dict:
-    """Options of a grid layer reading the canonical activation layout."""
-    return {"layout": ctx.layout.activation}
+    """Options of a grid layer reading the canonical activation placement."""
+    return {"placement": ctx.layout.activation}
 
 
 class Whole:

@@ -1,5 +1,5 @@
 """The embedding styles: 'vocab_embedding' (the token table, split along the vocabulary),
-'embedding' (a small table whose output follows the activation layout; replicated in 1d),
+'embedding' (a small table whose output follows the activation placement; replicated in 1d),
 'position_embedding' (an 'embedding' indexed by local positions, mapped to this rank's global
 ones under sp: positions.py) and 'patch_embedding' (a ViTEmbeddings-like module making the
 tokens from pixels: patch_embedding.py). ids [b, s] (pixels [b, C, img, img]) -> [b, s, H_l].
@@ -40,7 +40,7 @@ class VocabEmbedding(Table):
 
 
 class Embedding(Table):
-    """A small table (positions, token types) whose output follows the activation layout."""
+    """A small table (positions, token types) whose output follows the activation placement."""
 
     name = "embedding"
     layers = {"1d": Layer(Whole), "2d": Layer(Embedding2D, canonical), "2.5d": Layer(Embedding2p5D, canonical),
@@ -67,7 +67,7 @@ class PatchEmbedding(Style):
     name = "patch_embedding"
     needs = ("a ViTEmbeddings-like module: patch_embeddings.projection (nn.Conv2d), cls_token [1, 1, H] and "
              "position_embeddings [1, T, H]")
-    layers = {mode: Layer(cls, lambda ctx: {"layout": ctx.layout.activation, "image_size": None})
+    layers = {mode: Layer(cls, lambda ctx: {"placement": ctx.layout.activation, "image_size": None})
               for mode, cls in (("1d", PatchEmbedding1D), ("2d", PatchEmbedding2D), ("2.5d", PatchEmbedding2p5D),
                                 ("3d", PatchEmbedding3D))}
 

@@ -1,6 +1,6 @@
 """The linear styles: 'column' / 'row' (a Megatron pair), 'packed_column' (GPT-2's q|k|v
 ``c_attn``, a fused gate|up), 'head_fused_column' (Megatron's fused QKV, head by head) and
-'dense' (a projection whose output stays in its input's layout). Each takes an ``nn.Linear``
+'dense' (a projection whose output stays in its input's placement). Each takes an ``nn.Linear``
 or transformers' ``Conv1D`` (weight [in, out], kept in that storage: linears.py).
 
 A column layer of grouped-query attention with more head parts than kv heads is built with
@@ -17,14 +17,14 @@ from shardzoo.layers.linear_2d import ParallelLinear2D
 from shardzoo.layers.linear_2p5d import ParallelLinear2p5D
 from shardzoo.layers.linear_3d import ParallelLinear3D
 from shardzoo.parallel import linears, padding
-from shardzoo.parallel.dense import BackToLayout
+from shardzoo.parallel.dense import BackToPlacement
 from shardzoo.parallel.kinds import is_conv1d, is_linear
 from shardzoo.parallel.styles.base import Build, Layer, Style, Whole, canonical
 
 
 def _row_input(ctx: Build) -> dict:
-    """A row layer reads the column layer's output layout (3D swaps two axes)."""
-    return {"layout": ctx.layout.linear_output(ctx.layout.activation)}
+    """A row layer reads the column layer's output placement (3D swaps two axes)."""
+    return {"placement": ctx.layout.linear_output(ctx.layout.activation)}
 
 
 class Column(Style):
@@ -59,7 +59,7 @@ class Column(Style):
 
 
 class Row(Column):
-    """Second of a pair: [b, s, n_l] -> [b, s, H_l] in the block's layout."""
+    """Second of a pair: [b, s, n_l] -> [b, s, H_l] in the block's placement."""
 
     name = "row"
     split = "row"
@@ -93,7 +93,7 @@ class HeadFusedColumn(Column):
 
 
 class Dense(Column):
-    """[b, ..., in_l] -> [b, ..., out_l], both in the layout's activation layout: replicated in
+    """[b, ..., in_l] -> [b, ..., out_l], both in the layout's activation placement: replicated in
     1d, a grid linear in the grids (its output moved back where 3D swaps the axes)."""
 
     name = "dense"
@@ -105,5 +105,5 @@ class Dense(Column):
         layer = self.layer(linears.serial_linear(module), ctx)
         tpl = ctx.layout
         if tpl.after(layer, tpl.activation) != tpl.activation:
-            layer.register_forward_hook(BackToLayout(tpl))
+            layer.register_forward_hook(BackToPlacement(tpl))
         return layer
