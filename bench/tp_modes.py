@@ -45,8 +45,8 @@ def build(mesh, hidden, ffn, seed):
     layout object from one serial block; enter / leave move a full activation in and out."""
     torch.manual_seed(seed)
     serial = MLPBlock(nn.LayerNorm(hidden), nn.Linear(hidden, ffn), nn.Linear(ffn, hidden))
-    tpl = layout_of(mesh)
-    return parallel_mlp(serial, mesh), tpl.shard_input, tpl.gather_output
+    layout = layout_of(mesh)
+    return parallel_mlp(serial, mesh), layout.shard_input, layout.gather_output
 
 
 def saved_activation_bytes(block, x):

@@ -129,9 +129,9 @@ def mesh_region_round_trip(layout, zigzag):
     mesh = ParallelMesh(**layout)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, 8, 12, generator=g, dtype=torch.float64)  # [batch, seq, hidden]
-    tpl = layout_of(mesh)
-    local = shard_sequence(tpl.shard_input(x), mesh.sp_group, 1, zigzag=zigzag)
-    back = tpl.gather_output(gather_sequence(local, mesh.sp_group, 1, zigzag=zigzag))
+    tp_layout = layout_of(mesh)
+    local = shard_sequence(tp_layout.shard_input(x), mesh.sp_group, 1, zigzag=zigzag)
+    back = tp_layout.gather_output(gather_sequence(local, mesh.sp_group, 1, zigzag=zigzag))
     assert torch.equal(back, x)
     mesh.close()
     return tuple(local.shape)

@@ -45,16 +45,16 @@ def _pair(mesh, seed):
     serial = nn.Sequential(nn.Linear(HIDDEN, FFN), nn.GELU(), nn.Linear(FFN, HIDDEN))
     with torch.no_grad():  # biases of the size of the outputs, so one added twice is an error of that size
         serial[2].bias.copy_(randn(seed + 1, (HIDDEN,), torch.float32))
-    tpl = layout_of(mesh)
-    par = nn.Sequential(tpl.linear(serial=serial[0], style="column"), nn.GELU(),
-                        tpl.linear(serial=serial[2], style="row"))
-    return serial, par, tpl
+    layout = layout_of(mesh)
+    par = nn.Sequential(layout.linear(serial=serial[0], style="column"), nn.GELU(),
+                        layout.linear(serial=serial[2], style="row"))
+    return serial, par, layout
 
 
 def check_fault(mode, fault, seed):
     """Compare the pair with ``fault`` injected; the names of the comparisons that failed."""
     mesh = cached_mesh(**MESHES[mode][0])
-    serial, par, tpl = _pair(mesh, seed)
+    serial, par, layout = _pair(mesh, seed)
     exact = copy.deepcopy(serial).double()
     x = randn(seed + 2, (BATCH, SEQ, HIDDEN), torch.float32)
     g = randn(seed + 3, (BATCH, SEQ, HIDDEN), torch.float32)
@@ -65,7 +65,7 @@ def check_fault(mode, fault, seed):
     if fault == "dropped block" and mesh.rank() == 0:
         with torch.no_grad():
             par[0].weight[: par[0].weight.shape[0] // 2].zero_()  # half of rank 0's shard never arrives
-    y = tpl.gather_output(par(tpl.shard_input(xp)))
+    y = layout.gather_output(par(layout.shard_input(xp)))
     if fault == "bias twice":
         y = y + serial[2].bias.detach()
     with unsummed_backward() if fault == "unsummed gradient" else contextlib.nullcontext():

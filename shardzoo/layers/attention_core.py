@@ -31,10 +31,10 @@ def check_heads(who: str, hidden_size: int, num_heads: int, mesh, sp_mode: str =
     if hidden_size % num_heads != 0:
         raise ValueError(f"{who} needs hidden_size divisible by num_heads; got hidden_size={hidden_size}, "
                          f"num_heads={num_heads}. Choose num_heads that divides {hidden_size}")
-    tpl = layout_of(mesh)
-    _, parts = tpl.head_axis()
+    layout = layout_of(mesh)
+    _, parts = layout.head_axis()
     if num_heads % parts != 0:
-        raise ValueError(f"{who} needs num_heads divisible by {tpl.head_rule()}; got num_heads={num_heads}. Use a "
+        raise ValueError(f"{who} needs num_heads divisible by {layout.head_rule()}; got num_heads={num_heads}. Use a "
                          f"head count that is a multiple of {parts} or a smaller tp")
     if sp_mode not in SP_MODES:
         raise ValueError(f"{who}: sp_mode={sp_mode!r} is not one of {SP_MODES}")

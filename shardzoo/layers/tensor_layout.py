@@ -5,12 +5,12 @@
 mode's activation placement (``.activation``; 1D: features split over tp, no batch axes) and is the
 one factory blocks and models use, so they never compare ``tp_mode`` themselves::
 
-    tpl = layout_of(mesh)
-    ln = tpl.norm(h)                                   # LayerNorm of the mode
-    fc1 = tpl.linear(h, 4 * h, style="column")         # first of a pair
-    fc2 = tpl.linear(4 * h, h, style="row")            # second: consumes fc1's output placement
-    x = tpl.shard_input(x_full)                        # [B, S, H] -> this rank's block
-    y = tpl.gather_output(fc2(act(fc1(ln(x)))))        # -> [B, S, H] on every rank
+    layout = layout_of(mesh)
+    ln = layout.norm(h)                                   # LayerNorm of the mode
+    fc1 = layout.linear(h, 4 * h, style="column")         # first of a pair
+    fc2 = layout.linear(4 * h, h, style="row")            # second: consumes fc1's output placement
+    x = layout.shard_input(x_full)                        # [B, S, H] -> this rank's block
+    y = layout.gather_output(fc2(act(fc1(ln(x)))))        # -> [B, S, H] on every rank
 
 Every factory takes the sizes of its ``torch.nn`` twin or ``serial=`` an existing module
 (whose weights every rank holds: parallel init equals serial init), plus ``placement=`` (the

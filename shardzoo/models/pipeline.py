@@ -45,7 +45,7 @@ class StagedModel(GlobalLoss, nn.Module):
     the seeded init.
 
     Subclasses (models/planned.py ``PlannedModel``) set ``causal`` and, in ``__init__``:
-    ``mesh``, ``placement`` (the activation placement of ``tpl``, the mesh's layout object),
+    ``mesh``, ``placement`` (the activation placement of ``layout``, the mesh's TensorLayout),
     ``is_first``, ``is_last``, ``checkpointing`` and on the last stage the head's
     ``target_placement``."""
 
@@ -77,14 +77,14 @@ class StagedModel(GlobalLoss, nn.Module):
         return kwargs
 
     @property
-    def tpl(self):
+    def layout(self):
         """The mesh's :class:`~shardzoo.layers.tensor_layout.TensorLayout` (blocks, layouts)."""
         return layout_of(self.mesh)
 
     @property
     def mask_placement(self):
         """Batch placement of key padding masks: the attention's, i.e. its QKV projection's output."""
-        return self.tpl.linear_output(self.placement)
+        return self.layout.linear_output(self.placement)
 
     def shard_input(self, ids_full: torch.Tensor) -> torch.Tensor:
         """Token ids [B, S] -> this rank's [b, s] (batch as the tp layout, sequence over sp).
@@ -104,7 +104,7 @@ class StagedModel(GlobalLoss, nn.Module):
     def shard_target(self, target_full: torch.Tensor) -> torch.Tensor:
         """Targets [B, S] (or [B] for classifiers) -> this rank's rows of the head's output."""
         if target_full.dim() == 1:
-            return self.tpl.shard_batch(target_full, self.target_placement)
+            return self.layout.shard_batch(target_full, self.target_placement)
         return common.shard_tokens(target_full, self.mesh, self.target_placement, zigzag=self.causal)
 
     def gather_output(self, y_local: torch.Tensor) -> torch.Tensor:
@@ -115,7 +115,7 @@ class StagedModel(GlobalLoss, nn.Module):
             if y.dim() == 2:  # pooled / classifier logits [B, C]: no sequence dim
                 return y
             return common.gather_tokens(y, self.mesh, None, zigzag=self.causal)
-        y = self.tpl.gather_hidden(y_local, self.placement)
+        y = self.layout.gather_hidden(y_local, self.placement)
         return common.gather_tokens(y, self.mesh, None, zigzag=self.causal)
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> list[str]:

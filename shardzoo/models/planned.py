@@ -76,11 +76,11 @@ class PlannedModel(StagedModel):
             # the first stage's 'patch_embedding' masks the sequence padding; the others do it here
             state = self.stage_state
             self.register_forward_pre_hook(lambda m, a: mask_padding(state, tokens, a[0].shape[0], a[0].device))
-        tpl = layout_of(mesh)
-        self.placement = tpl.activation
+        layout = layout_of(mesh)
+        self.placement = layout.activation
         if self.is_last:  # without a head the last stage returns hidden states in the activation placement
             head = self.head_name
-            self.target_placement = tpl.after(self.get_submodule(head)) if head is not None else self.placement
+            self.target_placement = layout.after(self.get_submodule(head)) if head is not None else self.placement
         self.allocate(device, seed)
 
     @classmethod
@@ -119,7 +119,7 @@ class PlannedModel(StagedModel):
     def gather_rows(self, y_local: torch.Tensor) -> torch.Tensor:
         """One vector per row in the activation placement (a pooled output), [b, H_l] -> [B, H]
         on every rank."""
-        return self.tpl.gather_hidden(y_local, self.placement)
+        return self.layout.gather_hidden(y_local, self.placement)
 
     def shard_input(self, ids_full: torch.Tensor) -> torch.Tensor:
         """Token ids [B, S] -> this rank's [b, s] (batch as the tp layout, sequence over sp);
@@ -129,7 +129,7 @@ class PlannedModel(StagedModel):
         if self.own_sequence_length(self.config) is not None:
             if replicas.debug_mode():
                 replicas.check_same_input(ids_full, self.mesh, f"{type(self).__name__}.shard_input")
-            return self.tpl.shard_batch(ids_full, self.placement)
+            return self.layout.shard_batch(ids_full, self.placement)
         if self.positions_field is not None and ids_full.dim() == 2:
             common.check_seq_len(self.family, ids_full.shape[1], getattr(self.config, self.positions_field),
                                  self.positions_field)

@@ -15,9 +15,9 @@ from torch import nn
 class BackToPlacement:
     """Forward hook: the dense layer's output, in the placement its input had."""
 
-    def __init__(self, tpl):
-        self.tpl = tpl
+    def __init__(self, layout):
+        self.layout = layout
 
     def __call__(self, module: nn.Module, args: tuple, output):
-        placement = self.tpl.activation
-        return self.tpl.change_placement(output, self.tpl.after(module, placement), placement)
+        placement = self.layout.activation
+        return self.layout.change_placement(output, self.layout.after(module, placement), placement)

@@ -16,16 +16,16 @@ from torch import nn
 class GlobalFirstToken:
     """Forward pre-hook: first input [b, s, ...] -> the global token 0, [b, 1, ...]."""
 
-    def __init__(self, tpl):
-        self.tpl = tpl
+    def __init__(self, layout):
+        self.layout = layout
 
     def __call__(self, module: nn.Module, args: tuple):
         x, rest = args[0], args[1:]
-        if self.tpl.mesh.sp_size == 1:
+        if self.layout.mesh.sp_size == 1:
             return None  # token 0 is this rank's own
-        return (self.tpl.first_token(x)[:, None], *rest)
+        return (self.layout.first_token(x)[:, None], *rest)
 
 
-def install_first_token(module: nn.Module, tpl) -> None:
+def install_first_token(module: nn.Module, layout) -> None:
     """Make ``module`` read the global token 0 under sp (module doc); in place."""
-    module.register_forward_pre_hook(GlobalFirstToken(tpl))
+    module.register_forward_pre_hook(GlobalFirstToken(layout))

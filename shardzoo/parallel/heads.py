@@ -77,12 +77,12 @@ def _looks_like_attention(module: nn.Module) -> bool:
     return any(n in module.__dict__ for n in _MARKERS) or "attention" in type(module).__name__.lower()
 
 
-def attention_modules(model: nn.Module, planned: dict, tpl, config_heads) -> dict[str, AttentionHeads]:
+def attention_modules(model: nn.Module, planned: dict, layout, config_heads) -> dict[str, AttentionHeads]:
     """Every module with 'column' children that is an attention module, its counts checked
     against the layout. ``config_heads``: (heads, kv heads, head_dim) from a transformers
     config, used where the module itself holds no count."""
-    axis = tpl.linear_output(tpl.activation).hidden_axis
-    parts = tpl.mesh.size(axis)
+    axis = layout.linear_output(layout.activation).hidden_axis
+    parts = layout.mesh.size(axis)
     found: dict[str, AttentionHeads] = {}
     for name, module in model.named_modules():
         children = {f"{name}.{c}" if name else c: m for c, m in module.named_children()}
@@ -97,7 +97,7 @@ def attention_modules(model: nn.Module, planned: dict, tpl, config_heads) -> dic
         head_dim = _int_attr(module, ("head_dim",)) or (config_heads[2] if config_heads else None)
         head_dim = head_dim or _out_features(next(iter(columns.values()))) // heads
         spec = AttentionHeads(name, module, heads, kv, head_dim, parts, axis)
-        _check_counts(spec, tpl)
+        _check_counts(spec, layout)
         _check_attributes(spec)
         for n, m in columns.items():
             out = _out_features(m)
@@ -134,11 +134,11 @@ def head_parts_that_work(heads: int, kv_heads: int) -> list[int]:
     return [t for t in range(1, heads + 1) if head_parts_fit(heads, kv_heads, t)]
 
 
-def _check_counts(spec: AttentionHeads, tpl) -> None:
+def _check_counts(spec: AttentionHeads, layout) -> None:
     p, n, kv = spec.parts, spec.heads, spec.kv_heads
     if head_parts_fit(n, kv, p):
         return
-    tp_rule = f"tp={tpl.mesh.tp_size} in tp_mode={tpl.mode!r} splits the heads in {p} parts"
+    tp_rule = f"tp={layout.mesh.tp_size} in tp_mode={layout.mode!r} splits the heads in {p} parts"
     works = head_parts_that_work(n, kv)
     raise ValueError(f"{spec.name}: {tp_rule}, which fits neither its {n} heads and {kv} kv heads (the parts must "
                      f"divide the heads, and divide or be a multiple of the kv heads); head parts that work: "

@@ -58,10 +58,10 @@ class Parallelized:
         self.num_targets = None  # this forward's num_targets= (the step's real targets), for the loss
         self.check_inputs = "first"  # compare the tp / sp ranks' inputs: "first" forward, "every" forward, "never"
         self.inputs_checked = False
-        tpl = layout_of(mesh)
-        self.input_placement = tpl.activation
-        self.mask_placement = tpl.linear_output(tpl.activation)  # the attention's batch rows
-        self.target_placement = tpl.activation
+        layout = layout_of(mesh)
+        self.input_placement = layout.activation
+        self.mask_placement = layout.linear_output(layout.activation)  # the attention's batch rows
+        self.target_placement = layout.activation
         self.rows: int | None = None  # this forward's batch rows, before padding
         self.padded_rows: int | None = None  # ... after: a multiple of the batch parts
 
@@ -233,8 +233,8 @@ def shard_activations(state: Parallelized, x: torch.Tensor) -> torch.Tensor:
 
     :func:`gather_output` hands the gradient back sp times larger (the convention of the loss,
     whose sp ranks' shares ``backward()`` averages, sp_grads.py); it is divided here again."""
-    tpl = layout_of(state.mesh)
-    x = tpl.shard_hidden(x, state.input_placement)
+    layout = layout_of(state.mesh)
+    x = layout.shard_hidden(x, state.input_placement)
     if state.mesh.sp_size > 1:
         x = shard_sequence(_ScaleGrad.apply(x, 1.0 / state.mesh.sp_size), state.mesh.sp_group, 1,
                            zigzag=state.zigzag)

@@ -95,11 +95,11 @@ def regroup_rows(t: torch.Tensor, parts: int, blocks: int) -> torch.Tensor:
     return t.reshape(parts, blocks, -1, *rest).transpose(0, 1).reshape(-1, *rest)
 
 
-def build_packed(module: nn.Module, parts: int, tpl, make) -> nn.Module:
+def build_packed(module: nn.Module, parts: int, layout, make) -> nn.Module:
     """The column layer for a projection packing ``parts`` equal parts (module doc);
-    ``make(serial nn.Linear)`` builds the column layer of the layout ``tpl``."""
+    ``make(serial nn.Linear)`` builds the column layer of ``layout``."""
     lin = serial_linear(module)
-    blocks = tpl.column_blocks()
+    blocks = layout.column_blocks()
     out = lin.out_features
     if out % (parts * blocks):
         raise ValueError(f"a packed projection of {out} features in {parts} parts cannot be cut into {blocks} blocks "
@@ -112,7 +112,7 @@ def build_packed(module: nn.Module, parts: int, tpl, make) -> nn.Module:
         spec = get_shard_spec(layer, name)
         if spec is not None:
             _pack(layer, name, spec, parts, width)
-    per_rank = layer.out_features // parts // width // _hidden_parts(layer, tpl)
+    per_rank = layer.out_features // parts // width // _hidden_parts(layer, layout)
     if per_rank > 1:  # the output holds several blocks: (block, part) -> (part, block)
         layer.register_forward_hook(lambda m, a, y: _parts_first(y, per_rank, parts))
     if is_conv1d(module):
@@ -120,8 +120,8 @@ def build_packed(module: nn.Module, parts: int, tpl, make) -> nn.Module:
     return layer
 
 
-def _hidden_parts(layer: nn.Module, tpl) -> int:
-    return tpl.mesh.size(tpl.after(layer).hidden_axis)
+def _hidden_parts(layer: nn.Module, layout) -> int:
+    return layout.mesh.size(layout.after(layer).hidden_axis)
 
 
 def _pack(layer: nn.Module, name: str, spec: ShardSpec, parts: int, width: int) -> None:
@@ -148,7 +148,7 @@ def _parts_first(y: torch.Tensor, blocks: int, parts: int) -> torch.Tensor:
 
 
 # -- grouped-query attention: kv heads repeated ------------------------------------------------
-def build_repeated_kv(name: str, module: nn.Module, tpl, spec, make) -> nn.Module:
+def build_repeated_kv(name: str, module: nn.Module, layout, spec, make) -> nn.Module:
     """The column layer of a kv projection when the head parts exceed the kv heads: built from
     the serial weight with each kv head repeated, its pieces pointed at the serial rows, their
     gradients summed over the head axis (heads.py); ``make(serial nn.Linear)`` builds the layer."""
@@ -156,7 +156,7 @@ def build_repeated_kv(name: str, module: nn.Module, tpl, spec, make) -> nn.Modul
     lin = serial_linear(module)
     bias = None if lin.bias is None else _repeat_heads(lin.bias, spec.head_dim, rep)
     layer = make(serial_linear(None, _repeat_heads(lin.weight, spec.head_dim, rep), bias))
-    group = tpl.mesh.group(spec.axis)
+    group = layout.mesh.group(spec.axis)
     for pname in ("weight", "bias"):
         piece = get_shard_spec(layer, pname)
         if piece is None:

@@ -41,9 +41,9 @@ def shards_of(model: nn.Module) -> SequenceShards | None:
     return model.__dict__.get(_ATTR)
 
 
-def applies(tpl, enabled: bool) -> bool:
-    """Whether a model split by ``tpl`` gets sequence-sharded blocks: 1d with tp > 1, when enabled."""
-    return bool(enabled) and tpl.mode == "1d" and tpl.mesh.tp_size > 1
+def applies(layout, enabled: bool) -> bool:
+    """Whether a model split by ``layout`` gets sequence-sharded blocks: 1d with tp > 1, when enabled."""
+    return bool(enabled) and layout.mode == "1d" and layout.mesh.tp_size > 1
 
 
 def block_lists(model: nn.Module) -> list[list[str]]:
@@ -59,9 +59,9 @@ def block_lists(model: nn.Module) -> list[list[str]]:
     return list(lists.values())
 
 
-def check(model: nn.Module, planned: dict, tpl, enabled: bool) -> None:
+def check(model: nn.Module, planned: dict, layout, enabled: bool) -> None:
     """Refuse, before anything moves, a planned module inside a block that cannot run on a chunk."""
-    if not applies(tpl, enabled):
+    if not applies(layout, enabled):
         return
     inside = tuple(f"{name}." for names in block_lists(model) for name in names)
     covered = tuple(f"{n}." for n in planned)
@@ -69,27 +69,27 @@ def check(model: nn.Module, planned: dict, tpl, enabled: bool) -> None:
         if name.startswith(inside) and name not in planned and not name.startswith(covered) \
                 and next(module.parameters(recurse=False), None) is not None:
             raise ValueError(f"{name} ({type(module).__name__}) holds weights inside a block and is not in the plan; "
-                             f"Megatron sequence parallelism (on by default in 1d, tp={tpl.mesh.tp_size}) would run "
-                             f"it on this rank's chunk of the sequence, its gradient covering those tokens only; "
-                             f"plan it, or pass sequence_parallel=False")
+                             f"Megatron sequence parallelism (on by default in 1d, tp={layout.mesh.tp_size}) "
+                             f"would run it on this rank's chunk of the sequence, its gradient covering those "
+                             f"tokens only; plan it, or pass sequence_parallel=False")
     for name, (module, style, pattern) in planned.items():
         if not name.startswith(inside) or STYLES[style].on_sequence_chunks:
             continue
         if next(module.parameters(), None) is not None:
             raise ValueError(f"{name} ({type(module).__name__}) is planned {style!r} inside a block, where Megatron "
-                             f"sequence parallelism (on by default in 1d, tp={tpl.mesh.tp_size}) splits the "
+                             f"sequence parallelism (on by default in 1d, tp={layout.mesh.tp_size}) splits the "
                              f"activations along the sequence, so its weight gradient would cover this rank's "
                              f"tokens only; plan it 'column' / 'row' / 'norm', or pass sequence_parallel=False")
 
 
-def install(model: nn.Module, planned: dict, tpl, enabled: bool) -> SequenceShards | None:
+def install(model: nn.Module, planned: dict, layout, enabled: bool) -> SequenceShards | None:
     """Put the built modules inside ``model``'s blocks on sequence chunks and hook the first and
     last block of each list to enter and leave the layout (module doc); None when it does not
     apply (not 1d, tp = 1, disabled, or no lists of blocks)."""
     lists = block_lists(model)
-    if not applies(tpl, enabled) or not lists:
+    if not applies(layout, enabled) or not lists:
         return None
-    shards = SequenceShards(tpl.mesh)
+    shards = SequenceShards(layout.mesh)
     blocks = {name for names in lists for name in names}
     inside = tuple(f"{name}." for name in blocks)
     readers = set()

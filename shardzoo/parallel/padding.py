@@ -37,33 +37,33 @@ def inner_width(module: nn.Linear, style: str) -> int:
     return module.out_features if style == "column" else module.in_features
 
 
-def padded_width(n: int, tpl) -> int:
+def padded_width(n: int, layout) -> int:
     """``n`` rounded up to a multiple of the layout's column blocks."""
-    blocks = tpl.column_blocks()
+    blocks = layout.column_blocks()
     return -(-n // blocks) * blocks
 
 
-def check_hidden(name: str, module: nn.Linear, style: str, tpl) -> None:
+def check_hidden(name: str, module: nn.Linear, style: str, layout) -> None:
     """Refuse a hidden side (a column's in_features, a row's out_features) the layout cannot
     split: zero padding would enter the norms over the hidden size."""
-    if tpl.mode == "1d":
+    if layout.mode == "1d":
         return  # 1d keeps the hidden size whole between the pairs
     side, size = ("in_features", module.in_features) if style == "column" else ("out_features", module.out_features)
-    parts = tpl.mesh.q if style == "column" else tpl.column_blocks()
+    parts = layout.mesh.q if style == "column" else layout.column_blocks()
     if size % parts:
         up = -(-size // parts) * parts
-        raise ValueError(f"{name} ({style}) has {side}={size}, the hidden size, which the {tpl.mode} layout splits "
+        raise ValueError(f"{name} ({style}) has {side}={size}, the hidden size, which the {layout.mode} layout splits "
                          f"into {parts} blocks; a hidden size cannot be padded (the norms reduce over it). Use a "
                          f"hidden size that is a multiple of {parts} (e.g. {up}) or a tp whose q divides {size}")
 
 
-def build_padded(module: nn.Linear, style: str, tpl, make) -> nn.Module:
+def build_padded(module: nn.Linear, style: str, layout, make) -> nn.Module:
     """The ``style`` layer for the serial ``module`` (an [out, in] nn.Linear) with its inner
     width zero-padded to :func:`padded_width`, built by ``make(serial nn.Linear)``; specs of
     the unpadded tensors."""
     dim = INNER_DIM[style]
     n = inner_width(module, style)
-    extra = padded_width(n, tpl) - n
+    extra = padded_width(n, layout) - n
     weight = _pad(module.weight, dim, extra)
     bias = module.bias if module.bias is None or style == "row" else _pad(module.bias, 0, extra)
     layer = make(linear_from(weight, bias))
@@ -74,7 +74,7 @@ def build_padded(module: nn.Linear, style: str, tpl, make) -> nn.Module:
             shape[pdim] = n
             set_shard_spec(layer, pname, dataclasses.replace(spec, global_shape=tuple(shape)))
     if style == "row":
-        _zero_padded_inputs(layer, n, tpl)
+        _zero_padded_inputs(layer, n, layout)
     return layer
 
 
@@ -84,11 +84,11 @@ def _pad(t: torch.Tensor, dim: int, extra: int) -> torch.Tensor:
     return torch.cat([t.detach(), t.new_zeros(shape)], dim)
 
 
-def _zero_padded_inputs(layer: nn.Module, n: int, tpl) -> None:
+def _zero_padded_inputs(layer: nn.Module, n: int, layout) -> None:
     """On a rank whose input block holds padded features, a pre-hook sets them to 0."""
-    axis = getattr(layer, "placement", tpl.activation).hidden_axis
-    width = layer.in_features // tpl.mesh.size(axis)
-    valid = max(0, min(width, n - tpl.mesh.rank(axis) * width))
+    axis = getattr(layer, "placement", layout.activation).hidden_axis
+    width = layer.in_features // layout.mesh.size(axis)
+    valid = max(0, min(width, n - layout.mesh.rank(axis) * width))
     if valid == width:
         return
     padded = torch.arange(width) >= valid

@@ -119,21 +119,21 @@ def split_modules(model: nn.Module, mesh, plan: dict[str, str], *, causal: bool,
     (heads.py), whose head counts the caller makes local once its hooks that read the global
     counts are installed)."""
     planned = match_plan(model, plan, partial)
-    tpl = layout_of(mesh)
-    refuse_uncovered(model, planned, tpl, whole_tables)
+    layout = layout_of(mesh)
+    refuse_uncovered(model, planned, layout, whole_tables)
     if checkpointing:
         activation_checkpointing.block_names(model)  # raises when there are no blocks
-    megatron_sp.check(model, planned, tpl, sequence_parallel)
-    attention = head_counts.attention_modules(model, planned, tpl, config_heads)
+    megatron_sp.check(model, planned, layout, sequence_parallel)
+    attention = head_counts.attention_modules(model, planned, layout, config_heads)
     if mesh.sp_size > 1 and sp_mode == "ulysses":
         head_counts.check_ulysses(attention, mesh.sp_size)
-    ctx = Build(tpl, model, planned, attention, zigzag=causal)
+    ctx = Build(layout, model, planned, attention, zigzag=causal)
     build_layers(ctx)  # nothing in the model has changed so far
     for name, layer in ctx.built.items():
         model.set_submodule(name, layer)
     for name, (module, style, _) in planned.items():
         STYLES[style].install(ctx.built.get(name, module), ctx.at(name))
-    megatron_sp.install(model, planned, tpl, sequence_parallel)
+    megatron_sp.install(model, planned, layout, sequence_parallel)
     return planned, attention
 
 

@@ -65,16 +65,16 @@ class BiasOverBatch:
         module._parameters["bias"] = self.saved.pop()
 
 
-def install_vocab_bias(module: nn.Module, head: nn.Module, tpl) -> None:
+def install_vocab_bias(module: nn.Module, head: nn.Module, layout) -> None:
     """Replace ``module.bias`` [V] by this rank's block of it, split like the logits of
     ``head`` (the built vocabulary-parallel head); in place."""
     serial = module._parameters["bias"]
-    out = tpl.after(head)
+    out = layout.after(head)
     spec = ShardSpec((serial.shape[0],), (head.vocab_start,), (head.vocab_per_rank,), (out.hidden_axis,),
                      out.batch_axes)
     shard_param(module, "bias", serial, spec)
-    module.mesh = tpl.mesh  # the mesh the spec's axes refer to (checkpoints read it from the owning module)
+    module.mesh = layout.mesh  # the mesh the spec's axes refer to (checkpoints read it from the owning module)
     if out.batch_axes:
-        hooks = BiasOverBatch(tpl.mesh, out)
+        hooks = BiasOverBatch(layout.mesh, out)
         module.register_forward_pre_hook(hooks.before)
         module.register_forward_hook(hooks.after, always_call=True)

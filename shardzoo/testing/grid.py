@@ -78,8 +78,8 @@ def parallel_mlp(serial: MLPBlock, mesh) -> MLPBlock:
     the mode's factory; it consumes and returns activations in the mesh's canonical placement."""
     from shardzoo.layers.tensor_layout import layout_of
 
-    tpl = layout_of(mesh)
-    fc1 = tpl.linear(serial=serial.fc1, style="column")
-    fc2 = tpl.linear(serial=serial.fc2, style="row")  # consumes fc1's output placement (3D: swapped)
-    assert tpl.after(fc2) == tpl.activation, "a column / row pair ends in the placement it started from"
-    return MLPBlock(tpl.norm(serial=serial.ln), fc1, fc2)
+    layout = layout_of(mesh)
+    fc1 = layout.linear(serial=serial.fc1, style="column")
+    fc2 = layout.linear(serial=serial.fc2, style="row")  # consumes fc1's output placement (3D: swapped)
+    assert layout.after(fc2) == layout.activation, "a column / row pair ends in the placement it started from"
+    return MLPBlock(layout.norm(serial=serial.ln), fc1, fc2)

@@ -23,9 +23,9 @@ def embeddings_of(mesh):
     """The vocabulary-split and the hidden-split embedding of ``mesh``'s tp_mode."""
     from shardzoo.layers import Embedding1D
 
-    tpl = layout_of(mesh)
-    hidden = Embedding1D(VOCAB, HIDDEN, mesh=mesh) if mesh.tp_mode == "1d" else tpl.embedding(VOCAB, HIDDEN)
-    return [tpl.vocab_embedding(VOCAB, HIDDEN), hidden]
+    layout = layout_of(mesh)
+    hidden = Embedding1D(VOCAB, HIDDEN, mesh=mesh) if mesh.tp_mode == "1d" else layout.embedding(VOCAB, HIDDEN)
+    return [layout.vocab_embedding(VOCAB, HIDDEN), hidden]
 
 
 def bad_ids_case(layouts):
@@ -33,17 +33,17 @@ def bad_ids_case(layouts):
     seen = []
     for layout in layouts:
         mesh = cached_mesh(**layout)
-        tpl = layout_of(mesh)
+        tp_layout = layout_of(mesh)
         for emb in embeddings_of(mesh):
             ok = torch.randint(0, VOCAB, (8, 4))
-            assert emb(tpl.shard_batch(ok)).shape[-1] > 0
+            assert emb(tp_layout.shard_batch(ok)).shape[-1] > 0
             for bad in (100, -1):
                 ids = ok.clone()
                 ids[:, 1] = bad
                 with pytest.raises(IndexError, match=rf"{type(emb).__name__}: token id {bad} is out of range for a "
                                                      rf"vocabulary of {VOCAB} .*\[0, {VOCAB}\).*"
                                                      rf"{FIXES[bad > 0]}"):
-                    emb(tpl.shard_batch(ids))
+                    emb(tp_layout.shard_batch(ids))
             seen.append(type(emb).__name__)
     return seen
 

@@ -32,16 +32,17 @@ def check_placement_contract(name, seed):
     """The factory chains a column / row pair on the right placements and equals serial; a
     placement of another mode is refused at construction; a block of the wrong shape at run time."""
     mesh = mesh_of(name)
-    tpl = layout_of(mesh)
+    layout = layout_of(mesh)
     torch.manual_seed(seed)
     s1, s2 = nn.Linear(8, 16, dtype=torch.float64), nn.Linear(16, 8, dtype=torch.float64)
     x_full = randn(seed, (2 * BATCH_PARTS[name], 3, 8), torch.float64)
-    fc1, fc2 = tpl.linear(serial=s1, style="column"), tpl.linear(serial=s2, style="row")
-    assert fc1.placement == tpl.activation and fc2.placement == tpl.after(fc1) and tpl.after(fc2) == tpl.activation
-    y = fc2(fc1(tpl.shard_input(x_full)))
-    assert_close(tpl.gather_output(y).detach(), s2(s1(x_full)).detach(), "factory-chained pair", terms=8 + 16 + 16,
+    fc1, fc2 = layout.linear(serial=s1, style="column"), layout.linear(serial=s2, style="row")
+    assert fc1.placement == layout.activation and fc2.placement == layout.after(fc1)
+    assert layout.after(fc2) == layout.activation
+    y = fc2(fc1(layout.shard_input(x_full)))
+    assert_close(layout.gather_output(y).detach(), s2(s1(x_full)).detach(), "factory-chained pair", terms=8 + 16 + 16,
                  parts=mesh.tp_size)
-    other = placements.ActivationPlacement("2.5d" if tpl.mode != "2.5d" else "2d", ("tp_row",), "tp_col")
+    other = placements.ActivationPlacement("2.5d" if layout.mode != "2.5d" else "2d", ("tp_row",), "tp_col")
     m = error_of(type(fc1).from_serial, s1, mesh, placement=other)
     assert f"got a placement for tp_mode={other.mode!r}" in m and "Pass the output_placement" in m, m
     m = error_of(fc1, x_full)  # the full activation where a local block is expected

@@ -52,62 +52,62 @@ class SerialPatch(nn.Module):
         return torch.cat([self.cls_token.expand(len(pixels), -1, -1), patches], 1) + self.position_embeddings
 
 
-def build(kind, tpl, seed):
+def build(kind, layout, seed):
     """(serial module, parallel module, parallel forward on the full input, full input)."""
     torch.manual_seed(seed)
     f64 = dict(dtype=torch.float64)
     x = randn(seed + 1, (B, S, H), torch.float64)
     ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(seed + 2))
-    hidden = (tpl.shard_input, tpl.gather_output)
+    hidden = (layout.shard_input, layout.gather_output)
     if kind == "pair":
         serial = Pair(nn.Linear(H, 2 * H, **f64), nn.Linear(2 * H, H, **f64))
         twin = copy.deepcopy(serial)
-        par = Pair(tpl.linear(serial=twin.fc1, style="column"), tpl.linear(serial=twin.fc2, style="row"))
+        par = Pair(layout.linear(serial=twin.fc1, style="column"), layout.linear(serial=twin.fc2, style="row"))
         return serial, par, hidden, x
     if kind == "dense":
         serial = nn.Linear(H, H, **f64)
-        par = tpl.dense(serial=copy.deepcopy(serial))
+        par = layout.dense(serial=copy.deepcopy(serial))
         return serial, par, hidden, x
     if kind in ("norm", "rms_norm"):
         serial = perturbed(nn.LayerNorm(H, **f64) if kind == "norm" else nn.RMSNorm(H, eps=1e-5, **f64), seed)
-        par = getattr(tpl, kind)(serial=copy.deepcopy(serial))
+        par = getattr(layout, kind)(serial=copy.deepcopy(serial))
         return serial, par, hidden, x
     if kind in ("embedding", "vocab_embedding"):
         serial = nn.Embedding(V, H, **f64)
-        par = getattr(tpl, kind)(serial=copy.deepcopy(serial))
-        return serial, par, (tpl.shard_batch, tpl.gather_output), ids
+        par = getattr(layout, kind)(serial=copy.deepcopy(serial))
+        return serial, par, (layout.shard_batch, layout.gather_output), ids
     if kind == "patch_embedding":
         inner = serial_patch_embedding(4, 2, 1, H, dtype=torch.float64)
-        par = tpl.patch_embedding(serial=copy.deepcopy(inner))
+        par = layout.patch_embedding(serial=copy.deepcopy(inner))
         pixels = randn(seed + 3, (B, 1, 4, 4), torch.float64)
-        return SerialPatch(inner), par, (tpl.shard_batch, tpl.gather_output), pixels
+        return SerialPatch(inner), par, (layout.shard_batch, layout.gather_output), pixels
     if kind == "lm_head":
         serial = nn.Linear(H, V, bias=False, **f64)
-        par = tpl.lm_head(serial=copy.deepcopy(serial))
-        return serial, par, (tpl.shard_input, par.gather_output), x
+        par = layout.lm_head(serial=copy.deepcopy(serial))
+        return serial, par, (layout.shard_input, par.gather_output), x
     if kind == "classifier":
         serial = nn.Linear(H, C, **f64)
-        par = tpl.classifier(serial=copy.deepcopy(serial))
-        return serial, par, (tpl.shard_input, lambda y: tpl.gather_batch(y, tpl.after(par))), x
+        par = layout.classifier(serial=copy.deepcopy(serial))
+        return serial, par, (layout.shard_input, lambda y: layout.gather_batch(y, layout.after(par))), x
     assert kind == "first_token"
     first = lambda t: t[:, 0]  # noqa: E731
-    return None, None, (tpl.shard_input, lambda y: tpl.gather_output(y)), x, first
+    return None, None, (layout.shard_input, lambda y: layout.gather_output(y)), x, first
 
 
 def check_kinds(mode, seed):
     mesh = cached_mesh(**MESHES[mode][0])
-    tpl = layout_of(mesh)
-    assert type(tpl) is LAYOUTS[mode] and layout_of(mesh) is tpl, "one layout object per mesh"
+    layout = layout_of(mesh)
+    assert type(layout) is LAYOUTS[mode] and layout_of(mesh) is layout, "one layout object per mesh"
     for kind in KINDS:
-        built = build(kind, tpl, seed)
+        built = build(kind, layout, seed)
         serial, par, (enter, leave), x_full = built[:4]
         run = built[4] if kind == "first_token" else None
         float_input = x_full.is_floating_point()
         xs, xp = (x_full.clone().requires_grad_(float_input) for _ in range(2))
         if kind == "first_token":
-            ys, y = run(xs), leave(tpl.first_token(enter(xp)))
+            ys, y = run(xs), leave(layout.first_token(enter(xp)))
         elif kind == "dense":
-            ys, y = serial(xs), leave(tpl.change_placement(par(enter(xp)), tpl.after(par), tpl.activation))
+            ys, y = serial(xs), leave(layout.change_placement(par(enter(xp)), layout.after(par), layout.activation))
         else:
             ys, y = serial(xs), leave(par(enter(xp)))
         g = randn(seed + 4, ys.shape, ys.dtype)

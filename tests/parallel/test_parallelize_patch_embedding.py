@@ -79,9 +79,9 @@ def check_image_classifier(mesh_kwargs: dict) -> None:
     (loss_s, logits_s), (loss_x, logits_x) = step(serial, serial(pixels)), step(exact, exact(pixels.double()))
     mesh = cached_mesh(**mesh_kwargs)
     shardzoo.parallelize(parallel, mesh, PLAN)
-    tpl = layout_of(mesh)
+    layout = layout_of(mesh)
     wrapped = shardzoo.data_parallel(parallel, mesh)  # sp ranks' partial gradients, averaged as the loss is
-    loss, logits = step(parallel, tpl.gather_batch(wrapped(pixels), tpl.activation))  # grids: batch rows split
+    loss, logits = step(parallel, layout.gather_batch(wrapped(pixels), layout.activation))  # grids: batch rows split
     assert_close_conditioned(loss, loss_s, loss_x, "loss", terms=TINY_MODEL_TERMS)
     assert_close_conditioned(logits, logits_s, logits_x, "logits", terms=TINY_MODEL_TERMS)
     assert_params_match(parallel, serial, exact)

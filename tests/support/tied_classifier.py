@@ -62,14 +62,14 @@ def parallel_pair(mesh, table: str, serial: TiedPair, case: dict) -> TiedPair:
     """The parallel twin of ``serial``: built through the layout's factory from the serial
     classifier (``case["factory"]``), or by the classifier's constructor drawing its bias from
     ``case["seed"]`` as :func:`serial_pair` does."""
-    tpl = layout_of(mesh)
+    layout = layout_of(mesh)
     emb = parallel_table(mesh, table, serial.emb)
     if case["factory"]:
-        head = tpl.classifier(serial=serial.head, tie_to=emb)
+        head = layout.classifier(serial=serial.head, tie_to=emb)
     else:
         torch.manual_seed(case["seed"])
         nn.Embedding(case["classes"], case["hidden"], dtype=DTYPES[case["dtype"]])  # the table's draw
-        head = tpl.kinds["classifier"](case["hidden"], case["classes"], case["bias"], mesh=mesh, tie_to=emb)
+        head = layout.kinds["classifier"](case["hidden"], case["classes"], case["bias"], mesh=mesh, tie_to=emb)
     assert head.weight is emb.weight, "the classifier holds a copy, not the table"
     return TiedPair(emb, head)
 
@@ -80,7 +80,7 @@ def check_tied_classifier(mesh, table: str, case: dict) -> tuple[int, ...]:
     dtype, seed = DTYPES[case["dtype"]], case["seed"]
     serial = serial_pair(case["hidden"], case["classes"], case["bias"], dtype, seed)
     par = parallel_pair(mesh, table, serial, case)
-    tpl = layout_of(mesh)
+    layout = layout_of(mesh)
     check_saved_once(par, serial)
 
     dseed = data_seed(seed, mesh)
@@ -95,7 +95,7 @@ def check_tied_classifier(mesh, table: str, case: dict) -> tuple[int, ...]:
     (y64 * g.double()).sum().backward()
 
     xp = x.clone().requires_grad_(True)
-    y = par.head.gather_output(par(tpl.shard_batch(ids), tpl.shard_input(xp)))
+    y = par.head.gather_output(par(layout.shard_batch(ids), layout.shard_input(xp)))
     (y * g).sum().backward()
     # logits over hidden, dx over classes, the table's gradient over the tokens
     tol = dict(terms=case["hidden"] + case["classes"] + case["batch"] * case["seq"], parts=mesh.tp_size)

@@ -42,15 +42,16 @@ class Column(Style):
         return is_linear(module)
 
     def build(self, module: nn.Module, ctx: Build) -> nn.Module:
-        name, tpl = ctx.name, ctx.layout
+        name, layout = ctx.name, ctx.layout
         owner = next((a for a in ctx.attention.values() if name in a.kv_projections), None)
         make = lambda serial: self.layer(serial, ctx)  # noqa: E731
         if owner is not None and owner.replicated_kv:
-            return linears.build_repeated_kv(name, module, tpl, owner, make)
+            return linears.build_repeated_kv(name, module, layout, owner, make)
         serial = linears.serial_linear(module)
-        padding.check_hidden(name, serial, self.split, tpl)
-        if padding.inner_width(serial, self.split) % tpl.column_blocks():  # an MLP's intermediate: zero padding is exact
-            layer = padding.build_padded(serial, self.split, tpl, make)
+        padding.check_hidden(name, serial, self.split, layout)
+        # an MLP's intermediate: zero padding is exact
+        if padding.inner_width(serial, self.split) % layout.column_blocks():
+            layer = padding.build_padded(serial, self.split, layout, make)
         else:
             layer = make(serial)
         if is_conv1d(module):
@@ -103,7 +104,7 @@ class Dense(Column):
 
     def build(self, module: nn.Module, ctx: Build) -> nn.Module:
         layer = self.layer(linears.serial_linear(module), ctx)
-        tpl = ctx.layout
-        if tpl.after(layer, tpl.activation) != tpl.activation:
-            layer.register_forward_hook(BackToPlacement(tpl))
+        layout = ctx.layout
+        if layout.after(layer, layout.activation) != layout.activation:
+            layer.register_forward_hook(BackToPlacement(layout))
         return layer
