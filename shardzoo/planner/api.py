@@ -1,7 +1,7 @@
 """``shardzoo.plan(...)``: every legal layout of a model on a world, priced and sorted.
 
     plan = shardzoo.plan("llama3-70b", 4096, 80, 1536, 8192, hardware="a100")
-    best = plan[0]                      # a Candidate; plan.to_json() is what --json prints
+    best = plan[0]                      # a PricedCandidate; plan.to_json() is what --json prints
     best.layout                         # {"dp": ..., "pp": ..., "sp": ..., "tp": ..., "tp_mode": ..., "tp_depth": ...}
 
 Candidates are sorted: those that fit by step time, then the rest by peak memory.
@@ -16,8 +16,8 @@ from fractions import Fraction
 from shardzoo.comm.tp_grids import TP_GRIDS, TP_MODES
 from shardzoo.planner.block_costs import Illegal
 from shardzoo.planner.comm import ATTENTION_KERNELS
-from shardzoo.planner.enumerate import ZERO_STAGES, Problem, Pruned, layouts
-from shardzoo.planner.evaluate import Layout, Pricer
+from shardzoo.planner.enumerate import ZERO_STAGES, Problem, Pruned, candidates
+from shardzoo.planner.evaluate import Candidate, Pricer
 from shardzoo.planner.calibration import calibrate
 from shardzoo.planner.hardware import GIB, Hardware
 from shardzoo.planner.presets import CALIBRATED, HARDWARE, load_model
@@ -29,7 +29,7 @@ DTYPES = {"fp32": (4, 4), "bf16": (2, 4)}  # (activation bytes, parameter bytes)
 
 
 @dataclass
-class Candidate:
+class PricedCandidate:
     """One layout with its predicted costs (the worst rank's; ``comm_bytes_per_rank_per_step``
     exact, as a Fraction). ``reports`` (not a field): per-stage breakdowns of the stages priced."""
 
@@ -126,17 +126,19 @@ def _check_inputs(world, device_memory_gib, global_batch, seq, shape, sp_mode, s
         raise ValueError(f"dtype={dtype!r} is not one of {sorted(DTYPES)}")
 
 
-def candidates(pricer: Pricer, layout: Layout, costs, checkpointing, zeros, memory_bytes: int) -> list[Candidate]:
-    """``layout`` priced for every (checkpointing, zero) choice."""
+def price_candidate(pricer: Pricer, candidate: Candidate, costs, checkpointing, zeros,
+                    memory_bytes: int) -> list[PricedCandidate]:
+    """``candidate`` priced for every (checkpointing, zero) choice."""
     problem = pricer.problem
     tokens = problem.global_batch * (problem.shape.tokens or problem.seq)
     out = []
-    for (ckpt, zero), reports in pricer.price(layout, checkpointing, zeros, costs).items():
+    for (ckpt, zero), reports in pricer.price(candidate, checkpointing, zeros, costs).items():
         peak = max(r.memory.peak for r in reports)
-        seconds = step_seconds(layout, reports, pricer.hw.host)
-        cand = Candidate(layout.mesh_kwargs(), layout.micro_batches, ckpt, zero, max(r.param_bytes for r in reports),
-                         peak, max(reports, key=lambda r: r.comm_scaled).comm_bytes, seconds, tokens / seconds,
-                         peak <= memory_bytes)
+        seconds = step_seconds(candidate, reports, pricer.hw.host)
+        cand = PricedCandidate(candidate.mesh_kwargs(), candidate.micro_batches, ckpt, zero,
+                               max(r.param_bytes for r in reports), peak,
+                               max(reports, key=lambda r: r.comm_scaled).comm_bytes, seconds, tokens / seconds,
+                               peak <= memory_bytes)
         cand.reports = reports
         out.append(cand)
     return out
@@ -170,25 +172,25 @@ def plan(model, world: int, device_memory_gib: float, global_batch: int, seq: in
     memory_bytes = int(device_memory_gib * GIB)
     pricer = Pricer(problem, hw, schedule)
     pruned: list[Pruned] = []
-    out: list[Candidate] = []
-    for layout in layouts(problem, tp_modes, pruned):
+    out: list[PricedCandidate] = []
+    for candidate in candidates(problem, tp_modes, pruned):
         try:
-            costs = pricer.distinct_stages(layout)
+            costs = pricer.distinct_stages(candidate)
         except Illegal as err:
-            pruned.append(Pruned(str(layout), str(err)))
+            pruned.append(Pruned(str(candidate), str(err)))
             continue
-        zeros = [z for z in zero_stages if z == 0 or layout.dp * layout.sp > 1]  # zero > 0 needs ranks to shard over
-        out += candidates(pricer, layout, costs, checkpointing, zeros, memory_bytes)
+        zeros = [z for z in zero_stages if z == 0 or candidate.dp * candidate.sp > 1]  # zero > 0: ranks to shard over
+        out += price_candidate(pricer, candidate, costs, checkpointing, zeros, memory_bytes)
     out.sort(key=lambda c: (not c.fits, c.step_seconds if c.fits else c.peak_bytes_per_rank, c.peak_bytes_per_rank))
     return Plan(out[:top] if top else out, hw, pruned, problem, len(out), device_memory_gib, pricer)
 
 
 @dataclass
 class Priced:
-    """One named candidate priced alone (``price``): the Candidate, the schedule it was priced
+    """One named candidate priced alone (``price``): the PricedCandidate, the schedule it was priced
     with, and the model FLOPs of its step (``flops.model_flops``)."""
 
-    candidate: Candidate
+    candidate: PricedCandidate
     schedule: str
     virtual_stages: int
     model_flops: float
@@ -223,9 +225,9 @@ class Priced:
 
 def _layout_text(layout, world: int) -> str:
     """A layout dict or text with dp left out -> the text ``explain`` reads, dp = world / the rest."""
-    from shardzoo.planner.enumerate import parse_layout
+    from shardzoo.planner.enumerate import parse_candidate
 
-    want = dict(parse_layout(layout)) if isinstance(layout, str) else dict(layout)
+    want = dict(parse_candidate(layout)) if isinstance(layout, str) else dict(layout)
     if "dp" not in want:
         rest = want.get("pp", 1) * want.get("sp", 1) * want.get("tp", 1)
         if rest < 1 or world % rest:
@@ -240,7 +242,7 @@ def price(model, world: int, global_batch: int, seq: int, layout, *, micro_batch
           devices_per_node: int | None = None, device_memory_gib: float | None = None, sp_mode: str = "ring",
           schedule: str = "1f1b", virtual_stages: int = 1, dtype: str | None = None,
           attention: str = "flash", sequence_parallel: bool = True) -> Priced:
-    """``layout`` of ``model`` priced alone, without enumerating the others: the same Candidate
+    """``layout`` of ``model`` priced alone, without enumerating the others: the same PricedCandidate
     ``plan`` gives for it, with tokens/s and model TFLOP/s per device (``Priced``).
 
     ``layout``: ParallelMesh kwargs as a dict or text (``"dp=12,pp=16,tp=8"``; missing sizes
@@ -281,19 +283,19 @@ def price(model, world: int, global_batch: int, seq: int, layout, *, micro_batch
     if not found:
         why = "; ".join(f"{p.what}: {p.reason}" for p in reasons[:3]) or "no legal layout matches"
         raise ValueError(f"layout {text} is not legal for {shape.name or shape.family} on {world} devices: {why}")
-    counts = sorted(lay.micro_batches for lay in found)
+    counts = sorted(candidate.micro_batches for candidate in found)
     m = micro_batches if micro_batches is not None else counts[-1]
     if m not in counts:
         raise ValueError(f"micro_batches={m!r} does not split {text}'s replica batch of "
                          f"{global_batch // found[0].dp} sequences; choose one of {counts}")
-    lay = dataclasses.replace(next(x for x in found if x.micro_batches == m), virtual_stages=v)
-    if zero and lay.dp * lay.sp == 1:
+    candidate = dataclasses.replace(next(x for x in found if x.micro_batches == m), virtual_stages=v)
+    if zero and candidate.dp * candidate.sp == 1:
         raise ValueError(f"zero={zero} shards over dp x sp, which is 1 in {text}; use zero=0")
-    if v > 1 and (lay.pp < 2 or m % lay.pp or shape.layers % (lay.pp * v)):
+    if v > 1 and (candidate.pp < 2 or m % candidate.pp or shape.layers % (candidate.pp * v)):
         raise ValueError(f"the interleaved schedule needs pp >= 2, micro_batches a multiple of pp and the "
-                         f"{shape.layers} blocks split evenly into pp * v = {lay.pp * v} chunks; got pp={lay.pp}, "
-                         f"micro_batches={m}, virtual_stages={v}")
+                         f"{shape.layers} blocks split evenly into pp * v = {candidate.pp * v} chunks; got "
+                         f"pp={candidate.pp}, micro_batches={m}, virtual_stages={v}")
     pricer = Pricer(problem, hw, schedule)
-    costs = pricer.distinct_stages(lay)
-    [cand] = candidates(pricer, lay, costs, (bool(checkpointing),), [zero], int(memory_gib * GIB))
+    costs = pricer.distinct_stages(candidate)
+    [cand] = price_candidate(pricer, candidate, costs, (bool(checkpointing),), [zero], int(memory_gib * GIB))
     return Priced(cand, schedule, v, model_flops(shape, global_batch, seq, bool(checkpointing), e, ep), world)

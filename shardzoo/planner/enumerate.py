@@ -1,4 +1,4 @@
-"""Every legal layout of a world: dp x pp x sp x tp, each tp_mode (2.5D at every depth >= 2),
+"""Every legal candidate of a world: dp x pp x sp x tp, each tp_mode (2.5D at every depth >= 2),
 micro-batch counts, activation checkpointing on / off and ZeRO stages, with the reason each
 pruned choice fails (``--explain``).
 
@@ -17,7 +17,7 @@ from typing import Iterator
 from shardzoo.comm.mesh import default_tp_depth, tp_grid_text, tp_sub_shape
 from shardzoo.comm.tp_grids import TP_GRIDS, TP_MODES
 from shardzoo.planner.block_costs import Illegal, costs_of
-from shardzoo.planner.evaluate import Layout
+from shardzoo.planner.evaluate import Candidate
 from shardzoo.planner.model import Batch
 from shardzoo.planner.walked import ModelShape
 
@@ -97,7 +97,7 @@ def micro_batch_counts(rows: int, pp: int, parts: int) -> list[int]:
     return [m for m in divisors(rows) if m >= pp and (rows // m) % parts == 0]
 
 
-def layouts(problem: Problem, modes=TP_MODES, pruned: list[Pruned] | None = None) -> Iterator[Layout]:
+def candidates(problem: Problem, modes=TP_MODES, pruned: list[Pruned] | None = None) -> Iterator[Candidate]:
     """Every legal (dp, pp, sp, tp, tp_mode, tp_depth, micro_batches); dropped choices go to
     ``pruned`` with their reason when a list is given."""
     shape, world = problem.shape, problem.world
@@ -136,21 +136,21 @@ def layouts(problem: Problem, modes=TP_MODES, pruned: list[Pruned] | None = None
                                f"layout's {parts} batch parts{need}")
                     continue
                 for m in counts:
-                    yield Layout(dp, pp, sp, tp, mode, depth, m)
+                    yield Candidate(dp, pp, sp, tp, mode, depth, m)
 
 
-_LAYOUT_KEYS = ("dp", "pp", "sp", "tp", "tp_mode", "tp_depth", "micro_batches")
+_CANDIDATE_KEYS = ("dp", "pp", "sp", "tp", "tp_mode", "tp_depth", "micro_batches")
 
 
-def parse_layout(text: str) -> dict:
+def parse_candidate(text: str) -> dict:
     """``"dp=2,pp=1,sp=1,tp=4,tp_mode=2d"`` (any of the ParallelMesh kwargs and micro_batches;
     missing sizes are 1, tp_mode 1d) -> a dict."""
     out: dict = {}
     for part in filter(None, re.split(r"[,\s]+", text.strip())):
         key, _, value = part.partition("=")
-        if key not in _LAYOUT_KEYS or not value:
-            raise ValueError(f"--explain {text!r}: {part!r} is not KEY=VALUE with KEY one of {', '.join(_LAYOUT_KEYS)}; "
-                             f"e.g. --explain dp=2,pp=1,sp=1,tp=4,tp_mode=2d")
+        if key not in _CANDIDATE_KEYS or not value:
+            raise ValueError(f"--explain {text!r}: {part!r} is not KEY=VALUE with KEY one of "
+                             f"{', '.join(_CANDIDATE_KEYS)}; e.g. --explain dp=2,pp=1,sp=1,tp=4,tp_mode=2d")
         if key == "tp_mode":
             if value not in TP_MODES:
                 raise ValueError(f"--explain: tp_mode={value!r} is not one of {', '.join(TP_MODES)}")
@@ -166,7 +166,7 @@ _SIZE_KEYS = ("dp", "pp", "sp", "tp")
 
 
 def _request_rules(problem: Problem, want: dict, text: str) -> list[Pruned]:
-    """Rules the requested layout breaks by itself, before any model rule: a tp its mode cannot
+    """Rules the requested candidate breaks by itself, before any model rule: a tp its mode cannot
     lay out as a grid, sizes whose product is not (or cannot be made) the world size."""
     out = []
     mode = want.get("tp_mode", "1d")
@@ -186,14 +186,14 @@ def _request_rules(problem: Problem, want: dict, text: str) -> list[Pruned]:
     return out
 
 
-def explain(problem: Problem, text: str) -> tuple[list[Layout], list[Pruned]]:
+def explain(problem: Problem, text: str) -> tuple[list[Candidate], list[Pruned]]:
     """The legal layouts matching ``text`` and the reasons they are not legal: rules the request
     breaks by itself, then the dropped choices that could have produced it."""
-    want = parse_layout(text)
+    want = parse_candidate(text)
     pruned: list[Pruned] = []
     mode = want.get("tp_mode", "1d")
-    found = [lay for lay in layouts(problem, (mode,), pruned)
-             if all(getattr(lay, k) == v for k, v in want.items())]
+    found = [candidate for candidate in candidates(problem, (mode,), pruned)
+             if all(getattr(candidate, k) == v for k, v in want.items())]
 
     def matches(p: Pruned) -> bool:
         """The dropped choice agrees with every size given, and the sizes it fixes leave room for

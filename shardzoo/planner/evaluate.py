@@ -1,4 +1,4 @@
-"""Pricing one layout: per pipeline stage, the bytes sent, the bytes held and the time of a
+"""Pricing one candidate: per pipeline stage, the bytes sent, the bytes held and the time of a
 training step, for every activation-checkpointing and ZeRO choice.
 
 A training step here is what shardzoo's training loop runs: forward and backward of every
@@ -7,8 +7,8 @@ stages 0 and 1, then ZeroRedundancyOptimizer's parameter broadcasts in stage 1; 
 3), the tied-embedding sync between pipeline ends, then AdamW. A ``parallelize``'d model
 averages each gradient over sp in every backward (one all-reduce per parameter tensor), and its
 DDP and ZeroRedundancyOptimizer (stages 0 and 1) then run over dp only.
-:class:`Pricer` keeps what layouts share (the pieces of a tp grid x sp x micro-batch size, and
-their summed calls), so a plan over thousands of layouts builds each only once.
+:class:`Pricer` keeps what candidates share (the pieces of a tp grid x sp x micro-batch size, and
+their summed calls), so a plan over thousands of candidates builds each only once.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from shardzoo.planner.model import (COUNT_BYTES, LOSS_PAIR_BYTES, Batch, StageCo
 
 
 @dataclass(frozen=True)
-class Layout:
-    """ParallelMesh kwargs plus the micro-batch count."""
+class Candidate:
+    """One candidate the planner enumerates: ParallelMesh kwargs plus the micro-batch count."""
 
     dp: int
     pp: int
@@ -81,7 +81,7 @@ def recompute_calls(block: list[Piece]) -> list[Call]:
 
 
 class Pricer:
-    """Prices the layouts of one problem (``enumerate.Problem``) on ``hw``."""
+    """Prices the candidates of one problem (``enumerate.Problem``) on ``hw``."""
 
     def __init__(self, problem, hw: Hardware, schedule: str = "1f1b"):
         self.problem, self.hw, self.schedule = problem, hw, schedule
@@ -91,30 +91,30 @@ class Pricer:
         self._totals: dict[int, tuple[Traffic, int]] = {}
         self.denominator = 2 * problem.world  # every group is a divisor of the world, or the tied pair
 
-    def batch(self, layout: Layout) -> Batch:
+    def batch(self, candidate: Candidate) -> Batch:
         p = self.problem
-        return Batch(p.global_batch // layout.dp // layout.micro_batches, p.seq, layout.sp, p.sp_mode, p.e, True,
-                     p.mask_bytes, p.attention, p.chunks(layout.tp_mode, layout.tp, layout.pp))
+        return Batch(p.global_batch // candidate.dp // candidate.micro_batches, p.seq, candidate.sp, p.sp_mode, p.e,
+                     True, p.mask_bytes, p.attention, p.chunks(candidate.tp_mode, candidate.tp, candidate.pp))
 
-    def stages(self, layout: Layout) -> list[StageCost]:
-        """Every pipeline stage's StageCost (raises Illegal for a layout that cannot be built)."""
-        parts = self._stage_parts(layout)
-        return [assemble(self.problem.shape, parts, k, layout.pp) for k in range(layout.pp)]
+    def stages(self, candidate: Candidate) -> list[StageCost]:
+        """Every pipeline stage's StageCost (raises Illegal for a candidate that cannot be built)."""
+        parts = self._stage_parts(candidate)
+        return [assemble(self.problem.shape, parts, k, candidate.pp) for k in range(candidate.pp)]
 
-    def distinct_stages(self, layout: Layout) -> list[tuple[int, StageCost]]:
+    def distinct_stages(self, candidate: Candidate) -> list[tuple[int, StageCost]]:
         """(index, StageCost) of the first stage of each kind (same ends and block count): the
         one of its kind holding the most micro-batches in flight, so the worst."""
-        parts, shape, pp = self._stage_parts(layout), self.problem.shape, layout.pp
+        parts, shape, pp = self._stage_parts(candidate), self.problem.shape, candidate.pp
         base, extra = divmod(shape.layers, pp)
         picks = {0, pp - 1, 1 if pp > 2 else 0, extra if 0 < extra < pp - 1 else 0}
         return [(k, assemble(shape, parts, k, pp)) for k in sorted(picks)]
 
-    def _stage_parts(self, layout: Layout):
-        b = self.batch(layout)
-        key = (layout.tp_mode, layout.tp, layout.tp_depth, layout.sp, b.rows, b.chunks)
+    def _stage_parts(self, candidate: Candidate):
+        b = self.batch(candidate)
+        key = (candidate.tp_mode, candidate.tp, candidate.tp_depth, candidate.sp, b.rows, b.chunks)
         parts = self._parts.get(key)
         if parts is None:
-            costs = costs_of(layout.tp_mode, layout.tp, layout.tp_depth, self.problem.param_bytes)
+            costs = costs_of(candidate.tp_mode, candidate.tp, candidate.tp_depth, self.problem.param_bytes)
             try:
                 parts = self.problem.shape.parts(costs, b)
             except Illegal as err:
@@ -122,8 +122,8 @@ class Pricer:
             self._parts[key] = parts
         if isinstance(parts, Illegal):
             raise parts
-        if layout.pp > self.problem.shape.layers:
-            raise Illegal(f"pp={layout.pp} exceeds the model's {self.problem.shape.layers} blocks")
+        if candidate.pp > self.problem.shape.layers:
+            raise Illegal(f"pp={candidate.pp} exceeds the model's {self.problem.shape.layers} blocks")
         return parts
 
     def _summed(self, what: str, obj, call_list) -> Traffic:
@@ -133,13 +133,13 @@ class Pricer:
             entry = self._sums[(what, id(obj))] = (obj, Traffic().add(call_list))
         return entry[1]
 
-    def traffic(self, cost: StageCost, layout: Layout, stage: int, checkpointing: bool,
+    def traffic(self, cost: StageCost, candidate: Candidate, stage: int, checkpointing: bool,
                 zero: int) -> tuple[Traffic, Traffic]:
         """(per micro-batch, per step) calls of one rank of ``stage``, summed."""
-        one = Traffic().merge(self._base(cost, layout, stage))
+        one = Traffic().merge(self._base(cost, candidate, stage))
         if checkpointing and cost.blocks:
             one.merge(self._summed("recompute", cost.block, recompute_calls(cost.block)), cost.blocks, phase="bwd")
-        z_one, step = self._reduction(cost, layout, zero)
+        z_one, step = self._reduction(cost, candidate, zero)
         return one.merge(z_one), step
 
     def _total(self, traffic: Traffic) -> int:
@@ -150,74 +150,76 @@ class Pricer:
             entry = self._totals[id(traffic)] = (traffic, traffic.scaled_total(self.denominator))
         return entry[1]
 
-    def _base(self, cost: StageCost, layout: Layout, stage: int) -> Traffic:
+    def _base(self, cost: StageCost, candidate: Candidate, stage: int) -> Traffic:
         one = Traffic()
         one.merge(self._summed("piece", cost.first, cost.first.calls))
         one.merge(self._summed("piece", cost.last, cost.last.calls))
         one.merge(self._summed("block", cost.block, [c for p in cost.block for c in p.calls]), cost.blocks)
-        if stage == layout.pp - 1:
-            one.add(loss_reduction(self._target_axes(layout), LOSS_PAIR_BYTES, layout.pp))
-        return one.add(pipeline_p2p(cost.boundary, layout.pp, stage == 0, stage == layout.pp - 1,
-                                    layout.virtual_stages))
+        if stage == candidate.pp - 1:
+            one.add(loss_reduction(self._target_axes(candidate), LOSS_PAIR_BYTES, candidate.pp))
+        return one.add(pipeline_p2p(cost.boundary, candidate.pp, stage == 0, stage == candidate.pp - 1,
+                                    candidate.virtual_stages))
 
-    def _target_axes(self, layout: Layout) -> list[tuple[str, int]]:
-        costs = costs_of(layout.tp_mode, layout.tp, layout.tp_depth, self.problem.param_bytes)
-        return target_axes(self.problem.shape, costs, layout.dp, layout.sp)
+    def _target_axes(self, candidate: Candidate) -> list[tuple[str, int]]:
+        costs = costs_of(candidate.tp_mode, candidate.tp, candidate.tp_depth, self.problem.param_bytes)
+        return target_axes(self.problem.shape, costs, candidate.dp, candidate.sp)
 
-    def sp_in_backward(self, layout: Layout, zero: int) -> bool:
+    def sp_in_backward(self, candidate: Candidate, zero: int) -> bool:
         """Whether backward itself averages the gradients over sp (a ``parallelize``'d model
         with sp > 1, its parameters not FSDP2's: ZeRO 0 / 1)."""
-        return self.problem.shape.averages_sp_in_backward and layout.sp > 1 and zero <= 1
+        return self.problem.shape.averages_sp_in_backward and candidate.sp > 1 and zero <= 1
 
-    def dp_ranks(self, layout: Layout, zero: int) -> int:
+    def dp_ranks(self, candidate: Candidate, zero: int) -> int:
         """Ranks ``data_parallel`` averages over and ZeRO shards over: dp x sp, or dp where
         backward averages over sp already (``sp_in_backward``)."""
-        return layout.dp if self.sp_in_backward(layout, zero) else layout.dp * layout.sp
+        return candidate.dp if self.sp_in_backward(candidate, zero) else candidate.dp * candidate.sp
 
-    def _reduction(self, cost: StageCost, layout: Layout, zero: int) -> tuple[Traffic, Traffic]:
+    def _reduction(self, cost: StageCost, candidate: Candidate, zero: int) -> tuple[Traffic, Traffic]:
         """(per micro-batch, per step) calls of the gradient reduction and the tied sync."""
-        n, tied = layout.dp * layout.sp, cost.tied_table and layout.pp > 1
+        n, tied = candidate.dp * candidate.sp, cost.tied_table and candidate.pp > 1
         key = (cost.params, cost.tensors, cost.first.params + cost.last.params, cost.blocks, n, zero, tied, cost.is_last,
-               layout.pp, layout.dp, layout.sp, layout.tp_mode, layout.tp, layout.tp_depth)
+               candidate.pp, candidate.dp, candidate.sp, candidate.tp_mode, candidate.tp, candidate.tp_depth)
         if key not in self._reductions:
-            self._reductions[key] = self._reduction_calls(cost, layout, zero)
+            self._reductions[key] = self._reduction_calls(cost, candidate, zero)
         return self._reductions[key]
 
-    def _reduction_calls(self, cost: StageCost, layout: Layout, zero: int) -> tuple[Traffic, Traffic]:
+    def _reduction_calls(self, cost: StageCost, candidate: Candidate, zero: int) -> tuple[Traffic, Traffic]:
         ep, one, step = self.problem.param_bytes, Traffic(), Traffic()
         p = cost.params * ep
         units = [b * ep for b in cost.block_params] + [(cost.first.params + cost.last.params) * ep]
-        hooked = self.sp_in_backward(layout, zero)
+        hooked = self.sp_in_backward(candidate, zero)
         if hooked:  # every backward (micro-batch) averages each parameter's gradient over sp
-            one.add(sp_grad_average(p, layout.sp, cost.tensors))
+            one.add(sp_grad_average(p, candidate.sp, cost.tensors))
         axes = DDP_AXES[1] if hooked else DDP_AXES[0]
-        for c in dp_reduction(p, p, self.dp_ranks(layout, zero), zero, units, cost.tensors, axes):
+        for c in dp_reduction(p, p, self.dp_ranks(candidate, zero), zero, units, cost.tensors, axes):
             (step if c.phase == "step" else one).add([c])
-        if cost.tied_table and layout.pp > 1:
+        if cost.tied_table and candidate.pp > 1:
             step.add(tied_sync(cost.tied_table * ep))
-        if layout.pp > 1 and cost.is_last:  # build_schedule counts the step's targets once
-            step.add(loss_reduction(self._target_axes(layout), COUNT_BYTES, layout.pp, phase="step"))
+        if candidate.pp > 1 and cost.is_last:  # build_schedule counts the step's targets once
+            step.add(loss_reduction(self._target_axes(candidate), COUNT_BYTES, candidate.pp, phase="step"))
         return one, step
 
-    def links(self, layout: Layout, costs=None) -> tuple[timing.Links, timing.Links]:
-        """(per micro-batch, per step) prices of ``layout``'s groups. Where the host model's
+    def links(self, candidate: Candidate, costs=None) -> tuple[timing.Links, timing.Links]:
+        """(per micro-batch, per step) prices of ``candidate``'s groups. Where the host model's
         message latency depends on the compute between messages (a time-shared host, where a
         message waits for a core while a core-mate computes) it gets ``longest_chunk``; the
         per-step calls (gradient reduction, parameter broadcasts) follow one another with no
         compute in between, so they get none."""
         hw = self.hw
-        strides, ranks = timing.axis_strides(**layout.mesh_kwargs()), min(layout.world, hw.devices_per_node)
+        strides, ranks = timing.axis_strides(**candidate.mesh_kwargs()), min(candidate.world, hw.devices_per_node)
         # the same for every group: worked out once, and only if the host model asks for it
-        chunk = functools.cache(lambda: self.longest_chunk(costs if costs is not None else self.distinct_stages(layout)))
+        chunk = functools.cache(lambda: self.longest_chunk(costs if costs is not None
+                                                           else self.distinct_stages(candidate)))
         return timing.Links(strides, hw, ranks, chunk), timing.Links(strides, hw, ranks, lambda: 0.0)
 
-    def price_variants(self, layout: Layout, cost: StageCost, stage: int, checkpointing, zeros, links=None) -> dict:
+    def price_variants(self, candidate: Candidate, cost: StageCost, stage: int, checkpointing, zeros,
+                       links=None) -> dict:
         """{(checkpointing, zero): StageReport} of one rank of ``stage``; what the variants share
-        (the blocks' calls, their seconds) is summed once. ``links``: ``self.links(layout)``."""
+        (the blocks' calls, their seconds) is summed once. ``links``: ``self.links(candidate)``."""
         hw, problem, ep = self.hw, self.problem, self.problem.param_bytes
-        m = layout.micro_batches
-        base = self._base(cost, layout, stage)
-        links, step_links = links or self.links(layout)
+        m = candidate.micro_batches
+        base = self._base(cost, candidate, stage)
+        links, step_links = links or self.links(candidate)
         share = links.share
         base_bytes, base_s = self._total(base), links.seconds(base)
         rc = self._summed("recompute", cost.block, recompute_calls(cost.block))
@@ -225,16 +227,17 @@ class Pricer:
         held = cost.params * ep
         out = {}
         for zero in zeros:
-            n = self.dp_ranks(layout, zero)
-            z_one, step = self._reduction(cost, layout, zero)
+            n = self.dp_ranks(candidate, zero)
+            z_one, step = self._reduction(cost, candidate, zero)
             z_bytes, z_s = self._total(z_one), links.seconds(z_one)
             optimizer = timing.optimizer_seconds(cost.params / (n if zero else 1), hw)
             step_s = step_links.seconds(step) + optimizer / share
             ddp_s, ddp_calls = self._ddp_seconds(step, step_links) if zero <= 1 else (0.0, 0)
             step_bytes = self._total(step)
             for ckpt in checkpointing:
-                memory = stage_memory(cost, stage=stage, pp=layout.pp, micro_batches=m, checkpointing=ckpt, zero=zero,
-                                      dp_ranks=n, param_bytes=ep, schedule=self.schedule, runtime=hw.runtime_bytes)
+                memory = stage_memory(cost, stage=stage, pp=candidate.pp, micro_batches=m, checkpointing=ckpt,
+                                      zero=zero, dp_ranks=n, param_bytes=ep, schedule=self.schedule,
+                                      runtime=hw.runtime_bytes)
                 compute = timing.compute_seconds(cost, ckpt, hw, problem.e) / share
                 # backward (with the recompute in it) is (2 + r) / (3 + r) of a micro-batch's compute
                 r = 1 if ckpt and cost.blocks else 0
@@ -265,16 +268,16 @@ class Pricer:
                    / (1 + self._summed("piece", piece, piece.calls).messages(hw.backend))
                    for _, cost in costs for piece in (cost.first, cost.last, *cost.block))
 
-    def price(self, layout: Layout, checkpointing=(False, True), zeros=(0,),
+    def price(self, candidate: Candidate, checkpointing=(False, True), zeros=(0,),
               costs: list[StageCost] | None = None) -> dict:
         """{(checkpointing, zero): [StageReport]} over the stages that can be the worst: the
         first of each kind (same ends and block count), which holds the most micro-batches."""
-        costs = costs if costs is not None else self.distinct_stages(layout)
-        alike = stage_kind_counts(self.problem.shape.layers, layout.pp)
-        links = self.links(layout, costs)
+        costs = costs if costs is not None else self.distinct_stages(candidate)
+        alike = stage_kind_counts(self.problem.shape.layers, candidate.pp)
+        links = self.links(candidate, costs)
         out = {}
         for k, cost in costs:
-            for key, report in self.price_variants(layout, cost, k, checkpointing, zeros, links).items():
+            for key, report in self.price_variants(candidate, cost, k, checkpointing, zeros, links).items():
                 report.stages_alike = alike.get(k, 1)
                 out.setdefault(key, []).append(report)
         return out

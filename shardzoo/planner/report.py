@@ -38,18 +38,18 @@ def pipeline_factor(cand, report) -> float:
 
 def comm_by_group(plan, cand) -> list[tuple[str, float, float, str]]:
     """(group, GB per step, seconds per step, link) of the candidate's worst-time stage."""
-    from shardzoo.planner.evaluate import Layout
+    from shardzoo.planner.evaluate import Candidate
 
-    layout = Layout(**cand.layout, micro_batches=cand.micro_batches)
+    candidate = Candidate(**cand.layout, micro_batches=cand.micro_batches)
     report = max(cand.reports, key=lambda r: r.micro_seconds)
-    costs = plan.pricer.distinct_stages(layout)
-    one, step = plan.pricer.traffic(dict(costs)[report.stage], layout, report.stage, cand.activation_checkpointing,
-                                    cand.zero)
+    costs = plan.pricer.distinct_stages(candidate)
+    one, step = plan.pricer.traffic(dict(costs)[report.stage], candidate, report.stage,
+                                    cand.activation_checkpointing, cand.zero)
     strides, hw = timing.axis_strides(**cand.layout), plan.hardware
-    per_micro_batch, per_step = plan.pricer.links(layout, costs)
+    per_micro_batch, per_step = plan.pricer.links(candidate, costs)
     groups: dict = {}
     # bytes: m micro-batches and the step's own; seconds: as the step was priced (Pricer.links)
-    for traffic, times, path, links in ((one, layout.micro_batches, pipeline_factor(cand, report), per_micro_batch),
+    for traffic, times, path, links in ((one, candidate.micro_batches, pipeline_factor(cand, report), per_micro_batch),
                                         (step, 1, 1, per_step)):
         for axes, n, messages in traffic.links(hw.backend):
             bandwidth, latency = timing.link(axes, strides, plan.hardware)

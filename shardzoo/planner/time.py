@@ -1,4 +1,4 @@
-"""Step time of a layout (docs/planner.md, "Time").
+"""Step time of a candidate (docs/planner.md, "Time").
 
     t_stage   = (3 * matmul FLOPs / (F * efficiency) + 3 * attention FLOPs / F_attention
                  + elementwise passes * 2 * e / elementwise bandwidth (per tensor class)
@@ -48,7 +48,7 @@ def link(axes: tuple[str, ...], strides: dict[str, tuple[int, int]], hw: Hardwar
 
 
 class Links:
-    """Seconds of the calls of one layout, per group: bytes at the group's link bandwidth
+    """Seconds of the calls of one candidate, per group: bytes at the group's link bandwidth
     (divided by ``share``, the rank's share of its device: on a time-shared host copies run at
     the rank's share of a core) plus messages at the link's latency as the host model puts it
     for ``ranks_on_node`` ranks. ``chunk``: a function giving the longest compute (seconds on a
@@ -78,12 +78,12 @@ class Links:
         return total
 
 
-def step_seconds(layout, reports, host=DEDICATED) -> float:
-    """Seconds of a training step of ``layout`` (an ``evaluate.Layout``) from its priced stages
+def step_seconds(candidate, reports, host=DEDICATED) -> float:
+    """Seconds of a training step of ``candidate`` (an ``evaluate.Candidate``) from its priced stages
     (``evaluate.StageReport``s): the m micro-batches through the pipeline (the host model's
     ``pipeline_seconds``: ``(m - 1) * max_k t_k + sum_k t_k``, the familiar ``(m + pp - 1) * t``
     when the stages are alike), then the per-step work."""
-    m, pp, v = layout.micro_batches, layout.pp, getattr(layout, "virtual_stages", 1)
+    m, pp, v = candidate.micro_batches, candidate.pp, getattr(candidate, "virtual_stages", 1)
     if pp == 1:
         pipe = m * max(r.micro_seconds for r in reports)
     else:  # a host model without interleaving (v = 1) is asked as before

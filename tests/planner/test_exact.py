@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from shardzoo.models.spec import all_specs, family_names, spec_named
 from shardzoo.planner.api import plan
-from shardzoo.planner.evaluate import Layout, channel_bytes
+from shardzoo.planner.evaluate import Candidate, channel_bytes
 from _measure import run_layout
 from shardzoo.planner.walked import family_shape
 from shardzoo.planner.presets import HARDWARE
@@ -63,17 +63,18 @@ def check_exact(spec: dict) -> None:
     measured = run_on_ranks(run_layout, spec["layout"]["dp"] * spec["layout"]["pp"] * spec["layout"]["sp"]
                             * spec["layout"]["tp"], spec)
     shape = family_shape(spec_named(spec["family"]), spec_named(spec["family"]).config(**spec["config"]))
-    layout = Layout(**spec["layout"], micro_batches=spec["micro_batches"])
+    candidate = Candidate(**spec["layout"], micro_batches=spec["micro_batches"])
     zero = spec.get("zero", 0)
-    planned = plan(shape, layout.world, 1e6, spec["batch"], spec["seq"], hardware=HARDWARE["a100"], dtype="fp32",
-                   sp_mode=spec["sp_mode"], zero_stages=(zero,), tp_modes=(layout.tp_mode,))
-    cand = next(c for c in planned if c.layout == layout.mesh_kwargs() and c.micro_batches == layout.micro_batches
+    planned = plan(shape, candidate.world, 1e6, spec["batch"], spec["seq"], hardware=HARDWARE["a100"], dtype="fp32",
+                   sp_mode=spec["sp_mode"], zero_stages=(zero,), tp_modes=(candidate.tp_mode,))
+    cand = next(c for c in planned if c.layout == candidate.mesh_kwargs()
+                and c.micro_batches == candidate.micro_batches
                 and c.activation_checkpointing == spec["checkpointing"] and c.zero == zero)
-    stages = planned.pricer.stages(layout)
+    stages = planned.pricer.stages(candidate)
     totals = []
     for rank, got in enumerate(measured):
-        one, step = planned.pricer.traffic(stages[got["stage"]], layout, got["stage"], spec["checkpointing"], zero)
-        want = channel_bytes(one, step, layout.micro_batches)
+        one, step = planned.pricer.traffic(stages[got["stage"]], candidate, got["stage"], spec["checkpointing"], zero)
+        want = channel_bytes(one, step, candidate.micro_batches)
         for k in CHANNELS:
             assert got[k] == want[k], f"rank {rank} stage {got['stage']} {k}: sent {got[k]}, planned {want[k]} ({spec})"
         assert got["param_bytes"] == stages[got["stage"]].params * 4, f"rank {rank} parameter bytes ({spec})"
@@ -158,24 +159,26 @@ def check_hf_exact(spec: dict, directory) -> None:
 
     config = AutoConfig.for_model(spec["hf"]["model_type"], **spec["hf"]["config"])
     config.save_pretrained(directory)
-    layout, zero = Layout(**spec["layout"]), spec["zero"]
+    candidate, zero = Candidate(**spec["layout"]), spec["zero"]
     with torch.device("meta"):  # a family's model_type: its directory would build shardzoo's family
         model = AutoModelForCausalLM.from_config(config)
-    planned = plan(str(directory) if spec["hf"]["model_type"] not in FAMILY_TYPES else model, layout.world, 1e6, spec["batch"], spec["seq"], hardware=HARDWARE["a100"],
-                   dtype="fp32", sp_mode=spec["sp_mode"], zero_stages=(zero,), tp_modes=(layout.tp_mode,))
-    cand = next(c for c in planned if c.layout == layout.mesh_kwargs() and c.activation_checkpointing == spec["checkpointing"])
-    (stage,) = planned.pricer.stages(layout)
-    want = channel_bytes(*planned.pricer.traffic(stage, layout, 0, spec["checkpointing"], zero), 1)
-    measured = run_on_ranks(run_layout, layout.world, spec)
+    planned = plan(str(directory) if spec["hf"]["model_type"] not in FAMILY_TYPES else model, candidate.world, 1e6,
+                   spec["batch"], spec["seq"], hardware=HARDWARE["a100"], dtype="fp32", sp_mode=spec["sp_mode"],
+                   zero_stages=(zero,), tp_modes=(candidate.tp_mode,))
+    cand = next(c for c in planned
+                if c.layout == candidate.mesh_kwargs() and c.activation_checkpointing == spec["checkpointing"])
+    (stage,) = planned.pricer.stages(candidate)
+    want = channel_bytes(*planned.pricer.traffic(stage, candidate, 0, spec["checkpointing"], zero), 1)
+    measured = run_on_ranks(run_layout, candidate.world, spec)
     for rank, got in enumerate(measured):
         for k in CHANNELS:
             assert got[k] == want[k], f"rank {rank} {k}: sent {got[k]}, planned {want[k]} ({spec})"
         assert got["param_bytes"] == stage.params * 4 == cand.param_bytes_per_rank, f"rank {rank} ({spec})"
     # the optimizer state, sharded over the ranks ZeRO 1 shards over (dp for a parallelize'd model): on
     # average what the memory model holds per rank (ZeroRedundancyOptimizer splits by whole tensors)
-    memory = planned.pricer.price_variants(layout, stage, 0, (spec["checkpointing"],), (zero,))
+    memory = planned.pricer.price_variants(candidate, stage, 0, (spec["checkpointing"],), (zero,))
     held = sum(got["optimizer_bytes"] for got in measured)
-    assert held == memory[(spec["checkpointing"], zero)].memory.optimizer * layout.world, (held, spec)
+    assert held == memory[(spec["checkpointing"], zero)].memory.optimizer * candidate.world, (held, spec)
     assert cand.comm_bytes_per_rank_per_step == max(sum((got[k] for k in CHANNELS), Fraction(0)) for got in measured)
 
 

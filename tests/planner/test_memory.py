@@ -6,7 +6,7 @@ import pytest
 
 from shardzoo.models.spec import spec_named
 from shardzoo.planner.enumerate import Problem
-from shardzoo.planner.evaluate import Layout, Pricer
+from shardzoo.planner.evaluate import Candidate, Pricer
 from _measure import saved_bytes
 from shardzoo.planner.walked import family_shape
 from shardzoo.planner.presets import HARDWARE
@@ -25,13 +25,14 @@ CASES = [  # family, ParallelMesh kwargs, sp_mode, dropout
 @pytest.mark.parametrize("family,layout,sp_mode,dropout", CASES)
 def test_saved_activations_match_the_memory_model(family, layout, sp_mode, dropout):
     kwargs = dict(dp=1, pp=1, sp=1, tp=1, tp_mode="1d", tp_depth=1) | layout
-    lay = Layout(**kwargs)
+    candidate = Candidate(**kwargs)
     spec = dict(family=family, config=config_of(family, 2, 37, 48, dropout), layout=kwargs, batch=4, seq=8,
                 sp_mode=sp_mode)
-    measured = run_on_ranks(saved_bytes, lay.world, spec)
+    measured = run_on_ranks(saved_bytes, candidate.world, spec)
     shape = family_shape(spec_named(family), spec_named(family).config(**spec["config"]))
     cpu_masks = 4  # on CPU a dropout mask is the fp32 noise tensor
-    stage = Pricer(Problem(shape, lay.world, 4, 8, sp_mode, mask_bytes=cpu_masks), HARDWARE["a100"]).stages(lay)[0]
+    problem = Problem(shape, candidate.world, 4, 8, sp_mode, mask_bytes=cpu_masks)
+    stage = Pricer(problem, HARDWARE["a100"]).stages(candidate)[0]
     for rank, got in enumerate(measured):
         assert got["block0"] == got["block1"] == stage.block_saved, (rank, got, stage.block_saved)
         assert got["embed"] == stage.first.saved, (rank, got, stage.first.saved)
@@ -52,12 +53,13 @@ def test_saved_activations_of_a_walked_llama(layout, sp_mode):
     config = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, intermediate_size=96,
                   num_hidden_layers=2, vocab_size=101, max_position_embeddings=64, tie_word_embeddings=False)
     kwargs = dict(dp=1, pp=1, sp=1, tp=1, tp_mode="1d", tp_depth=1) | layout
-    lay = Layout(**kwargs)
+    candidate = Candidate(**kwargs)
     spec = dict(hf=dict(model_type="llama", config=config), layout=kwargs, batch=4, seq=8, sp_mode=sp_mode)
-    measured = run_on_ranks(saved_bytes, lay.world, spec)
+    measured = run_on_ranks(saved_bytes, candidate.world, spec)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **config))
-    stage = Pricer(Problem(walked_model(model), lay.world, 4, 8, sp_mode, mask_bytes=4), HARDWARE["a100"]).stages(lay)[0]
+    problem = Problem(walked_model(model), candidate.world, 4, 8, sp_mode, mask_bytes=4)
+    stage = Pricer(problem, HARDWARE["a100"]).stages(candidate)[0]
     for rank, got in enumerate(measured):
         assert got["block1"] == stage.block_saved, (rank, got, stage.block_saved)
         assert got["embed"] + got["block0"] - got["block1"] == stage.first.saved, (rank, got, stage.first.saved)
