@@ -105,7 +105,7 @@ def main(argv=None) -> None:
                 print(f"rep {rep} {v}: step {runs[v][-1]:.3f} s", flush=True)
     memory[VARIANTS[2]] = memory["off"]
     pred = {v: predicted(args, hw, v == "on") for v in ("off", "on")}
-    rows, data = [], {"args": vars(args), "hardware": hw.name, "variants": {}}
+    rows, data = [], {"args": vars(args), "hardware": hw.name, "variants": {}, "step_s_per_round": runs}
     for v in VARIANTS:
         p, mem = pred["on" if v == "on" else "off"], memory[v]
         act = activation_peak(mem)
