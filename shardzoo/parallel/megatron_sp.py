@@ -24,6 +24,7 @@ of another style holding weights there is refused by name.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from shardzoo.layers.linear_1d import ParallelLinear1D
@@ -105,6 +106,9 @@ def install(model: nn.Module, planned: dict, layout, enabled: bool) -> SequenceS
     for names in lists:
         model.get_submodule(names[0]).register_forward_pre_hook(_Enter(shards), with_kwargs=True)
         model.get_submodule(names[-1]).register_forward_hook(_Leave(shards))
+    base = getattr(model, "base_model", None)
+    for module in {id(m): m for m in (base, model) if isinstance(m, nn.Module)}.values():  # inner first
+        module.register_forward_hook(_JoinHiddenStates(shards))
     model.__dict__[_ATTR] = shards
     return shards
 
@@ -161,3 +165,21 @@ class _Leave:
         if isinstance(output, (tuple, list)):
             return type(output)((self.shards.join(output[0]), *output[1:]))
         return self.shards.join(output)
+
+
+class _JoinHiddenStates:
+    """Forward hook of the model (and its base model): the ``hidden_states`` a transformers
+    model returns with ``output_hidden_states=True`` are recorded at the blocks, where they are
+    this rank's chunks; each chunk -> [b, s, H] on every tp rank (a tuple output, from
+    ``return_dict=False``, is left as it is)."""
+
+    def __init__(self, shards: SequenceShards):
+        self.shards = shards
+
+    def __call__(self, module: nn.Module, args: tuple, output):
+        states = getattr(output, "hidden_states", None)
+        if not isinstance(states, tuple) or not any(torch.is_tensor(h) and self.shards.holds_chunk(h) for h in states):
+            return output
+        output.hidden_states = tuple(self.shards.join(h) if torch.is_tensor(h) and self.shards.holds_chunk(h) else h
+                                     for h in states)
+        return output

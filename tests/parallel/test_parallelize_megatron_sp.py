@@ -137,6 +137,28 @@ def test_between_block_activations_hold_one_tpth_of_the_sequence(tp, seq):
     assert all(n == seq for rank in off for n in rank), off
 
 
+def _hidden_states(tp: int) -> float:
+    """The largest difference between the hidden states a parallelized Llama returns with
+    ``output_hidden_states=True`` (recorded at its blocks, where they are chunks) and the serial model's."""
+    import shardzoo
+
+    model = _tiny("llama").eval()
+    ids, mask, _ = _batch(13)
+    serial = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+    shardzoo.parallelize(model, cached_mesh(tp=tp))
+    states = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+    assert [tuple(h.shape) for h in states] == [tuple(h.shape) for h in serial], [h.shape for h in states]
+    for i, (h, ref) in enumerate(zip(states, serial)):
+        assert_close(h, ref, f"hidden state {i}", terms=TINY_MODEL_TERMS, parts=tp)
+    return max(float((h - ref).abs().max()) for h, ref in zip(states, serial))
+
+
+def test_output_hidden_states_are_whole_sequences():
+    """A user asking for every block's hidden states gets [b, s, H] on every rank, equal to serial,
+    not this rank's chunk of them (13 tokens on tp=2: padded chunks)."""
+    run_on_ranks(_hidden_states, 2, 2)
+
+
 # -- the families ---------------------------------------------------------------------------------
 def _family_batch(family: str, config, seq: int):
     g = torch.Generator().manual_seed(2)
