@@ -127,7 +127,8 @@ def walk_model(model: nn.Module, plan: dict[str, str] | None = None, *, example=
     return walk
 
 
-def _inside(name: str, prefix: str) -> bool:
+def inside(name: str, prefix: str) -> bool:
+    """Whether module ``name`` is ``prefix`` or inside it."""
     return name == prefix or name.startswith(prefix + ".")
 
 
@@ -163,13 +164,13 @@ def _trace(model: nn.Module, planned: dict, blocks: list[str], hf: bool,
             h.remove()
         for block in skipped:
             del block.forward
-    in_block = [i for i, (n, _, _) in enumerate(events) if any(_inside(n, b) for b in blocks)]
+    in_block = [i for i, (n, _, _) in enumerate(events) if any(inside(n, b) for b in blocks)]
     if not in_block:
         raise ValueError(f"{type(model).__name__}: none of its blocks ({blocks[0]}, ...) ran in the traced forward")
     first, last = in_block[0], in_block[-1]
     steps = _steps(events, planned)
     pre, post = steps[:first], steps[last + 1:]
-    block = [s for s in steps[first:last + 1] if _inside(s.name, blocks[0])]
+    block = [s for s in steps[first:last + 1] if inside(s.name, blocks[0])]
     return pre, block, post
 
 
@@ -225,8 +226,8 @@ def _unplanned(walk: Walk) -> None:
                              f"'embedding' ..., or 'replicate' to keep it whole on every rank")
         if next(module.parameters(recurse=False), None) is None:
             continue
-        if any(_inside(name, b) for b in walk.blocks):
-            if _inside(name, walk.blocks[0]):
+        if any(inside(name, b) for b in walk.blocks):
+            if inside(name, walk.blocks[0]):
                 walk.held.setdefault("block", []).append((name, module))
             continue
         walk.held.setdefault("pre" if name in pre_names else "post", []).append((name, module))
@@ -242,7 +243,7 @@ def _idle(walk: Walk) -> None:
     for name, (module, style, _) in walk.planned.items():
         if name in ran or STYLES[style].keeps_children or next(module.parameters(), None) is None:
             continue
-        if any(_inside(name, b) for b in walk.blocks):
+        if any(inside(name, b) for b in walk.blocks):
             continue  # every block runs in the forward
         part = "pre" if names.index(name) < first_block else "post"
         walk.idle.setdefault(part, []).append(Step(name, module, style, None, None))

@@ -30,7 +30,7 @@ from shardzoo.parallel.heads import head_parts_fit, head_parts_that_work
 from shardzoo.parallel.styles import STYLES
 from shardzoo.planner.comm import attention_core
 from shardzoo.planner.model import ADD_PASSES, GELU_PASSES, RELU_PASSES, Batch, StageParts, dropout
-from shardzoo.planner.walk import TRACE_BATCH, Step
+from shardzoo.planner.walk import TRACE_BATCH, Step, inside
 
 ROPE_PASSES = 6  # rotate_half, two products and a sum on q and k, forward + backward (an estimate)
 MUL_PASSES = 3  # a gated MLP's act(gate) * up, forward + backward (an estimate)
@@ -75,11 +75,11 @@ def check_walk(shape, costs, b: Batch) -> None:
         raise Illegal(f"{name} holds weights the plan does not cover, and the {mode} layout splits the activations "
                       f"it reads (parallelize refuses it); plan it")
     if b.chunks > 1:
-        inside = walk.held.get("block") or [(n, m) for n, (m, st, _) in walk.planned.items()
-                                            if _in_blocks(n, walk.blocks) and not STYLES[st].on_sequence_chunks
-                                            and next(m.parameters(), None) is not None]
-        if inside:
-            raise Illegal(f"{inside[0][0]} holds weights inside a block that cannot run on a sequence chunk, which "
+        misfits = walk.held.get("block") or [(n, m) for n, (m, st, _) in walk.planned.items()
+                                             if any(inside(n, block) for block in walk.blocks)
+                                             and not STYLES[st].on_sequence_chunks and next(m.parameters(), None) is not None]
+        if misfits:
+            raise Illegal(f"{misfits[0][0]} holds weights inside a block that cannot run on a sequence chunk, which "
                           f"parallelize refuses under Megatron sequence parallelism (1d, tp={tp}); plan it "
                           f"'column' / 'row' / 'norm', or price with sequence_parallel=False")
     if tp > 1 and walk.dropouts:
@@ -89,10 +89,6 @@ def check_walk(shape, costs, b: Batch) -> None:
         raise Illegal("a transformers model's 'position_embedding' under sp maps the positions twice (parallelize "
                       "refuses it); plan it 'embedding'")
     local_batch(shape, costs, b)
-
-
-def _in_blocks(name: str, blocks: list[str]) -> bool:
-    return any(name.startswith(f"{b}.") for b in blocks)
 
 
 def local_batch(shape, costs, b: Batch) -> tuple[int, int]:
