@@ -159,3 +159,19 @@ def test_the_planner_names_no_family():
             found += [(path.name, number, w) for w in words
                       if re.search(rf"(?<![A-Za-z0-9_]){re.escape(w)}(?![A-Za-z0-9_])", line, re.IGNORECASE)]
     assert not found, found
+
+
+def test_megatron_sp_refuses_a_block_weight_off_the_sequence_chunks():
+    """A weight inside a block planned with a style that cannot run on a sequence chunk is
+    refused in 1d tp > 1 as parallelize refuses it, naming the module and both fixes; with
+    Megatron sequence parallelism priced off the same layout is priced."""
+    from shardzoo.planner.api import price
+    from shardzoo.planner.walked import walked_model
+
+    with torch.device("meta"):
+        model = TinyLM()
+    shape = walked_model(model, {**PLAN, "blocks.*.ln_*": "replicate"})
+    with pytest.raises(ValueError) as err:
+        price(shape, 2, 4, 16, "tp=2", hardware="a100")
+    assert "blocks.0.ln_" in str(err.value) and "sequence_parallel=False" in str(err.value), err.value
+    assert price(shape, 2, 4, 16, "tp=2", hardware="a100", sequence_parallel=False).candidate.fits
