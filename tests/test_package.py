@@ -32,6 +32,17 @@ except ValueError as err:
     print(err)
 """
 
+# transformers installed but not imported: telling a plain module from a transformers model
+# (parallelize asks under sp) must not import it, which would add tens of MiB to every rank.
+PLAIN_MODULE_ONLY = """
+import sys
+import torch
+from shardzoo.parallel.hf_model import is_transformers_model
+
+assert not is_transformers_model(torch.nn.Linear(2, 2))
+assert "transformers" not in sys.modules, "is_transformers_model imported transformers"
+"""
+
 
 def test_package_imports_and_runs_without_triton_or_transformers():
     """Triton and transformers are optional: without them the package imports, the kernels run
@@ -42,6 +53,8 @@ def test_package_imports_and_runs_without_triton_or_transformers():
     out = subprocess.run([sys.executable, "-c", WITHOUT_OPTIONAL], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "llama3-8b is a transformers model, and transformers is not installed; pip install transformers" in out.stdout
+    out = subprocess.run([sys.executable, "-c", PLAIN_MODULE_ONLY], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
 
 
 def test_console_program_help_and_info(capsys):

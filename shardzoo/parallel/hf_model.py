@@ -7,6 +7,7 @@ transformers stays optional: a plain ``nn.Module`` never imports it.
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 from torch import nn
@@ -17,16 +18,11 @@ from shardzoo.parallel.kinds import is_norm
 from shardzoo.parallel.plan import style_of
 
 
-def _transformers():
-    try:
-        import transformers
-    except ImportError:
-        return None
-    return transformers
-
-
 def is_transformers_model(model: nn.Module) -> bool:
-    tf = _transformers()
+    """Whether ``model`` is a transformers ``PreTrainedModel``. An instance of its classes means
+    transformers is imported already, so it is looked up, never imported here: importing it
+    would add tens of MiB to every rank that splits a model of its own."""
+    tf = sys.modules.get("transformers")
     return tf is not None and isinstance(model, tf.PreTrainedModel)
 
 
