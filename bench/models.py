@@ -16,6 +16,7 @@ pipeline the stages only wait. Reported: the mean over ranks.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -60,7 +61,12 @@ def run_layout(kwargs, args):
     config = GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=args.heads, vocab_size=args.vocab,
                         n_positions=args.seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     stage = (mesh.pp_rank, mesh.pp_size) if mesh.pp_size > 1 else None
-    model = GPT2(config, mesh=mesh, stage=stage, seed=0, device=device)
+    options = {}
+    if args.sequence_parallel == "off":  # Megatron SP (1d, tp > 1): on by default where the checkout has it
+        if "sequence_parallel" not in inspect.signature(GPT2.__init__).parameters:
+            raise SystemExit("--sequence-parallel off: this checkout's GPT2 has no sequence_parallel argument")
+        options["sequence_parallel"] = False
+    model = GPT2(config, mesh=mesh, stage=stage, seed=0, device=device, **options)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     captured = {}  # the first microbatch a stage sees in the warm-up step, for the busy time
@@ -136,6 +142,8 @@ def main():
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--max-world", type=int, default=8)
+    p.add_argument("--sequence-parallel", choices=("default", "off"), default="default",
+                   help="off: Megatron sequence parallelism off in the 1d layouts (on by default)")
     p.add_argument("--only", help="run this one layout and print its step time (bench/models_vs.py)")
     p.add_argument("--json", help="with --only: write the layout's result to this file")
     args = p.parse_args()

@@ -8,7 +8,9 @@ Each layout runs ``bench/models.py --only <layout>`` as a fresh process per meas
 checkout chosen by ``PYTHONPATH``: baseline (B), this checkout (A), this checkout again (A'),
 in rotating order so drifts of a shared host fall on each alike. Reported per layout: the
 median over pairs of tokens/s A / B, and of A' / A (the control: its distance from 1 is this
-host's noise for that layout).
+host's noise for that layout). ``--sequence-parallel off`` runs this checkout with Megatron
+sequence parallelism off in the 1d layouts (the baseline as it is): the structure's own cost,
+apart from the collectives sequence parallelism adds.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ def step_seconds(checkout: str, layout: str, args) -> float:
         cmd = [sys.executable, os.path.join(HERE, "bench", "models.py"), "--only", layout, "--json", out.name,
                "--layers", str(args.layers), "--hidden", str(args.hidden), "--heads", str(args.heads),
                "--seq", str(args.seq), "--batch", str(args.batch), "--steps", str(args.steps)]
+        if checkout != args.baseline:  # the baseline runs its own defaults
+            cmd += ["--sequence-parallel", args.sequence_parallel]
         subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
         return json.load(open(out.name))[layout]["step_s"]
 
@@ -58,6 +62,8 @@ def main():
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--sequence-parallel", choices=("default", "off"), default="default",
+                   help="off: this checkout runs with Megatron sequence parallelism off (the baseline as it is)")
     args = p.parse_args()
     if not os.path.isdir(os.path.join(args.baseline, "shardzoo")):
         raise SystemExit(f"--baseline {args.baseline} holds no shardzoo/ package; pass a checkout's root "
@@ -83,8 +89,12 @@ def main():
     note = (f"Baseline: the checkout at {args.baseline} ({revision(args.baseline)}), this one at {revision(HERE)}; "
             f"{args.pairs} pairs per layout, each measurement a fresh "
             f"launch of bench/models.py --only <layout> (GPT-2 n_layer={args.layers}, n_embd={args.hidden}, "
-            f"seq={args.seq}, batch={args.batch}, median of {args.steps} steps after a warm-up).")
-    write_results("models_vs", "Models: GPT-2 per layout against a baseline checkout", table,
+            f"seq={args.seq}, batch={args.batch}, median of {args.steps} steps after a warm-up); this checkout's "
+            f"Megatron sequence parallelism: {args.sequence_parallel}.")
+    off = args.sequence_parallel == "off"
+    write_results("models_vs_sp_off" if off else "models_vs",
+                  "Models: GPT-2 per layout against a baseline checkout"
+                  + (", this one with Megatron sequence parallelism off" if off else ""), table,
                   {"args": vars(args), "results": data}, note)
 
 
