@@ -149,8 +149,8 @@ class ParallelLinear1D(ParallelModule):
             full = x if shards.is_gathered(x) else shards.gather(x)
             return F.linear(full, self.param("weight"), self.param("bias"))
         y = self.sequence.scatter(F.linear(x, self.param("weight")))
-        if self.bias is not None:
-            y = y + tp_sum_grad(self.param("bias"), self.mesh, True).to(y.dtype)
+        if self.bias is not None:  # a partial gradient over tp: summed with its block's others
+            y = y + self.sequence.partial_grads.summed(self, "bias", self.param("bias")).to(y.dtype)
         return y
 
     def shard_input(self, x_full: torch.Tensor) -> torch.Tensor:

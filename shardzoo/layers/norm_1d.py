@@ -42,11 +42,17 @@ class _Norm1D(ParallelModule):
             p = getattr(serial, name, None)
             local_param(self, name, p, None if p is None else replicated_spec(p.shape), device)
 
+    partial_grads = None  # between a model's sequence-sharded blocks: its PartialGrads (partial_grads.py)
+
     def _params(self):
-        sp = self.sequence_parallel
-        w = None if self.weight is None else tp_sum_grad(self.weight, self.mesh, sp)
-        b = None if getattr(self, "bias", None) is None else tp_sum_grad(self.bias, self.mesh, sp)
-        return w, b
+        sp, grads = self.sequence_parallel, self.partial_grads
+        out = []
+        for name in ("weight", "bias"):
+            p = getattr(self, name, None)
+            if p is not None:
+                p = grads.summed(self, name, p) if sp and grads is not None else tp_sum_grad(p, self.mesh, sp)
+            out.append(p)
+        return tuple(out)
 
     def _check(self, x: torch.Tensor) -> None:
         if self.sequence_parallel:

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from shardzoo.comm import collectives as comm
 from shardzoo.layers.common_1d import SEQ_DIM
+from shardzoo.layers.partial_grads import PartialGrads
 
 
 class SequenceShards:
@@ -44,6 +45,7 @@ class SequenceShards:
         self.mesh = mesh
         self.length: int | None = None  # this forward's sequence length on this rank (after sp)
         self._read: tuple | None = None  # (weakref to the chunk, its gathered tensor, grad mode)
+        self.partial_grads = PartialGrads(mesh)  # norms' and row biases' gradients, summed once per block
 
     @property
     def parts(self) -> int:

@@ -221,3 +221,27 @@ FAMILY_CASES = {
 def test_family_with_megatron_sp_equals_serial(case):
     family, mesh_kwargs, world, options = FAMILY_CASES[case]
     run_on_ranks(_check_family, world, family, mesh_kwargs, options)
+
+
+def _partial_grad_sums(tp: int) -> list[int]:
+    """Payload bytes of each all-reduce over tp in the backward of a 2-block transformers GPT-2
+    with Megatron sequence parallelism (no dp, no sp: every all-reduce is a tp one)."""
+    import shardzoo
+    from shardzoo import comm
+
+    model = _tiny("gpt2")
+    ids, mask, labels = _batch(16)
+    shardzoo.parallelize(model, cached_mesh(tp=tp))
+    out = model(input_ids=ids, attention_mask=mask, labels=labels)
+    with comm.count() as counter:
+        out.loss.backward()
+    return [r.payload_bytes for r in counter.records if r.kind == "all_reduce" and r.group_size == tp]
+
+
+def test_partial_gradients_are_summed_once_per_block():
+    """A block's norms (weight, bias: 2 x 2 x 32) and row biases (2 x 32) see only this rank's
+    tokens; their gradients travel in one all-reduce per block, not one per parameter."""
+    block_bytes = (2 * 2 * 32 + 2 * 32) * 4  # fp32
+    sums = run_on_ranks(_partial_grad_sums, 2, 2)[0]
+    assert sums.count(block_bytes) == 2, sums  # the two blocks
+    assert 32 * 4 not in sums, sums  # no single norm weight or row bias on its own
