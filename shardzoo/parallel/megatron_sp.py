@@ -93,16 +93,17 @@ def install(model: nn.Module, planned: dict, layout, enabled: bool) -> SequenceS
     shards = SequenceShards(layout.mesh)
     blocks = {name for names in lists for name in names}
     inside = tuple(f"{name}." for name in blocks)
-    readers = set()
+    readers, partial = set(), {}
     for name in planned:
         if name.startswith(inside):
             module = model.get_submodule(name)
-            _on_chunks(module, shards)
+            block = next(b for b in blocks if name.startswith(f"{b}."))
+            partial.setdefault(block, []).extend((module, p) for p in _on_chunks(module, shards))
             parent = name.rpartition(".")[0]
             if isinstance(module, ParallelLinear1D) and module.style == "column" and parent not in blocks:
                 readers.add(parent)
-    for block in sorted(blocks):  # one all-reduce per block for the norms' and row biases' gradients
-        shards.partial_grads.hook_block(model.get_submodule(block), _partial_members(model, planned, block))
+    for block, members in partial.items():  # one all-reduce per block for the norms' and row biases' gradients
+        shards.partial_grads.hook_block(model.get_submodule(block), members)
     for name in sorted(readers):  # gather where the attention / MLP code reads its input's shape
         model.get_submodule(name).register_forward_pre_hook(_Gather(shards), with_kwargs=True)
     for names in lists:
@@ -115,29 +116,19 @@ def install(model: nn.Module, planned: dict, layout, enabled: bool) -> SequenceS
     return shards
 
 
-def _on_chunks(module: nn.Module, shards: SequenceShards) -> None:
+def _on_chunks(module: nn.Module, shards: SequenceShards) -> list[str]:
+    """Put a built module inside a block on sequence chunks; returns the names of its parameters
+    whose gradients are then partial over tp (a norm's, a row layer's bias: layers/partial_grads.py)."""
     if isinstance(module, ParallelLinear1D):
         module.use_sequence_shards(shards)
-    elif isinstance(module, (LayerNorm1D, RMSNorm1D)):
+        return ["bias"] if module.style == "row" and module.bias is not None else []
+    if isinstance(module, (LayerNorm1D, RMSNorm1D)):
         module.sequence_parallel = True  # weight gradient summed over tp (norm_1d.py)
         module.partial_grads = shards.partial_grads
-    elif isinstance(module, ParallelDropout):
+        return [p for p in ("weight", "bias") if getattr(module, p, None) is not None]
+    if isinstance(module, ParallelDropout):
         module.sequence = shards
-
-
-def _partial_members(model: nn.Module, planned: dict, block: str) -> list[tuple[nn.Module, str]]:
-    """(module, parameter name) of ``block``'s norms and row-layer biases, whose gradients are
-    partial over tp between the sequence-sharded blocks (layers/partial_grads.py)."""
-    members = []
-    for name in planned:
-        if not name.startswith(f"{block}."):
-            continue
-        module = model.get_submodule(name)
-        if isinstance(module, (LayerNorm1D, RMSNorm1D)):
-            members += [(module, p) for p in ("weight", "bias") if getattr(module, p, None) is not None]
-        elif isinstance(module, ParallelLinear1D) and module.style == "row" and module.bias is not None:
-            members.append((module, "bias"))
-    return members
+    return []
 
 
 def _first_input(module: nn.Module, args: tuple, kwargs: dict, change):
