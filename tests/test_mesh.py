@@ -170,10 +170,14 @@ def close_releases_groups():
     mesh = ParallelMesh(tp=8, tp_mode="3d")
     mesh.group("tp")  # a combined group too
     built = _gloo_threads()
+    # a slice of the DeviceMesh that outlives the mesh, as torch's caches keep the meshes that
+    # FSDP2 and DTensor were given: the groups must end all the same
+    kept = mesh.device_mesh["tp_x"]
     mesh.close()
     del mesh
     gc.collect()
     after = _gloo_threads()
+    del kept
     again = ParallelMesh(tp=8, tp_mode="3d")  # the same layout builds and works again
     x = torch.ones(1)
     dist.all_reduce(x, group=again.group("tp"))

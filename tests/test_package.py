@@ -25,57 +25,59 @@ except ValueError as e:
     assert "needs the triton package" in str(e), e
 else:
     raise SystemExit("no error for backend='triton' without triton")
-assert shardzoo.plan("gpt2", 8, 80, 8, 128, top=1)  # the planner and the family presets
+assert shardzoo.plan("gpt2", 2, 80, 8, 128, top=1)  # the planner and the family presets
 try:
     shardzoo.plan("llama3-8b", 8, 80, 8, 128)
 except ValueError as err:
     print(err)
 """
 
-# transformers installed but not imported: telling a plain module from a transformers model
-# (parallelize asks under sp) must not import it, which would add tens of MiB to every rank.
-PLAIN_MODULE_ONLY = """
-import sys
+# A fresh interpreter with everything installed, as a user's first ``import shardzoo``:
+# * telling a plain module from a transformers model (parallelize asks under sp) must not import
+#   transformers, which would add tens of MiB to every rank;
+# * the names the README and the planner's run lines give (``shardzoo.models.training.autocast``,
+#   ``clip_grad_norm_``) resolve after a plain ``import shardzoo`` (the attribute must exist
+#   before anything imports the submodule: checked first);
+# * ``python -m shardzoo.cli --help`` answers (runpy runs the module as ``-m`` does).
+FRESH_INTERPRETER = """
+import runpy, sys
 import torch
+import shardzoo
+shardzoo.models.training
 from shardzoo.parallel.hf_model import is_transformers_model
 
 assert not is_transformers_model(torch.nn.Linear(2, 2))
 assert "transformers" not in sys.modules, "is_transformers_model imported transformers"
+from shardzoo.models import training
+assert shardzoo.models.training is training
+assert shardzoo.clip_grad_norm_ is training.clip_grad_norm_
+assert shardzoo.autocast is training.autocast
+assert {"clip_grad_norm_", "autocast"} <= set(shardzoo.__all__)
+sys.argv = ["shardzoo", "--help"]
+try:
+    runpy.run_module("shardzoo.cli", run_name="__main__")
+except SystemExit as e:
+    assert e.code in (0, None), e.code
 """
 
 
 def test_package_imports_and_runs_without_triton_or_transformers():
     """Triton and transformers are optional: without them the package imports, the kernels run
     their torch references (and say how to get Triton), and the planner plans shardzoo's own
-    families (a transformers preset says how to get transformers). One process for both: each
-    check spawns a fresh interpreter that imports torch."""
+    families (a transformers preset says how to get transformers)."""
     # timeouts here guard against a hang; they are not speed checks (a loaded machine is slow)
     out = subprocess.run([sys.executable, "-c", WITHOUT_OPTIONAL], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "llama3-8b is a transformers model, and transformers is not installed; pip install transformers" in out.stdout
-    out = subprocess.run([sys.executable, "-c", PLAIN_MODULE_ONLY], capture_output=True, text=True, timeout=300)
+
+
+def test_a_fresh_interpreter_imports_no_transformers_reaches_the_helpers_and_runs_the_cli(capsys):
+    """FRESH_INTERPRETER's checks, in one interpreter (each costs a torch import); then the
+    console program's ``info`` in this process."""
+    out = subprocess.run([sys.executable, "-c", FRESH_INTERPRETER], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-
-
-def test_console_program_help_and_info(capsys):
-    out = subprocess.run([sys.executable, "-m", "shardzoo.cli", "--help"], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and "usage: shardzoo" in out.stdout
+    assert "usage: shardzoo" in out.stdout, out.stdout[-2000:]
     from shardzoo.cli import main
 
-    assert main(["info"]) == 0  # the same entry point, in this process: no second torch import
+    assert main(["info"]) == 0
     assert f"shardzoo {shardzoo.__version__}" in capsys.readouterr().out
-
-
-def test_training_helpers_are_reachable_from_the_top_level():
-    """The names the README and the planner's run lines give (``shardzoo.models.training.autocast``,
-    ``clip_grad_norm_``) resolve after a plain ``import shardzoo``, in a fresh interpreter."""
-    code = ("import shardzoo\n"
-            "from shardzoo.models import training\n"
-            "assert shardzoo.models.training is training\n"
-            "assert shardzoo.clip_grad_norm_ is training.clip_grad_norm_\n"
-            "assert shardzoo.autocast is training.autocast\n"
-            "assert {'clip_grad_norm_', 'autocast'} <= set(shardzoo.__all__)\n")
-    # the attribute must exist before anything imports the submodule: check it first
-    out = subprocess.run([sys.executable, "-c", "import shardzoo\nshardzoo.models.training\n" + code],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]

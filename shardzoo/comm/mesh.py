@@ -269,6 +269,14 @@ class ParallelMesh:
                 continue
             seen.add(id(g))
             dist.destroy_process_group(g)
+        # A DeviceMesh keeps its groups in a registry its slices share, and caches in torch
+        # (DTensor's, FSDP2's) may keep the meshes alive: drop the groups from it, or each one's
+        # thread outlives the close.
+        for m in [self.device_mesh, *self._combined.values()]:
+            registry = getattr(m._get_root_mesh() if hasattr(m, "_get_root_mesh") else m, "_pg_registry", None)
+            if isinstance(registry, dict):
+                for name in [n for n, g in registry.items() if g is not default]:
+                    del registry[name]
         self._combined.clear()
         self._adopted.clear()
         _forget_dtensor_specs()

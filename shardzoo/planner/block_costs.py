@@ -17,6 +17,7 @@ element. A call on a group of one rank is left out: ``shardzoo.comm`` sends noth
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from shardzoo.layers.placements import ActivationPlacement, canonical_for, swapped_3d
@@ -46,6 +47,7 @@ class Call:
     times: int = 1
     after_save: bool = False
     counted: bool = True
+    per_block: bool = False
 
 
 @dataclass
@@ -101,9 +103,19 @@ def elementwise(passes: int, n: int, e: int) -> dict:
     return {"elementwise": ((n * e, total),) if total else ()}
 
 
-def calls(phase, axes, kind, payload, p, times=1, after_save=False, counted=True) -> list[Call]:
+def calls(phase, axes, kind, payload, p, times=1, after_save=False, counted=True, per_block=False) -> list[Call]:
     """``[Call(...)]``, or [] on a group of one rank."""
-    return [Call(phase, tuple(axes), kind, int(payload), p, times, after_save, counted)] if p > 1 else []
+    return [Call(phase, tuple(axes), kind, int(payload), p, times, after_save, counted, per_block)] if p > 1 else []
+
+
+def one_call_per_block(pieces: list[Piece]) -> list[Piece]:
+    """``pieces`` of one block with their ``per_block`` calls (partial gradients) merged into
+    one all-reduce of their summed payload, as the block makes it."""
+    grouped = [c for p in pieces for c in p.calls if c.per_block]
+    if len(grouped) < 2:
+        return pieces
+    out = [dataclasses.replace(p, calls=[c for c in p.calls if not c.per_block]) for p in pieces]
+    return out + [Piece([dataclasses.replace(grouped[0], payload=sum(c.payload for c in grouped))])]
 
 
 def need(who: str, what: str, value: int, parts: int, rule: str) -> None:
@@ -183,7 +195,7 @@ class Costs1D:
         y = rows * n_out * e
         if sequence:
             comm = calls("fwd", ("tp",), "reduce_scatter", y, p, after_save=True) + calls("bwd", ("tp",), "all_gather", y, p)
-            comm += calls("bwd", ("tp",), "all_reduce", n_out * self.ep, p) if bias else []
+            comm += calls("bwd", ("tp",), "all_reduce", n_out * self.ep, p, per_block=True) if bias else []
         else:
             comm = calls("fwd", ("tp",), "all_reduce", y, p, after_save=True)
         return Piece(comm, n_out * n_in // p + (n_out if bias else 0), rows * n_in // p * e if input_saved else 0,
@@ -208,8 +220,9 @@ class Costs1D:
 
     def chunk_param_grads(self, n, count, chunks) -> list[Call]:
         """The all-reduces over tp of ``count`` gradients of ``n`` elements each, computed on a
-        sequence chunk (none without Megatron sequence parallelism)."""
-        return [c for _ in range(count) for c in calls("bwd", ("tp",), "all_reduce", n * self.ep, chunks)]
+        sequence chunk (none without Megatron sequence parallelism); a block merges them
+        (:func:`one_call_per_block`)."""
+        return [c for _ in range(count) for c in calls("bwd", ("tp",), "all_reduce", n * self.ep, chunks, per_block=True)]
 
     def vocab_embedding(self, vocab, h, rows, e, placement=None) -> Piece:
         """Table rows split over tp (padded to ceil(V/p) each); partial lookups all-reduced."""

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from shardzoo.planner.block_costs import (ID_BYTES, NORM_PASSES, Illegal, Piece, calls, elementwise, need,
-                                        stat_bytes)
+                                        one_call_per_block, stat_bytes)
 from shardzoo.parallel.heads import head_parts_fit, head_parts_that_work
 from shardzoo.parallel.styles import STYLES
 from shardzoo.planner.comm import attention_core
@@ -154,7 +154,7 @@ def walk_parts(shape, costs, b: Batch) -> StageParts:
     inside = dataclasses.replace(ctx, chunks=b.chunks)  # the blocks, under Megatron sequence parallelism
     enter, leave = costs.sequence_chunks(shape.hidden, ctx.rows, b.e, b.chunks) if b.chunks > 1 else (Piece(),) * 2
     first = sum(_pieces(ctx, walk.pre) + _held(ctx, "pre") + _idle(ctx, "pre") + rope_tables(ctx) + [enter], Piece())
-    block = _pieces(inside, walk.block) + _held(ctx, "block")
+    block = one_call_per_block(_pieces(inside, walk.block) + _held(ctx, "block"))
     rest = _held(ctx, "post") + _idle(ctx, "post") + [leave]
     last_tied = sum(_pieces(ctx, walk.post) + rest, Piece())
     table = tied_table(ctx)

@@ -13,10 +13,11 @@ from shardzoo.testing.dtypes import TINY_MODEL_TERMS
 from support.zero_stack import CLIP, assert_weights, trained_weights, world_of
 
 ZEROS = (0, 1, 2, 3)
-# Every stage in 1d (with and without sp) and 2d; 2.5d and 3d build the same FSDP2 units on
-# their grid parameters as 2d does, so they run stage 1 (DDP + ZeroRedundancyOptimizer) and
-# stage 3 (FSDP2, resharded after forward) only.
-STAGES = {"1d": ZEROS, "1d_sp2": ZEROS, "2d": ZEROS, "2.5d": (1, 3), "3d": (1, 3)}
+# Every stage in 1d. A stage's engine does not depend on the layout beyond its parameters and
+# data group (0: DDP, 1: DDP + ZeroRedundancyOptimizer, 2 / 3: FSDP2 kept / resharded after
+# forward), so each other layout runs one DDP stage and one FSDP2 stage, and together they run
+# every stage: sp's data group of dp x sp, and the grid layouts' FSDP2 units on grid parameters.
+STAGES = {"1d": ZEROS, "1d_sp2": (0, 3), "2d": (1, 2), "2.5d": (0, 3), "3d": (1, 2)}
 
 
 @pytest.mark.parametrize("layout", list(STAGES))

@@ -3,7 +3,7 @@ transformers models, dtypes, padded batches and meshes; each either equals the s
 refused by size before any weight moves (tests/support/conformance.py, docs/parallelize.md,
 "Conformance").
 
-Small profile (the normal run): SHARDZOO_CONFORMANCE_EXAMPLES examples, 6 by default. Large
+Small profile (the normal run): SHARDZOO_CONFORMANCE_EXAMPLES drawn examples, 4 by default. Large
 profile on demand: SHARDZOO_CONFORMANCE_EXAMPLES=200 python -m pytest tests/parallel/test_conformance.py
 """
 
@@ -18,7 +18,7 @@ from hypothesis import Phase, event, example, given, settings  # noqa: E402
 
 from support.conformance import Case, cases, run_case  # noqa: E402
 
-EXAMPLES = int(os.environ.get("SHARDZOO_CONFORMANCE_EXAMPLES", "6"))
+EXAMPLES = int(os.environ.get("SHARDZOO_CONFORMANCE_EXAMPLES", "4"))
 # SHARDZOO_CONFORMANCE_SHRINK=0: report each failing example as drawn (a large run's failures
 # then cost no shrinking round trips).
 PHASES = [p for p in Phase if p != Phase.shrink or os.environ.get("SHARDZOO_CONFORMANCE_SHRINK", "1") != "0"]

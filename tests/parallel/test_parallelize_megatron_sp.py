@@ -245,3 +245,11 @@ def test_partial_gradients_are_summed_once_per_block():
     sums = run_on_ranks(_partial_grad_sums, 2, 2)[0]
     assert sums.count(block_bytes) == 2, sums  # the two blocks
     assert 32 * 4 not in sums, sums  # no single norm weight or row bias on its own
+    # the planner prices the same: one all-reduce of them all per block
+    from shardzoo.planner.block_costs import costs_of
+    from shardzoo.planner.model import Batch
+    from shardzoo.planner.walked import walked_model
+
+    parts = walked_model(_tiny("gpt2")).parts(costs_of("1d", 2, 1, 4), Batch(BATCH, 16, 1, "ring", 4, chunks=2))
+    grouped = [c for p in parts.block for c in p.calls if c.per_block]
+    assert [(c.kind, c.payload) for c in grouped] == [("all_reduce", block_bytes)], grouped
