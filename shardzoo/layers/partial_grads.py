@@ -9,7 +9,7 @@ that node once every use inside the block has its gradient, and it sums them all
 all-reduce of their concatenation, before they are accumulated.
 
 A module reads such a parameter through :meth:`PartialGrads.summed`: the node's output while
-its block runs, else the per-parameter sum (``comm.copy_to``), so a module called on its own
+its block runs, else the per-parameter sum (``common_1d.tp_sum_grad``), so a module called on its own
 stays exact. Activation checkpointing replaces a block's ``forward``, so the hooks run outside
 the recomputed region and the node is made once per forward. Under FSDP2 (``data_parallel``
 with zero >= 2) the block's own pre-forward hook runs first (it is registered with prepend),
@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardzoo.comm import collectives as comm
 from shardzoo.comm import ops
+from shardzoo.layers.common_1d import tp_sum_grad
 
 
 class _SumOverGroup(torch.autograd.Function):
@@ -62,7 +62,7 @@ class PartialGrads:
         entry = None if self._open is None else self._open.get((id(module), name))
         if entry is not None and entry[0] is param:
             return entry[1]
-        return comm.copy_to(param, self.mesh.tp_group)
+        return tp_sum_grad(param, self.mesh, True)
 
     def hook_block(self, block: nn.Module, members: list[tuple[nn.Module, str]]) -> None:
         """Sum the gradients of ``members`` ((module, parameter name) inside ``block``) in one
