@@ -9,9 +9,9 @@ attention), ``full_state_dict`` (gather any parallel module to serial names and 
 """
 
 from shardzoo.comm import ParallelMesh, launch
-from shardzoo.layers.full_state import full_state_dict
+from shardzoo.parallel.stage_state import full_state_dict
 from shardzoo.layers.shard_spec import ShardSpec
-from shardzoo.parallel import data_parallel, gather_logits, gather_output, lm_loss, parallelize, zero_optimizer
+from shardzoo.parallel import data_parallel, gather_logits, gather_output, lm_loss, parallelize, pipeline, zero_optimizer
 
 __version__ = "0.1.0"
 
@@ -20,7 +20,7 @@ __version__ = "0.1.0"
 from shardzoo import models as _models  # noqa: E402,F401
 from shardzoo.models.training import autocast, clip_grad_norm_  # noqa: E402  (and shardzoo.models.training)
 from shardzoo.models.transformers_io import from_pretrained, save_pretrained  # noqa: E402
-__all__ = ["ParallelMesh", "launch", "parallelize", "gather_logits", "gather_output", "lm_loss", "from_pretrained",
+__all__ = ["ParallelMesh", "launch", "parallelize", "pipeline", "gather_logits", "gather_output", "lm_loss", "from_pretrained",
            "save_pretrained", "ShardSpec", "full_state_dict", "data_parallel", "zero_optimizer", "plan",
            "clip_grad_norm_", "autocast", "__version__"]
 

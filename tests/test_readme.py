@@ -7,7 +7,8 @@ way), with ``shardzoo.ParallelMesh`` served from the pool's mesh cache. Relative
 arguments are put under a temporary directory. Checked: snippet 1's coordinates and byte
 count, snippet 2's checkpoint through ``shardzoo convert`` into transformers, snippet 3's
 shape and its claim that the block equals the serial one, snippet 4's transformers Llama on a
-2D mesh against the same model unsplit.
+2D mesh against the same model unsplit, snippet 5's pipelined Llama against the same model
+unsplit.
 """
 
 import ast
@@ -88,8 +89,8 @@ def block_and_serial(code: str):
     return result, outs[0], outs[1]
 
 
-def test_readme_has_the_four_snippets():
-    assert len(python_blocks()) == 4
+def test_readme_has_the_five_snippets():
+    assert len(python_blocks()) == 5
 
 
 def test_first_look_snippet():
@@ -151,3 +152,13 @@ def test_bring_your_own_model_snippet_equals_serial():
     for (loss, shape), (serial_loss, serial_shape) in run_on_ranks(model_and_serial, nprocs, code):
         assert shape == serial_shape == (4, 32, 128)
         assert abs(loss - serial_loss) <= 1e-4, (loss, serial_loss)  # both rounded to 4 places
+
+
+def test_pipelined_llama_snippet_equals_serial():
+    code = python_blocks()[4]
+    fn, nprocs, _ = launch_call(code)
+    assert fn == "main" and "shardzoo.pipeline" in code
+    model, ids = snippet_namespace(code)["build"]()
+    serial = round(model(input_ids=ids, labels=ids).loss.item(), 4)
+    claimed = float(re.search(r"# \[([0-9.]+)\] \* 4", code)[1])
+    assert run_on_ranks(run_snippet, nprocs, code, fn) == [serial] * nprocs and claimed == serial

@@ -54,6 +54,10 @@ class PartialGrads:
 
     def __init__(self, mesh):
         self.mesh = mesh
+        # False: one sum per parameter. The zero-bubble pipeline schedules compute weight
+        # gradients group by group from a split backward, and a node shared by a block's
+        # parameters would run once per group (shardzoo/parallel/pipelined.py).
+        self.merged = True
         self._open: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def summed(self, module: nn.Module, name: str, param: torch.Tensor) -> torch.Tensor:
@@ -77,6 +81,8 @@ class _Open:
         self.grads, self.members = grads, members
 
     def __call__(self, block, args):
+        if not self.grads.merged:
+            return
         params = [getattr(m, n) for m, n in self.members]
         outs = _SumOverGroup.apply(self.grads.mesh.tp_group, *params)
         self.grads._open = {(id(m), n): (p, o) for (m, n), p, o in zip(self.members, params, outs)}

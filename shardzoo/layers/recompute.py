@@ -35,4 +35,21 @@ def stream_contexts(mesh):
         finally:
             streams.set_states(current)
 
-    return forward(), recompute()
+    return forward(), Reentrant(recompute)
+
+
+class Reentrant:
+    """A context manager made afresh by ``factory`` each time it is entered: a backward split into
+    input and weight gradients (the zero-bubble pipeline schedules) recomputes a checkpointed
+    block once per part."""
+
+    def __init__(self, factory):
+        self.factory, self.entered = factory, []
+
+    def __enter__(self):
+        manager = self.factory()
+        self.entered.append(manager)
+        return manager.__enter__()
+
+    def __exit__(self, *exc):
+        return self.entered.pop().__exit__(*exc)

@@ -17,9 +17,6 @@ last stage after backward, so both copies step identically (Megatron's embedding
 
 from __future__ import annotations
 
-import itertools
-import weakref
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -36,6 +33,7 @@ from shardzoo.models.meta import materialize, seeded_normal_piece
 from shardzoo.models.pretrained import config_from_dir, load_pretrained
 from shardzoo.models.spec import spec_of
 from shardzoo.parallel.data_parallel import ddp_of
+from shardzoo.parallel.pipelined import tied_group
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -232,27 +230,6 @@ def _counting(cls: type) -> type:
 
         _COUNTING[cls] = type(cls.__name__, (cls,), {"step": step, "__module__": __name__, "__doc__": cls.__doc__})
     return _COUNTING[cls]
-
-
-_tied_groups: "weakref.WeakKeyDictionary[object, object]" = weakref.WeakKeyDictionary()
-
-
-def tied_group(mesh):
-    """The group of this rank's first and last pipeline stages (same dp / sp / tp coordinate);
-    created once per mesh, collectively on every rank."""
-    if mesh not in _tied_groups:
-        grid = mesh.device_mesh.mesh  # [dp, pp, sp, *tp]
-        mine = None
-        others = [range(s) for d, s in enumerate(grid.shape) if d != 1]
-        for idx in itertools.product(*others):
-            line = grid[(idx[0], slice(None)) + tuple(idx[1:])].tolist()
-            ranks = sorted({line[0], line[-1]})
-            group = dist.new_group(ranks) if len(ranks) > 1 else None
-            if dist.get_rank() in ranks:
-                mine = group
-                mesh.adopt_group(group)
-        _tied_groups[mesh] = mine
-    return _tied_groups[mesh]
 
 
 def sync_tied_grads(stages: list[nn.Module], mesh) -> None:

@@ -21,6 +21,7 @@ from torch import nn
 from shardzoo.layers.dp_shard import local_tensor, rank_piece
 from shardzoo.layers.replicas import copy_axes
 from shardzoo.layers.shard_spec import get_shard_spec, is_repeated_copy
+from shardzoo.parallel import pipeline_cut
 
 
 def global_grad_norm(models: nn.Module | list[nn.Module], mesh, norm_type: float = 2.0) -> torch.Tensor:
@@ -37,6 +38,9 @@ def global_grad_norm(models: nn.Module | list[nn.Module], mesh, norm_type: float
         skip = set()
         if not getattr(model, "is_first", True):
             skip = set(getattr(model, "tied_names", {}))
+        cut = pipeline_cut.cut_of(model)
+        if cut is not None and cut.tied and not cut.holds_first and cut.head is not None:
+            skip = {f"{cut.head}.weight"}  # the first stage counts the table
         for name, p in model.named_parameters():
             if p.grad is None or name in skip or is_repeated_copy(model, name):
                 continue

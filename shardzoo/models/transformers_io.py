@@ -17,6 +17,7 @@ place.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import os
 import shutil
@@ -30,11 +31,12 @@ from shardzoo.checkpoint.errors import CheckpointError
 from shardzoo.checkpoint.hf_files import HFWeights
 from shardzoo.checkpoint.sync import Ranks, describe
 from shardzoo.checkpoint.tensors import fill_local, model_tensors
-from shardzoo.layers.full_state import full_state_dict
+from shardzoo.parallel.stage_state import full_state_dict
 from shardzoo.layers.shard_spec import unwrap_ddp
 from shardzoo.models.meta import materialize
 from shardzoo.models.pretrained import config_json
 from shardzoo.parallel import parallelize
+from shardzoo.parallel.pipeline_cut import cut_of
 
 _TIMEOUT = datetime.timedelta(minutes=10)  # how long a rank waits for the others to finish reading / writing
 
@@ -90,13 +92,16 @@ def build_on_meta(config, dtype=None) -> nn.Module:
 
 
 def from_pretrained(model_dir: str, mesh, plan: dict | None = None, *, dtype: torch.dtype | None = None,
-                    sp_mode: str = "ring", device=None, check_inputs: str = "first") -> nn.Module:
+                    sp_mode: str = "ring", device=None, check_inputs: str = "first", **parallelize_kwargs) -> nn.Module:
     """A transformers model from ``model_dir`` parallelized over ``mesh`` (module docstring),
     each rank reading only its slices. Collective. ``dtype``: of the parameters (default the
     torch default, as transformers); ``device``: of the storage (default: CPU);
-    ``check_inputs``: as :func:`shardzoo.parallelize`'s."""
+    ``check_inputs`` and ``parallelize_kwargs`` (``stages=``, ``virtual_stages=``,
+    ``checkpointing=`` ...): as :func:`shardzoo.parallelize`'s. With pp > 1 a rank builds,
+    allocates and reads its own stages only."""
     config = read_config(model_dir)
-    model = parallelize(build_on_meta(config, dtype), mesh, plan, sp_mode=sp_mode, check_inputs=check_inputs)
+    model = parallelize(build_on_meta(config, dtype), mesh, plan, sp_mode=sp_mode, check_inputs=check_inputs,
+                        **parallelize_kwargs)
     materialize(model, device or "cpu")
     load_weights(model, model_dir)
     return model
@@ -112,6 +117,7 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
     try:
         weights = HFWeights(model_dir)
         local, _ = model_tensors(model)
+        local = [_read_as_table(lt, weights, model) for lt in local]
         problems = [_problem(lt, weights) for lt in local]
         problems = [p for p in problems if p]
         if problems:
@@ -126,6 +132,16 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
     except Exception as e:
         error = describe(e)
     ranks.agree(error, what)
+
+
+def _read_as_table(lt, weights: HFWeights, model: nn.Module):
+    """``lt``, read from the token table's entry when it is a last pipeline stage's own copy of a
+    tied table that the files hold once (as transformers writes tied weights)."""
+    cut = cut_of(model)
+    if cut is None or not cut.tied or cut.head is None or cut.embedding is None or lt.name in weights.entries \
+            or lt.name != f"{cut.head}.weight":
+        return lt
+    return dataclasses.replace(lt, name=f"{cut.embedding}.weight")
 
 
 _CHUNK_BYTES = 4 << 20  # the most file pages one read keeps mapped while it is copied

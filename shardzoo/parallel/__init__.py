@@ -13,6 +13,7 @@ from shardzoo.parallel.inputs import gather_logits, gather_output, lm_loss
 from shardzoo.parallel.parallelize import parallelize
 from shardzoo.parallel.data_parallel import DataParallelInfo, block_units, data_parallel, ddp_of, info_of
 from shardzoo.parallel.zero import no_sync, zero_optimizer
+from shardzoo.parallel.pipelined import Pipeline, pipeline
 
 __all__ = ["parallelize", "gather_logits", "gather_output", "lm_loss", "DataParallelInfo", "block_units", "data_parallel", "ddp_of",
-           "info_of", "no_sync", "zero_optimizer"]
+           "info_of", "no_sync", "zero_optimizer", "pipeline", "Pipeline"]

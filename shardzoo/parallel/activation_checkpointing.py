@@ -28,7 +28,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from shardzoo.layers.recompute import stream_contexts
+from shardzoo.layers.recompute import Reentrant, stream_contexts
+from shardzoo.parallel.pipeline_cut import Placeholder
 from shardzoo.parallel.sdpa_mode import sdpa_mode_of
 
 BLOCK_LISTS = (nn.ModuleList, nn.ModuleDict)
@@ -42,7 +43,8 @@ def block_names(model: nn.Module) -> list[str]:
     for name, module in model.named_modules():
         if not isinstance(module, BLOCK_LISTS) or any(name.startswith(f"{outer}.") for outer in lists):
             continue
-        children = list(module.named_children())
+        # another pipeline stage's blocks are placeholders (pipeline_cut.py): not blocks here
+        children = [(n, c) for n, c in module.named_children() if not isinstance(c, Placeholder)]
         if children and len({type(child) for _, child in children}) == 1:
             lists.append(name)
             names += [f"{name}.{child}" if name else child for child, _ in children]
@@ -76,8 +78,8 @@ class CheckpointedForward:
         streams_forward, streams_recompute = stream_contexts(self.state.mesh)
         saved = (self.state.key_padding_mask, self.state.cu_seqlens)
         length = None if self.shards is None else self.shards.length
-        recompute = _entered(_inputs_of(self.state, saved), _length_of(self.shards, length), self.mode,
-                             streams_recompute)
+        recompute = Reentrant(lambda: _entered(_inputs_of(self.state, saved), _length_of(self.shards, length),
+                                               self.mode, streams_recompute))
         return streams_forward, recompute
 
     def __repr__(self) -> str:

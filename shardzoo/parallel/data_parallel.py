@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardzoo.parallel import sp_grads
+from shardzoo.parallel import pipeline_cut, sp_grads
 
 _MARK = "_shardzoo_data_parallel"  # module attribute: the DataParallelInfo of a wrapped model
 _DDP = "_shardzoo_ddp"  # instance dict entry: the DDP engine of a zero 0 / 1 model (not a submodule)
@@ -250,4 +250,6 @@ def data_parallel(model: nn.Module, mesh, zero: int = 0, *, mixed_precision: str
         setattr(model, _MARK, info)
         return model
     setattr(model, _MARK, info)
+    if model.__dict__.get(pipeline_cut.CUT) is not None:
+        return model  # cut into pipeline stages: shardzoo.pipeline builds one DDP per stage (pipelined.py)
     return _ddp_in_place(model, info)

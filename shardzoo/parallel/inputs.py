@@ -134,7 +134,11 @@ def _split_inputs(state: Parallelized, model: nn.Module, args: tuple, kwargs: di
     state.rows = state.padded_rows = None
     if first is not None and first.dim() >= 1:
         state.start_batch(first.shape[0], model)
-    if kwargs.get("input_ids") is not None:
+    if kwargs.get("input_ids") is not None and kwargs.get("inputs_embeds") is not None:
+        # a pipeline stage after the first: its input is this rank's activation from the stage
+        # before (pipelined.py); the ids only size the batch and the sequence
+        seq = kwargs.pop("input_ids").shape[-1]
+    elif kwargs.get("input_ids") is not None:
         seq = kwargs["input_ids"].shape[-1]
         kwargs["input_ids"] = _ids(state, kwargs["input_ids"])
     elif args and torch.is_tensor(args[0]):

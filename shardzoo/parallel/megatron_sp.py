@@ -31,7 +31,7 @@ from shardzoo.layers.linear_1d import ParallelLinear1D
 from shardzoo.layers.norm_1d import LayerNorm1D, RMSNorm1D
 from shardzoo.layers.rng_streams import ParallelDropout
 from shardzoo.layers.sequence_shards import SequenceShards
-from shardzoo.parallel import activation_checkpointing
+from shardzoo.parallel import activation_checkpointing, pipeline_cut
 from shardzoo.parallel.styles import STYLES
 
 _ATTR = activation_checkpointing.SHARDS
@@ -57,7 +57,15 @@ def block_lists(model: nn.Module) -> list[list[str]]:
     lists: dict[str, list[str]] = {}
     for name in names:
         lists.setdefault(name.rpartition(".")[0], []).append(name)
-    return list(lists.values())
+    cut = pipeline_cut.cut_of(model)
+    if cut is None:
+        return list(lists.values())
+    runs: dict[tuple[str, int], list[str]] = {}  # a pipeline stage's blocks enter and leave on their own
+    for parent, members in lists.items():
+        for name in members:
+            stage = cut.stage_of_block(int(name.rpartition(".")[2])) if parent == cut.blocks else -1
+            runs.setdefault((parent, stage), []).append(name)
+    return list(runs.values())
 
 
 def check(model: nn.Module, planned: dict, layout, enabled: bool) -> None:

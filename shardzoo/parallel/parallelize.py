@@ -20,7 +20,7 @@ from shardzoo.layers.attention_core import SP_MODES
 from shardzoo.layers.tensor_layout import layout_of
 from shardzoo.parallel import activation_checkpointing
 from shardzoo.parallel import heads as head_counts
-from shardzoo.parallel import hf_model, inputs, megatron_sp, sdpa_mode, sp_grads
+from shardzoo.parallel import hf_model, inputs, megatron_sp, pipeline_cut, sdpa_mode, sp_grads
 from shardzoo.parallel.coverage import refuse_uncovered
 from shardzoo.parallel.styles import STYLES, Build, match_plan
 
@@ -32,14 +32,24 @@ def state_of(model: nn.Module):
     return model.__dict__.get(_STATE)
 
 
-def parallelize(model: nn.Module, mesh, plan: dict[str, str] | None = None, *, sp_mode: str = "ring",
-                causal: bool | None = None, checkpointing: bool = False, check_inputs: str = "first",
-                sequence_parallel: bool = True) -> nn.Module:
-    """Split ``model`` over ``mesh``'s tp layout (1d, 2d, 2.5d, 3d) and sp, in place; returns it.
+def parallelize(model: nn.Module, mesh, plan: dict[str, str] | None = None, *, stages: list[int] | None = None,
+                virtual_stages: int = 1, sp_mode: str = "ring", causal: bool | None = None,
+                checkpointing: bool = False, check_inputs: str = "first", sequence_parallel: bool = True,
+                placement: str = "loop", pp_plan: dict | None = None) -> nn.Module:
+    """Split ``model`` over ``mesh``'s tp layout (1d, 2d, 2.5d, 3d), sp and pp, in place; returns it.
 
     Args:
         model: a transformers model (its own code runs) or any ``nn.Module``.
-        mesh: ParallelMesh (dp, sp, tp in any mode; pp must be 1).
+        mesh: ParallelMesh (dp, pp, sp, tp in any mode).
+        stages: with pp > 1, the blocks of each of the ``pp * virtual_stages`` pipeline stages
+            (summing to the model's block count); None: an even split, the first stages taking
+            the remainder. The rank keeps its stage(s) only (pipeline_cut.py); run the pipeline
+            with :func:`shardzoo.pipeline`.
+        virtual_stages: stages per pp rank (2 or more for the interleaved schedules, 2 for zbv).
+        placement: "loop" (stage s on pp rank s % pp) or "v" (two stages per rank, ranks
+            0..pp-1 then back: the zbv / dualpipev schedules).
+        pp_plan: a module of one's own: its modules in forward order, the repeated blocks an
+            ``nn.ModuleList`` (transformers' ``base_model_pp_plan`` form); default its ``pp_plan``.
         plan: {module-name pattern: style} (the styles: shardzoo/parallel/styles/); None: the model's own
             (transformers' ``base_model_tp_plan`` + ``_tp_plan`` completed with the norms, the
             token embedding and the head, or a plan shardzoo ships for the class).
@@ -74,10 +84,9 @@ def parallelize(model: nn.Module, mesh, plan: dict[str, str] | None = None, *, s
         raise ValueError(f"parallelize: sp_mode={sp_mode!r} is not one of {SP_MODES}")
     if check_inputs not in inputs.CHECK_INPUTS:
         raise ValueError(f"parallelize: check_inputs={check_inputs!r} is not one of {inputs.CHECK_INPUTS}")
-    if mesh.pp_size != 1:
-        raise ValueError(f"parallelize builds one pipeline stage holding the whole model; got pp={mesh.pp_size}. "
-                         f"Use pp=1 (pipelines of a parallelized transformers model are not built yet: "
-                         f"docs/parallelize.md, 'Limits')")
+    if mesh.pp_size == 1 and (virtual_stages != 1 or stages is not None):
+        raise ValueError(f"stages={stages} / virtual_stages={virtual_stages} cut a pipeline, but the mesh has pp=1; "
+                         f"build the mesh with pp > 1, or leave them out")
     hf = hf_model.is_transformers_model(model)
     causal = _is_causal(model, hf) if causal is None else bool(causal)
     if plan is None:
@@ -85,10 +94,14 @@ def parallelize(model: nn.Module, mesh, plan: dict[str, str] | None = None, *, s
         if plan is None:
             raise ValueError(f"{type(model).__name__} has no tensor-parallel plan of its own; pass "
                              f"plan={{'<module pattern>': 'column' | 'row' | 'norm' | ...}} (docs/parallelize.md)")
+    if mesh.pp_size > 1:  # this rank's stage(s) only, before anything is split
+        pipeline_cut.cut(model, mesh, stages=stages, virtual_stages=virtual_stages, placement=placement,
+                         pp_plan=pp_plan, hf=hf)
     planned, attention = split_modules(model, mesh, plan, causal=causal, checkpointing=checkpointing,
                                        config_heads=hf_model.config_heads(model),
                                        whole_tables=hf or mesh.sp_size == 1, sp_mode=sp_mode,
-                                       sequence_parallel=sequence_parallel)
+                                       sequence_parallel=sequence_parallel, partial=mesh.pp_size > 1)
+    pipeline_cut.gate_ends(model)
     state = inputs.Parallelized(model, mesh, sp_mode, hf, causal=causal, head=_find(planned, "lm_head"),
                                 embedding=_find(planned, "vocab_embedding"))
     state.check_inputs = check_inputs

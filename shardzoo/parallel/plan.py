@@ -18,6 +18,8 @@ import fnmatch
 
 from torch import nn
 
+from shardzoo.parallel.pipeline_cut import Placeholder
+
 ALIASES = {
     "colwise": "column", "local_colwise": "column", "colwise_rep": "column", "packed_colwise": "packed_column",
     "rowwise": "row", "local_rowwise": "row", "rowwise_rep": "row", "rowwise_split_input": "row",
@@ -52,7 +54,7 @@ def planned_modules(model: nn.Module, plan: dict[str, str]) -> dict[str, tuple[n
     wild = {p: s for p, s in plan.items() if p not in plain}
     out = {}
     for name, module in model.named_modules():
-        if not name:
+        if not name or isinstance(module, Placeholder):  # another pipeline stage's module
             continue
         parts = name.split(".")
         tails = {".".join(parts[i:]) for i in range(len(parts))} & plain

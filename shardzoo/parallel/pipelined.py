@@ -1,0 +1,242 @@
+"""``shardzoo.pipeline(model, mesh, n_microbatches=4, schedule="1f1b")``: run a model that
+``parallelize`` cut into pipeline stages (pipeline_cut.py) under a ``torch.distributed.pipelining``
+schedule; ``pipe.step(input_ids=..., attention_mask=..., labels=...)`` is one training step.
+
+Each stage this rank holds is a :class:`StageView`: a module whose forward calls the model
+itself (its hooks split the inputs; its own code runs), the first stage with ``input_ids``, a
+later one with the activation it received as ``inputs_embeds`` (the ids go along only to size
+the batch). The padding mask and position ids travel to every stage as keyword arguments,
+which torch's schedules split into micro-batches for every stage alike. The view holds the
+stage's modules as its submodules, so torch's stage sees that stage's parameters only (the
+zero-bubble schedules split each backward by them), and a ZeRO 0 / 1 model gets one DDP engine
+per view, which torch's stages drive (no reduction until the last micro-batch).
+
+The loss of a micro-batch is its share of the step's global token mean: the step counts the real
+targets of the whole step first (labels shifted over the whole sequence, summed over dp), every
+micro-batch's loss divides by that count, and the schedules run with ``scale_grads=False``
+(docs/design.md, "The training loss is the global token mean"). The step's loss is broadcast
+from the last stage to every rank of the pp group.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardzoo.comm.mesh import default_device
+from shardzoo.layers import batch_loss
+from shardzoo.layers.dp_shard import local_tensor
+from shardzoo.parallel import inputs, megatron_sp, pipeline_cut
+from shardzoo.parallel.data_parallel import info_of
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
+_SPLIT_BACKWARD = ("zero_bubble", "zbv", "dualpipev")  # input and weight gradients computed apart
+_MULTI = {"interleaved_1f1b": "loop", "zero_bubble": "loop", "zbv": "v", "dualpipev": "v"}
+
+
+def _schedule_class(name: str):
+    from torch.distributed import pipelining as pl
+
+    return {"gpipe": pl.ScheduleGPipe, "1f1b": pl.Schedule1F1B, "interleaved_1f1b": pl.ScheduleInterleaved1F1B,
+            "zero_bubble": pl.ScheduleInterleavedZeroBubble, "zbv": pl.ScheduleZBVZeroBubble,
+            "dualpipev": pl.schedules.ScheduleDualPipeV}[name]
+
+
+class StageView(nn.Module):
+    """One pipeline stage of a cut model: ``forward(x, input_ids=None, attention_mask=None,
+    position_ids=None)`` with ``x`` this dp replica's ids [b, S] on the first stage or the
+    previous stage's output (this rank's block of the activation) on a later one; returns this
+    rank's logits block on the last stage, its block of the hidden states [b, s, h] otherwise."""
+
+    def __init__(self, model: nn.Module, cut: pipeline_cut.StageCut, stage: int):
+        super().__init__()
+        self.stage, self.first, self.last = stage, stage == 0, stage == cut.n_stages - 1
+        self.__dict__["model"] = model  # not a submodule: the view's parameters are its stage's only
+        self.__dict__["cut"] = cut
+        held = [f"{cut.blocks}.{i}" for i in cut.bounds(stage)]
+        held += cut.before if self.first else []
+        held += cut.after if self.last else []
+        self.held = nn.ModuleDict({name.replace(".", "/"): model.get_submodule(name) for name in held})
+
+    def forward(self, x, input_ids=None, attention_mask=None, position_ids=None):
+        cut = self.__dict__["cut"]
+        kwargs = {"attention_mask": attention_mask, "position_ids": position_ids}
+        if self.first:
+            kwargs["input_ids"] = x
+        else:
+            kwargs.update(input_ids=input_ids, inputs_embeds=_ContiguousGrad.apply(x))
+        cut.active = self.stage if len(cut.held) > 1 else None
+        try:
+            out = self.__dict__["model"](**{k: v for k, v in kwargs.items() if v is not None})
+        finally:
+            cut.active = None
+        out = out.logits if hasattr(out, "logits") else out
+        out = out.contiguous()  # torch's stage receives into buffers of these strides
+        # a view (an identity placeholder's, a sliced head input) cannot be detached in place,
+        # which the zero-bubble schedules do to free a stage's output
+        return out.clone() if out._base is not None else out
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity; the gradient sent back to the previous stage is made contiguous (torch's stage
+    receives it into a buffer with the strides this rank's gradient has)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+class Pipeline:
+    """A cut model under a torch pipeline schedule (module doc); made by :func:`pipeline`."""
+
+    def __init__(self, model: nn.Module, mesh, n_microbatches: int, schedule: str):
+        from torch.distributed.pipelining import PipelineStage
+
+        self.model, self.mesh, self.n_microbatches, self.schedule_name = model, mesh, n_microbatches, schedule
+        self.cut = pipeline_cut.cut_of(model)
+        self.state = model.__dict__["_shardzoo_parallel"]
+        self.views = [StageView(model, self.cut, s) for s in self.cut.held]
+        shards = megatron_sp.shards_of(model)
+        if shards is not None and schedule in _SPLIT_BACKWARD:
+            shards.partial_grads.merged = False  # weight gradients computed group by group (partial_grads.py)
+        info = info_of(model)
+        engines = [_ddp(view, info) for view in self.views]
+        device = default_device(mesh)
+        stages = [PipelineStage(engine, view.stage, self.cut.n_stages, device, group=mesh.pp_group)
+                  for engine, view in zip(engines, self.views)]
+        cls = _schedule_class(schedule)
+        held = stages if schedule in _MULTI else stages[0]
+        self.schedule = cls(held, n_microbatches, loss_fn=self._loss, scale_grads=False)
+        self.num_targets = None
+        self.last_pp_rank = self.cut.rank_of(self.cut.n_stages - 1)
+        self.tied_group = None
+        if self.cut.tied and not _same_rank_ends(self.cut):  # collective: every rank builds the groups
+            self.tied_group = tied_group(mesh)
+
+    def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        state = self.state
+        local = state.shard(target, state.target_placement, fill=-100)
+        return inputs.local_loss(state, self.model, logits.float(), local, num_targets=self.num_targets)
+
+    def step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+             position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward and backward of this dp replica's whole batch ([B, S] each, the same on every
+        rank of the replica) in ``n_microbatches`` micro-batches. Returns the step's loss, the
+        global token mean over dp x sp (the serial ``out.loss`` of the whole batch), on every
+        rank; the gradients are left in the parameters, as after ``loss.backward()``."""
+        rows = input_ids.shape[0]
+        if rows % self.n_microbatches:
+            raise ValueError(f"n_microbatches={self.n_microbatches} does not divide this replica's batch of {rows} "
+                             f"rows; pass a batch of a multiple of {self.n_microbatches} rows, or another "
+                             f"n_microbatches")
+        if labels is None:
+            raise ValueError("pipe.step needs labels=[batch, seq] (the step is forward and backward of the loss)")
+        if position_ids is not None and position_ids.shape[0] != rows:
+            position_ids = position_ids.expand(rows, -1)  # one row for all: torch splits every kwarg by rows
+        target = batch_loss.shift_labels(labels) if self.state.causal else labels
+        count = (target != -100).sum().to(torch.int64).reshape(1)
+        if self.mesh.device_mesh.device_type == "cuda":
+            count = count.cuda()
+        self.num_targets = batch_loss.sum_over_axes(count, self.mesh, ("dp",)).reshape(())
+        kwargs = {k: v for k, v in {"input_ids": input_ids, "attention_mask": attention_mask,
+                                     "position_ids": position_ids}.items() if v is not None}
+        args = (input_ids,) if self.cut.holds_first else ()
+        losses: list[torch.Tensor] = []
+        self.schedule.step(*args, target=target if self.cut.holds_last else None, losses=losses,
+                           return_outputs=False, **kwargs)
+        self._sync_tied()
+        device = default_device(self.mesh)
+        loss = torch.stack([x.detach().float() for x in losses]).sum() if losses else torch.zeros((), device=device)
+        loss = loss.to(device)
+        dist.broadcast(loss, src=dist.get_global_rank(self.mesh.pp_group, self.last_pp_rank),
+                       group=self.mesh.pp_group)
+        return loss
+
+    def _sync_tied(self) -> None:
+        """Sum the gradients of the token table (first stage) and its untied copy, the head (last)."""
+        if self.tied_group is None:
+            return
+        model = self.model
+        name = "first" if self.cut.holds_first else "last"
+        module = model.get_input_embeddings() if name == "first" else model.get_output_embeddings()
+        grad = getattr(getattr(module, "weight", None), "grad", None)
+        if grad is not None:
+            dist.all_reduce(local_tensor(grad), group=self.tied_group)
+
+
+_tied_groups: "weakref.WeakKeyDictionary[object, object]" = weakref.WeakKeyDictionary()
+
+
+def tied_group(mesh):
+    """The group of this rank's first and last pipeline stages (same dp / sp / tp coordinate);
+    created once per mesh, collectively on every rank."""
+    if mesh not in _tied_groups:
+        grid = mesh.device_mesh.mesh  # [dp, pp, sp, *tp]
+        mine = None
+        others = [range(s) for d, s in enumerate(grid.shape) if d != 1]
+        for idx in itertools.product(*others):
+            line = grid[(idx[0], slice(None)) + tuple(idx[1:])].tolist()
+            ranks = sorted({line[0], line[-1]})
+            group = dist.new_group(ranks) if len(ranks) > 1 else None
+            if dist.get_rank() in ranks:
+                mine = group
+                mesh.adopt_group(group)
+        _tied_groups[mesh] = mine
+    return _tied_groups[mesh]
+
+
+def _same_rank_ends(cut: pipeline_cut.StageCut) -> bool:
+    return cut.rank_of(0) == cut.rank_of(cut.n_stages - 1)
+
+
+def _ddp(view: StageView, info):
+    """The engine torch's stage drives for ``view``: a DDP over the dp group for zero 0 / 1."""
+    if info is None or info.noop or info.zero >= 2:
+        return view
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(view, process_group=info.group, find_unused_parameters=True)
+
+
+def pipeline(model: nn.Module, mesh, *, n_microbatches: int = 4, schedule: str = "1f1b") -> Pipeline:
+    """Run ``model``, cut by ``shardzoo.parallelize`` on a mesh with pp > 1 (and optionally
+    passed through ``shardzoo.data_parallel``), as a pipeline.
+
+    Args:
+        model: the parallelized model (this rank's stage(s)).
+        mesh: the ParallelMesh it was parallelized on.
+        n_microbatches: micro-batches per step; must divide this dp replica's batch.
+        schedule: "gpipe", "1f1b", "interleaved_1f1b" (``virtual_stages >= 2``), "zero_bubble"
+            (torch's ScheduleInterleavedZeroBubble, ``virtual_stages >= 2``), "zbv"
+            (ScheduleZBVZeroBubble) or "dualpipev" (both ``virtual_stages=2``, ``placement="v"``).
+
+    Returns a :class:`Pipeline`; ``pipe.step(input_ids=[B, S], attention_mask=[B, S],
+    labels=[B, S])`` on every rank runs one step and returns its loss. Collective over the mesh."""
+    cut = pipeline_cut.cut_of(model)
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES}")
+    if cut is None:
+        raise ValueError(f"shardzoo.pipeline runs a model parallelize cut into stages; {type(model).__name__} was not "
+                         f"(parallelize it on a mesh with pp > 1, got pp={mesh.pp_size})")
+    if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
+        raise ValueError(f"n_microbatches={n_microbatches!r} must be an int >= 1")
+    per_rank = len(cut.held)
+    if schedule in ("gpipe", "1f1b") and per_rank != 1:
+        raise ValueError(f"schedule={schedule!r} runs one stage per rank; the model was cut with virtual_stages="
+                         f"{per_rank}: use 'interleaved_1f1b' or 'zero_bubble', or parallelize with virtual_stages=1")
+    want = _MULTI.get(schedule)
+    if want == "loop" and (per_rank < 2 or cut.placement != "loop"):
+        raise ValueError(f"schedule={schedule!r} needs >= 2 stages per rank in loop placement; the model was cut with "
+                         f"virtual_stages={per_rank}, placement={cut.placement!r}: parallelize with virtual_stages=2")
+    if want == "v" and cut.placement != "v":
+        raise ValueError(f"schedule={schedule!r} needs the V placement; parallelize with virtual_stages=2, "
+                         f"placement='v'")
+    return Pipeline(model, mesh, n_microbatches, schedule)

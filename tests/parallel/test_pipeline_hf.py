@@ -1,0 +1,54 @@
+"""transformers causal LMs cut into pipeline stages by ``shardzoo.parallelize`` and run by
+``shardzoo.pipeline`` under every schedule, through their own code: the step's loss on every
+rank and every weight after one optimizer step equal the serial model (fp32, padding included),
+with 1d (Megatron sequence parallelism on), 2d, sp, dp with ZeRO 1 and 3, uneven stages and
+activation checkpointing; each rank holds only its stage's parameters."""
+
+import functools
+
+import pytest
+
+pytest.importorskip("transformers", reason="transformers is in the test extra; these tests build its models")
+
+from shardzoo.testing import run_on_ranks  # noqa: E402
+from support.hf_pipeline import check_pipeline  # noqa: E402
+
+# (model, ParallelMesh kwargs, world, blocks, schedule, micro-batches, options)
+CASES = {
+    "llama-gqa-pp2-1d-tp2-1f1b-uneven": ("llama", dict(pp=2, tp=2), 4, 3, "1f1b", 2, dict(stages=[1, 2])),
+    "qwen2-tied-pp2-dp2-zero1-gpipe": ("qwen2", dict(pp=2, dp=2), 4, 2, "gpipe", 2, dict(zero=1)),
+    "qwen3-pp4-1f1b-uneven": ("qwen3", dict(pp=4), 4, 5, "1f1b", 4, dict(stages=[2, 1, 1, 1])),
+    "gpt2-tied-pp2-1d-tp2-zbv-checkpointed": ("gpt2", dict(pp=2, tp=2), 4, 4, "zbv", 2,
+                                             dict(virtual_stages=2, placement="v", checkpointing=True)),
+    "mistral-pp2-2d-zero-bubble": ("mistral", dict(pp=2, tp=4, tp_mode="2d"), 8, 4, "zero_bubble", 2,
+                                   dict(virtual_stages=2)),
+    "llama-pp2-sp2-ulysses-interleaved": ("llama", dict(pp=2, sp=2), 4, 4, "interleaved_1f1b", 2,
+                                          dict(virtual_stages=2, sp_mode="ulysses")),
+    "llama-pp2-dp2-zero3-1f1b": ("llama", dict(pp=2, dp=2), 4, 2, "1f1b", 2, dict(zero=3)),
+    "gpt2-pp2-tp2-dualpipev": ("gpt2", dict(pp=2, tp=2), 4, 4, "dualpipev", 4, dict(virtual_stages=2, placement="v")),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_pipelined_transformers_model_equals_serial(case):
+    kind, mesh_kwargs, world, layers, schedule, micro, options = CASES[case]
+    run_on_ranks(functools.partial(check_pipeline, **options), world, kind, mesh_kwargs, layers, schedule, micro)
+
+
+def test_wrong_pipeline_arguments_are_refused_by_name():
+    """Stage counts that do not sum or have the wrong length, too many stages, a model with no
+    blocks or no pipeline plan, unknown schedules, a schedule the cut cannot run, micro-batches
+    that do not divide the batch."""
+    from support.hf_pipeline import check_refusals
+
+    run_on_ranks(check_refusals, 2)
+
+
+def test_from_pretrained_and_save_pretrained_of_a_pipeline(tmp_path):
+    """Qwen2 (tied): each rank reads its stages only, and the export after a pipelined step loads
+    in transformers with the serial model's logits."""
+    from support.hf_parallel import tiny_causal_lm
+    from support.hf_pipeline import check_pretrained_round_trip
+
+    tiny_causal_lm("qwen2", num_hidden_layers=3).save_pretrained(tmp_path / "in")
+    run_on_ranks(check_pretrained_round_trip, 4, str(tmp_path / "in"), str(tmp_path / "out"))
