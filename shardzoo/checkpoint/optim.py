@@ -23,7 +23,7 @@ from shardzoo.checkpoint.errors import CheckpointError
 from shardzoo.checkpoint.safetensors_io import dtype_from_name
 from shardzoo.checkpoint.tensors import LocalTensor
 from shardzoo.layers.dp_shard import group_axes, like_param, local_tensor
-from shardzoo.layers.shard_spec import unwrap_ddp
+from shardzoo.layers.shard_spec import tied_copies, unwrap_ddp
 
 
 def _is_zero(optimizer) -> bool:
@@ -54,7 +54,8 @@ def _held_over(optimizer, mesh) -> tuple[str, ...]:
 
 def _param_names(model: nn.Module, optimizer) -> list[list[str]]:
     """Names of the optimizer's parameters, per param group."""
-    names = {id(p): n for n, p in unwrap_ddp(model).named_parameters()}
+    copies = tied_copies(unwrap_ddp(model))  # an untied copy of a tied table saves as the table (tensors.py)
+    names = {id(p): copies.get(n, n) for n, p in unwrap_ddp(model).named_parameters()}
     out = []
     for g, group in enumerate(optimizer.param_groups):
         group_names = []
@@ -143,7 +144,8 @@ def load_optimizer(model: nn.Module, optimizer, saved: dict, model_tensors: list
         raise CheckpointError(f"the checkpoint holds {saved['class']} state but the optimizer is {_class_name(optimizer)}; "
                               f"build the same optimizer class, or load the model alone (optimizer=None)")
     by_name = {lt.name: lt for lt in model_tensors}
-    params = dict(unwrap_ddp(model).named_parameters())
+    copies = tied_copies(unwrap_ddp(model))
+    params = {copies.get(n, n): p for n, p in unwrap_ddp(model).named_parameters()}
     owned = None  # ZeroRedundancyOptimizer: only this rank's partition is read
     if _is_zero(optimizer):
         owned = {id(p) for g in optimizer.optim.param_groups for p in g["params"]}

@@ -18,7 +18,8 @@ from torch.distributed.tensor import DTensor
 from shardzoo.checkpoint.errors import CheckpointError
 from shardzoo.layers.dp_shard import rank_piece, reshard_fsdp
 from shardzoo.layers.replicas import find_mesh
-from shardzoo.layers.shard_spec import ShardSpec, ShardSpecError, check_local, check_specs, get_shard_spec, unwrap_ddp
+from shardzoo.layers.shard_spec import (ShardSpec, ShardSpecError, check_local, check_specs, get_shard_spec, tied_copies,
+                                         unwrap_ddp)
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, shape) in global coordinates
 
@@ -84,6 +85,7 @@ def model_tensors(model: nn.Module) -> tuple[list[LocalTensor], dict[str, str]]:
     model = unwrap_ddp(model)
     reshard_fsdp(model)
     model_mesh = find_mesh(model)
+    copies = tied_copies(model)
     seen: dict[int, str] = {}
     tensors: list[LocalTensor] = []
     aliases: dict[str, str] = {}
@@ -95,6 +97,7 @@ def model_tensors(model: nn.Module) -> tuple[list[LocalTensor], dict[str, str]]:
             if t is None:
                 continue
             key = f"{mod_name}.{name}" if mod_name else name
+            key = copies.get(key, key)  # an untied copy of a tied table is the table's piece
             if id(t) in seen:
                 aliases[key] = seen[id(t)]
                 continue

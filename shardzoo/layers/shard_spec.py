@@ -125,6 +125,21 @@ def is_repeated_copy(module: nn.Module, name: str) -> bool:
     return leaf in owner.__dict__.get(_COPIES, ())
 
 
+_TIED_COPIES = "_shardzoo_tied_copies"  # model attribute: {untied copy's name: its table's name}
+
+
+def set_tied_copies(model: nn.Module, copies: dict[str, str]) -> None:
+    """Record that ``model`` holds its own copy of a tied table under another name (a last
+    pipeline stage's head without the first stage's token table): checkpoints list the copy under
+    the table's name, so it is written once and read back from the table."""
+    model.__dict__[_TIED_COPIES] = dict(copies)
+
+
+def tied_copies(model: nn.Module) -> dict[str, str]:
+    """``{copy name: table name}`` recorded by :func:`set_tied_copies` ({} when none)."""
+    return model.__dict__.get(_TIED_COPIES, {})
+
+
 def get_shard_spec(module: nn.Module, name: str) -> ShardSpec | None:
     """The ShardSpec of ``module``'s tensor ``name`` (a dotted path such as
     ``"blocks.0.fc1.weight"`` is looked up on the owning submodule), or None when replicated."""

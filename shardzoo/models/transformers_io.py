@@ -17,7 +17,6 @@ place.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import os
 import shutil
@@ -36,7 +35,6 @@ from shardzoo.layers.shard_spec import unwrap_ddp
 from shardzoo.models.meta import materialize
 from shardzoo.models.pretrained import config_json
 from shardzoo.parallel import parallelize
-from shardzoo.parallel.pipeline_cut import cut_of
 
 _TIMEOUT = datetime.timedelta(minutes=10)  # how long a rank waits for the others to finish reading / writing
 
@@ -117,7 +115,6 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
     try:
         weights = HFWeights(model_dir)
         local, _ = model_tensors(model)
-        local = [_read_as_table(lt, weights, model) for lt in local]
         problems = [_problem(lt, weights) for lt in local]
         problems = [p for p in problems if p]
         if problems:
@@ -132,16 +129,6 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
     except Exception as e:
         error = describe(e)
     ranks.agree(error, what)
-
-
-def _read_as_table(lt, weights: HFWeights, model: nn.Module):
-    """``lt``, read from the token table's entry when it is a last pipeline stage's own copy of a
-    tied table that the files hold once (as transformers writes tied weights)."""
-    cut = cut_of(model)
-    if cut is None or not cut.tied or cut.head is None or cut.embedding is None or lt.name in weights.entries \
-            or lt.name != f"{cut.head}.weight":
-        return lt
-    return dataclasses.replace(lt, name=f"{cut.embedding}.weight")
 
 
 _CHUNK_BYTES = 4 << 20  # the most file pages one read keeps mapped while it is copied

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from shardzoo.layers.shard_spec import set_tied_copies
+
 CUT = "_shardzoo_stages"
 PLACEMENTS = ("loop", "v")
 
@@ -185,6 +187,8 @@ def cut(model: nn.Module, mesh, *, stages=None, virtual_stages: int = 1, placeme
                       [join(k) for k in keys[at + 1:]] + head, names.get(id(inp)), tied, names.get(id(out)))
     _replace(model, result)
     model.__dict__[CUT] = result
+    if tied and result.holds_last and not result.holds_first and result.head and result.embedding:
+        set_tied_copies(model, {f"{result.head}.weight": f"{result.embedding}.weight"})
     return result
 
 

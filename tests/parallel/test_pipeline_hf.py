@@ -52,3 +52,13 @@ def test_from_pretrained_and_save_pretrained_of_a_pipeline(tmp_path):
 
     tiny_causal_lm("qwen2", num_hidden_layers=3).save_pretrained(tmp_path / "in")
     run_on_ranks(check_pretrained_round_trip, 4, str(tmp_path / "in"), str(tmp_path / "out"))
+
+
+@pytest.mark.parametrize("target, stages", [(dict(tp=4, tp_mode="2d"), None), (dict(pp=2, dp=2), [2, 1])],
+                         ids=["to-pp1-2d", "to-pp2-dp2-uneven"])
+def test_checkpoint_of_a_pipeline_reshards(tmp_path, target, stages):
+    """A tied model's last stage saves its copy of the table as the table (written once) and
+    reads it back from there, with its optimizer state, in any other cut or none."""
+    from support.hf_pipeline import check_checkpoint_reshards
+
+    run_on_ranks(check_checkpoint_reshards, 4, str(tmp_path / "ck"), target, stages)
