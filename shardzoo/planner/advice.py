@@ -79,14 +79,23 @@ def run_lines(plan, cand) -> list[str]:
     return lines
 
 
+PIPELINE_SCHEDULES = {"interleaved": "interleaved_1f1b"}  # the planner's schedule names -> shardzoo.pipeline's
+
+
 def parallelize_lines(plan, cand, mesh: str) -> list[str]:
-    """The lines of a model priced by its modules (pp = 1): built by transformers (or one's own
-    code), split by ``shardzoo.parallelize``, trained through its ``labels=`` loss."""
+    """The lines of a model priced by its modules: built by transformers (or one's own code),
+    split (and with pp > 1 cut into stages) by ``shardzoo.parallelize``, trained through its
+    ``labels=`` loss or, with pp > 1, ``shardzoo.pipeline``'s step."""
     lay, shape = cand.layout, plan.problem.shape
     extra = f", sp_mode=\"{plan.problem.sp_mode}\"" if lay["sp"] > 1 and plan.problem.sp_mode != "ring" else ""
     given = ", plan=plan" if shape.walk.given_plan else ""
     build = ("model = AutoModelForCausalLM.from_config(config)  # or .from_pretrained(DIR)"
              if shape.walk.transformers else f"model = {type(shape.walk.model).__name__}(...)  # the model priced")
+    if lay["pp"] > 1:  # the stages parallelize cuts by default, written out
+        v = getattr(cand, "virtual_stages", 1)
+        base, left = divmod(shape.layers, lay["pp"] * v)
+        counts = [base + (s < left) for s in range(lay["pp"] * v)]
+        extra = f", stages={counts}" + (f", virtual_stages={v}" if v > 1 else "") + extra
     lines = [mesh, build, f"model = shardzoo.parallelize(model, mesh{given}{extra}, "
                           f"checkpointing={cand.activation_checkpointing})"]
     trained = "model"
@@ -98,6 +107,11 @@ def parallelize_lines(plan, cand, mesh: str) -> list[str]:
         lines.append("optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)")
     call = f"{trained}(input_ids=ids, labels=ids).loss" if shape.walk.transformers else \
         f"shardzoo.lm_loss(model, {trained}(ids), ids)"
+    if lay["pp"] > 1:
+        schedule = PIPELINE_SCHEDULES.get(plan.pricer.schedule, plan.pricer.schedule)
+        lines.append(f"pipe = shardzoo.pipeline({trained}, mesh, n_microbatches={cand.micro_batches}, "
+                     f"schedule=\"{schedule}\")")
+        call = "pipe.step(input_ids=ids, labels=ids)"
     lines.append(f"loss = {call}  # ids: this dp replica's [rows, seq] tokens, whole on every tp / sp rank")
     if plan.problem.e == 2:
         lines.append("with autocast(): ...  # bf16 autocast, fp32 weights (shardzoo.models.training.autocast)")

@@ -70,8 +70,10 @@ class Problem:
 
     def chunks(self, mode: str, tp: int, pp: int = 1) -> int:
         """The sequence chunks between the blocks' tp layers: tp in 1d with tp > 1 when the model
-        is built whole (a pipeline stage keeps its activations replicated, models/planned.py)."""
-        return tp if self.sequence_parallel and mode == "1d" and tp > 1 and pp == 1 else 1
+        is built whole or cut by ``parallelize`` (a family's pipeline stage keeps its activations
+        replicated, models/planned.py)."""
+        inside = pp == 1 or self.shape.sequence_parallel_stages
+        return tp if self.sequence_parallel and mode == "1d" and tp > 1 and inside else 1
 
 
 def _grid_rule(problem: Problem, mode: str, tp: int, depth: int, sp: int) -> str | None:
@@ -119,8 +121,8 @@ def candidates(problem: Problem, modes=TP_MODES, pruned: list[Pruned] | None = N
                 dp = world // (tp * sp * pp)
                 what = f"dp={dp},pp={pp},sp={sp},{grid}"
                 if pp > 1 and not shape.pipelines:
-                    drop(what, f"pp={pp}: parallelize builds one pipeline stage holding the whole model, so a model "
-                               f"priced by walking its modules runs with pp=1")
+                    drop(what, f"pp={pp}: the model has no pipeline plan naming one nn.ModuleList of blocks, so "
+                               f"parallelize cannot cut it into stages; it runs with pp=1")
                     continue
                 if pp > shape.layers:
                     drop(what, f"pp={pp} exceeds the model's {shape.layers} blocks (every stage needs one)")

@@ -195,7 +195,9 @@ class Pricer:
             (step if c.phase == "step" else one).add([c])
         if cost.tied_table and candidate.pp > 1:
             step.add(tied_sync(cost.tied_table * ep))
-        if candidate.pp > 1 and cost.is_last:  # build_schedule counts the step's targets once
+        if candidate.pp > 1 and self.problem.shape.builder is None:  # shardzoo.pipeline: every rank counts over dp
+            step.add(loss_reduction([("dp", candidate.dp)], COUNT_BYTES, candidate.pp, phase="step"))
+        elif candidate.pp > 1 and cost.is_last:  # build_schedule counts the step's targets once
             step.add(loss_reduction(self._target_axes(candidate), COUNT_BYTES, candidate.pp, phase="step"))
         return one, step
 

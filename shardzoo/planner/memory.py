@@ -51,7 +51,7 @@ def in_flight(schedule: str, stage: int, pp: int, micro_batches: int) -> int:
 
 def activation_bytes(cost: StageCost, checkpointing: bool, first: bool, last: bool) -> tuple[int, int]:
     """(bytes of one micro-batch's activations, of its embeddings alone)."""
-    blocks = cost.blocks * (cost.boundary if checkpointing else cost.block_saved)
+    blocks = cost.blocks * (cost.kept_per_block if checkpointing else cost.block_saved)
     kept = (0 if first else cost.boundary) + (0 if last else cost.boundary)  # stage input / output
     return cost.first.saved + blocks + cost.last.saved + kept, cost.first.saved
 
@@ -78,5 +78,5 @@ def stage_memory(cost: StageCost, *, stage: int, pp: int, micro_batches: int, ch
     k = in_flight(schedule, stage, pp, micro_batches)
     recompute = cost.block_saved if checkpointing and cost.blocks else 0
     dynamic = max(k * per_mb + recompute + min(grads, g_last), grads + (k - 1) * per_mb + embed)
-    workspace = cost.workspace + 2 * cost.boundary
+    workspace = cost.workspace + 2 * cost.kept_per_block
     return MemoryBreakdown(runtime, params, grads, optimizer, buffers, k * per_mb, dynamic, workspace)

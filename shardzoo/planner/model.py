@@ -41,6 +41,13 @@ class StageCost:
     is_first: bool = True
     is_last: bool = True
     block_params: list[int] = field(default_factory=list)  # elements per block, for FSDP2 units
+    block_input: int | None = None  # bytes of a block's input, which checkpointing keeps (None: boundary)
+
+    @property
+    def kept_per_block(self) -> int:
+        """Bytes activation checkpointing keeps per block: its input (a sequence chunk under
+        Megatron sequence parallelism, where the stage boundary is the whole activation)."""
+        return self.boundary if self.block_input is None else self.block_input
 
     @cached_property
     def params(self) -> int:
@@ -145,6 +152,9 @@ class StageParts:
     last_tied: Piece  # the head sharing the embedding's table (first and last stage in one)
     boundary: int
     table: int  # parameter elements of the vocabulary table (0: no tied table)
+    enters: Piece = field(default_factory=Piece)  # what every stage runs before its blocks (rotary tables, entering the chunks)
+    leaves: Piece = field(default_factory=Piece)  # ... and after them (leaving the chunks)
+    block_input: int | None = None  # bytes of a block's input (the boundary's chunk); None: the boundary
 
 
 def assemble(shape, parts: StageParts, stage: int = 0, stages: int = 1) -> StageCost:
@@ -154,8 +164,8 @@ def assemble(shape, parts: StageParts, stage: int = 0, stages: int = 1) -> Stage
                                                  None)
     except ValueError as err:
         raise Illegal(str(err)) from None
-    first = parts.first if is_first else NOTHING
-    last = (parts.last_tied if is_first else parts.last) if is_last else NOTHING
+    first = (parts.first if is_first else NOTHING) + parts.enters
+    last = ((parts.last_tied if is_first else parts.last) if is_last else NOTHING) + parts.leaves
     table = parts.table if stages > 1 and (is_first or is_last) else 0
     return StageCost(first, parts.block, len(blocks), last, parts.boundary, table, is_first, is_last,
-                     [sum(p.params for p in parts.block)] * len(blocks))
+                     [sum(p.params for p in parts.block)] * len(blocks), parts.block_input)

@@ -10,6 +10,8 @@ from types import SimpleNamespace
 
 from torch import nn
 
+from shardzoo.parallel import hf_model, pipeline_cut
+
 from shardzoo.planner.walk import TRACE_BATCH, TRACE_SEQ, Walk, walk_model
 from shardzoo.planner.walk_pieces import check_walk, walk_parts
 
@@ -34,11 +36,20 @@ class ModelShape:
     walk: Walk
     tokens: int | None = None  # the sequence the model makes of its input (an image model's patches), or None
     builder: type | None = None  # a family's model class, built stage by stage by its constructor
+    cuts: bool = False  # parallelize can cut the model into pipeline stages (it has a pipeline plan)
 
     @property
     def pipelines(self) -> bool:
-        """A family's stage builder makes any pp; parallelize builds pp = 1 only."""
-        return self.builder is not None
+        """A family's stage builder makes any pp; ``parallelize`` cuts a model with a pipeline
+        plan (parallel/pipeline_cut.py) into any pp."""
+        return self.builder is not None or self.cuts
+
+    @property
+    def sequence_parallel_stages(self) -> bool:
+        """Megatron sequence parallelism inside every pipeline stage (``parallelize``'s cut; each
+        stage enters and leaves the layout at its first and last block); a family's pipeline
+        stage keeps its activations replicated over tp."""
+        return self.builder is None
 
     @property
     def averages_sp_in_backward(self) -> bool:
@@ -102,7 +113,20 @@ def walked_model(model: nn.Module, plan: dict[str, str] | None = None, name: str
     config = getattr(model, "config", None)
     family = getattr(config, "model_type", None) or type(model).__name__
     return ModelShape(family, config if config is not None else SimpleNamespace(), name or family,
-                       walk_model(model, plan))
+                       walk_model(model, plan), cuts=_has_pipeline_plan(model))
+
+
+def _has_pipeline_plan(model: nn.Module) -> bool:
+    """Whether ``parallelize`` can cut ``model`` into pipeline stages (its pipeline plan names one
+    list of blocks)."""
+    hf = hf_model.is_transformers_model(model)
+    try:
+        prefix, keys, _ = pipeline_cut.pp_plan_of(model, None, hf)
+    except ValueError:
+        return False
+    modules = dict(model.named_modules())
+    lists = [k for k in keys if isinstance(modules.get(f"{prefix}.{k}" if prefix else k), nn.ModuleList)]
+    return len(lists) == 1
 
 
 def family_shape(spec, config, name: str = "") -> ModelShape:

@@ -58,15 +58,27 @@ def test_llama3_70b_plans_on_512_h100s(capsys):
     assert "GPT2(" not in out and "build_schedule" not in out
 
 
-def test_tiny_llama_directory_plans_with_pp_1_and_prices_gqa(tmp_path, capsys):
+def test_tiny_llama_directory_plans_pipelines_and_prices_gqa(tmp_path, capsys):
     path = tiny_llama_dir(tmp_path)
     code, out, _ = run(capsys, ["plan", path, "--world", "8", "--device-memory-gib", "80", "--global-batch", "8",
                                 "--seq", "32", "--hardware", "a100", "--json"])
     data = json.loads(out)
-    assert code == 0 and data["candidates"] and {c["layout"]["pp"] for c in data["candidates"]} == {1}
+    assert code == 0 and data["candidates"] and {c["layout"]["pp"] for c in data["candidates"]} == {1, 2}
     planned = shardzoo.plan(path, 8, 80, 8, 32, hardware="a100")
     assert data["pick"]["run"] == run_lines(planned, planned[0])
-    assert any("pp=2: parallelize builds one pipeline stage" in p.reason for p in planned.pruned)
+    assert any("pp=4 exceeds the model's 2 blocks" in p.reason for p in planned.pruned)
+    # pp=2: parallelize cuts one block per stage; the last stage (a block, the norm and the head)
+    # is the larger, and the lines that run it cut and pipeline the model
+    piped = next(c for c in planned if c.layout["pp"] == 2 and c.layout["tp"] == 1 and c.zero == 0)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.device("meta"):
+        serial = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA))
+    block = sum(p.numel() for p in serial.model.layers[0].parameters())
+    last = block + serial.model.norm.weight.numel() + serial.lm_head.weight.numel()
+    assert piped.param_bytes_per_rank == 4 * last
+    lines = run_lines(planned, piped)
+    assert any("stages=[1, 1]" in line for line in lines) and any("shardzoo.pipeline(" in line for line in lines)
     # tp=8 1d: 8 head parts over 2 kv heads, each kv head repeated on 4 ranks (a column layer of 8 x 8 features)
     one = next(c for c in planned if c.layout["tp"] == 8 and c.layout["tp_mode"] == "1d" and c.zero == 0)
     h, f, v, kv = 64, 96, 101, 8 * 8  # kv: the repeated projection's outputs, 8 parts x head_dim 8
