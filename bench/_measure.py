@@ -6,7 +6,8 @@ builds the model on ``ParallelMesh(**spec["layout"])`` (a shardzoo family, or wi
 transformers causal LM split by ``shardzoo.parallelize``: ``build_hf_model``), runs training steps as a
 user would
 (``data_parallel`` at ``spec["zero"]`` (default 0) + the model's loss (a transformers model's
-``labels=`` loss), or a 1F1B pipeline schedule with ``sync_tied_grads``,
+``labels=`` loss), or a 1F1B pipeline schedule with ``sync_tied_grads`` (a transformers model:
+``shardzoo.pipeline``, ``spec["schedule"]``),
 then AdamW) and returns, for the last step, this rank's
 
 * ``counted``: bytes ``shardzoo.comm.count`` counted (every shardzoo collective and p2p send);
@@ -124,7 +125,8 @@ def build_model(spec: dict, mesh):
 def build_hf_model(spec: dict, mesh):
     """The transformers causal LM of ``spec["hf"]`` ({"model_type", "config": fields}), built
     in-process from its config (no hub), seeded, split by ``shardzoo.parallelize`` with its
-    default plan (``spec["sp_mode"]``, ``spec["checkpointing"]``); pp must be 1."""
+    default plan (``spec["sp_mode"]``, ``spec["checkpointing"]``); with pp > 1 cut into stages
+    (``spec["stages"]``, ``spec["virtual_stages"]``, ``spec["placement"]``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from shardzoo import parallelize
@@ -132,8 +134,10 @@ def build_hf_model(spec: dict, mesh):
     config = AutoConfig.for_model(spec["hf"]["model_type"], **spec["hf"]["config"])
     torch.manual_seed(spec.get("seed", 0))
     model = AutoModelForCausalLM.from_config(config).float()
+    cut = dict(stages=spec.get("stages"), virtual_stages=spec.get("virtual_stages", 1),
+               placement=spec.get("placement", "loop")) if mesh.pp_size > 1 else {}
     return parallelize(model, mesh, sp_mode=spec.get("sp_mode", "ring"), checkpointing=spec.get("checkpointing", False),
-                       sequence_parallel=spec.get("sequence_parallel", True))
+                       sequence_parallel=spec.get("sequence_parallel", True), **cut)
 
 
 def hf_batch(spec: dict, model, mesh) -> torch.Tensor:
@@ -168,6 +172,8 @@ def run_layout(spec: dict) -> dict:
     from shardzoo.parallel import data_parallel, ddp_of, info_of, zero_optimizer
     from shardzoo.comm.mesh_cache import cached_mesh
 
+    if spec.get("threads"):  # intra-op threads per rank (bench/pipeline.py compares 1 rank with several)
+        torch.set_num_threads(spec["threads"])
     mesh = cached_mesh(**spec["layout"])
     _reset_peak_rss()  # the peak covers building, the warm-up step (optimizer state) and the measured steps
     base_rss = _rss_kib("VmRSS") * 1024
@@ -186,14 +192,21 @@ def run_layout(spec: dict) -> dict:
         ids = hf_batch(spec, model, mesh)
     else:
         inputs, target = make_batch(spec, model, mesh)
-    schedule = None
-    if mesh.pp_size > 1:
+    schedule = pipe = None
+    if hf and mesh.pp_size > 1:  # shardzoo.pipeline of the cut model
+        from shardzoo import pipeline
+
+        pipe = pipeline(wrapped, mesh, n_microbatches=spec["micro_batches"], schedule=spec.get("schedule", "1f1b"))
+    elif mesh.pp_size > 1:
         schedule = build_schedule([(mesh.pp_rank, wrapped)], mesh, n_microbatches=spec["micro_batches"],
                                   loss_fn=model.loss)
 
     def step():
         opt.zero_grad(set_to_none=True)
-        if hf:
+        if pipe is not None:
+            with count_pipeline_sends(mesh.pp_group, totals):
+                pipe.step(input_ids=ids, labels=ids)
+        elif hf:
             wrapped(input_ids=ids, labels=ids).loss.backward()
         elif schedule is None:
             model.loss(wrapped(inputs), target).backward()
@@ -341,3 +354,22 @@ def tracked_memory(spec: dict) -> dict:
              "OTH": "other"}
     out = {names[k.name]: int(v) for k, v in peak.items() if k != "Total"}
     return {**out, "total": int(peak["Total"])}
+
+
+def pretrained_peak(hf_dir: str, layout: dict, stages) -> dict:
+    """``shardzoo.from_pretrained(hf_dir, ...)`` on this rank of ``layout`` (cut by ``stages``),
+    after a first load that warms imports and groups up: the RSS the second load added at its
+    peak and the bytes of the parameters this rank then holds."""
+    from shardzoo import from_pretrained
+    from shardzoo.comm.mesh_cache import cached_mesh
+
+    mesh = cached_mesh(**layout)
+    cut = {"stages": stages} if mesh.pp_size > 1 else {}
+    del_me = from_pretrained(hf_dir, mesh, **cut)  # warm-up: imports, lazily built groups
+    del del_me
+    _reset_peak_rss()
+    base = _rss_kib("VmRSS") * 1024
+    model = from_pretrained(hf_dir, mesh, **cut)
+    peak = _rss_kib("VmHWM") * 1024 - base
+    held = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    return {"stage": mesh.pp_rank, "peak_added": peak, "stage_bytes": held}

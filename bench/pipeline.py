@@ -1,0 +1,127 @@
+"""Pipelines of a transformers model: ``shardzoo.parallelize`` cuts a transformers GPT-2 into
+stages and ``shardzoo.pipeline`` runs them; measured against shardzoo's own GPT-2 family of the
+same size run by its stage builder and ``build_schedule``, in one pool of ranks.
+
+1. Step time, transformers GPT-2 / family GPT-2 at the same pp, schedule, micro-batches and
+   batch: paired ratios of alternating runs, with an A/A control (the transformers model again)
+   whose ratio is this host's noise.
+2. The bubble of each schedule at pp 2 and 4: ``1 - T1 / (pp * Tpp)``, T1 the step of the same
+   model and batch on one rank (no pipeline) and Tpp the pipelined step, every rank with one
+   intra-op thread (so one rank computes as fast as one stage's rank), next to 1F1B's ideal
+   ``(pp - 1) / (m + pp - 1)`` (interleaved: ``(pp - 1) / (v m + pp - 1)``). With more ranks
+   than cores the ranks share cores, so an idle rank's bubble partly lends its core to another:
+   read pp 4 on a 2-core host as an ordering of the schedules, not a fraction.
+3. ``from_pretrained`` with pp: the RSS a rank adds while it builds, allocates and reads its
+   stage, over the bytes of the stage's parameters.
+
+    python bench/pipeline.py [--hidden 256] [--layers 8] [--batch 8] [--seq 256] [--micro 4] [--reps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _results import markdown_table, write_results  # noqa: E402
+
+VARIANTS = ("family GPT2, build_schedule", "transformers GPT-2, shardzoo.pipeline",
+            "transformers GPT-2 again (A/A control)")
+SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 2}  # schedule: virtual stages
+
+
+def gpt2_fields(args) -> dict:
+    return dict(n_embd=args.hidden, n_layer=args.layers, n_head=args.heads, vocab_size=args.vocab,
+                n_positions=args.seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+def spec(args, variant: str, pp: int, schedule: str = "1f1b") -> dict:
+    base = dict(layout=dict(dp=1, pp=pp, sp=1, tp=1, tp_mode="1d", tp_depth=1), batch=args.batch, seq=args.seq,
+                steps=args.steps, micro_batches=args.micro if pp > 1 else 1, threads=1)
+    if variant.startswith("family"):
+        return dict(base, family="gpt2", config=gpt2_fields(args))
+    return dict(base, hf=dict(model_type="gpt2", config=gpt2_fields(args)), schedule=schedule,
+                virtual_stages=SCHEDULES[schedule])
+
+
+def ideal_bubble(pp: int, m: int, v: int) -> float:
+    return (pp - 1) / (v * m + pp - 1)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--micro", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=4, help="steps per timed run, the first a warm-up")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--timeout", type=float, default=1800)
+    args = ap.parse_args(argv)
+    from _measure import pretrained_peak, run_layout
+
+    from shardzoo.comm.workers import WorkerPool
+
+    def slowest(pool, s) -> float:
+        return max(r["step_s"] for r in pool.run(run_layout, s))
+
+    runs = {v: [] for v in VARIANTS}
+    with WorkerPool(2, timeout=args.timeout) as pool:
+        for rep in range(args.reps):
+            for v in VARIANTS if rep % 2 == 0 else VARIANTS[::-1]:
+                runs[v].append(slowest(pool, spec(args, v, 2)))
+                print(f"rep {rep} {v}: step {runs[v][-1]:.3f} s", flush=True)
+    family = runs[VARIANTS[0]]
+    rows = [[v, f"{statistics.median(t):.3f}", f"{statistics.median(a / b for a, b in zip(t, family)):.3f}"]
+            for v, t in runs.items()]
+    versus = markdown_table(["pp=2, 1f1b", "step s (median)", "/ family (paired)"], rows)
+    print(versus)
+
+    bubbles, data = [], {"args": vars(args), "versus": runs, "bubble": {}}
+    with WorkerPool(1, timeout=args.timeout) as pool:
+        one = statistics.median(slowest(pool, spec(args, "transformers", 1)) for _ in range(args.reps))
+    for pp in (2, 4):
+        with WorkerPool(pp, timeout=args.timeout) as pool:
+            for schedule, v in SCHEDULES.items():
+                t = statistics.median(slowest(pool, spec(args, "transformers", pp, schedule)) for _ in range(args.reps))
+                measured, ideal = 1 - one / (pp * t), ideal_bubble(pp, args.micro, v)
+                data["bubble"][f"{pp}/{schedule}"] = dict(step_s=t, one_rank_s=one, measured=measured, ideal=ideal)
+                bubbles.append([pp, schedule, v, f"{t:.3f}", f"{measured:.3f}", f"{ideal:.3f}"])
+                print(bubbles[-1], flush=True)
+    bubble = markdown_table(["pp", "schedule", "v", "step s", "bubble 1 - T1 / (pp Tpp)", "ideal"], bubbles)
+    print(bubble)
+
+    loads = []
+    with tempfile.TemporaryDirectory() as tmp:
+        import torch
+        import transformers
+
+        torch.manual_seed(0)
+        fields = dict(gpt2_fields(args), n_embd=512, n_layer=8, vocab_size=16384)
+        transformers.GPT2LMHeadModel(transformers.GPT2Config(**fields)).save_pretrained(tmp)
+        with WorkerPool(2, timeout=args.timeout) as pool:
+            got = pool.run(pretrained_peak, tmp, dict(dp=1, pp=2, sp=1, tp=1, tp_mode="1d", tp_depth=1), None)
+    for r in got:
+        loads.append([r["stage"], f"{r['stage_bytes'] / 2**20:.1f}", f"{r['peak_added'] / 2**20:.1f}",
+                      f"{r['peak_added'] / r['stage_bytes']:.3f}"])
+    data["from_pretrained"] = got
+    load = markdown_table(["stage", "stage parameters MiB", "RSS added at peak MiB", "ratio"], loads)
+    print(load)
+    note = (f"GPT-2 ({args.layers} blocks, hidden {args.hidden}, {args.heads} heads, vocabulary {args.vocab}), fp32, "
+            f"batch {args.batch} x {args.seq} tokens in {args.micro} micro-batches, AdamW, dropout 0, one intra-op thread "
+            f"per rank; slowest rank, "
+            f"median of {args.reps} runs of {args.steps - 1} timed steps after a warm-up. from_pretrained: GPT-2 of "
+            f"8 blocks, hidden 512, vocabulary 16384, cut in 2 stages.")
+    write_results("pipeline", "Pipelines of a transformers model (bench/pipeline.py)",
+                  versus + "\n\n" + bubble + "\n\n" + load, data, note)
+
+
+if __name__ == "__main__":
+    main()
