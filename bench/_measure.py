@@ -197,6 +197,16 @@ def run_layout(spec: dict) -> dict:
         from shardzoo import pipeline
 
         pipe = pipeline(wrapped, mesh, n_microbatches=spec["micro_batches"], schedule=spec.get("schedule", "1f1b"))
+        for engine in pipe.engines:  # one DDP per stage view (zero 0 / 1)
+            if isinstance(engine, torch.nn.parallel.DistributedDataParallel):
+                engine.register_comm_hook((info_of(wrapped).group, totals), counting_ddp_hook)
+        sync_tied = pipe._sync_tied
+
+        def counted_sync_tied():  # the tied table's all-reduce, under "tied" (the step's other calls are counted)
+            with count_all_reduce(totals, "tied"):
+                sync_tied()
+
+        pipe._sync_tied = counted_sync_tied
     elif mesh.pp_size > 1:
         schedule = build_schedule([(mesh.pp_rank, wrapped)], mesh, n_microbatches=spec["micro_batches"],
                                   loss_fn=model.loss)

@@ -108,10 +108,11 @@ class Pipeline:
         if shards is not None and schedule in _SPLIT_BACKWARD:
             shards.partial_grads.merged = False  # weight gradients computed group by group (partial_grads.py)
         info = info_of(model)
-        engines = [_ddp(view, info) for view in self.views]
+        # what torch's stage calls for each view: the view, or its DDP engine (zero 0 / 1)
+        self.engines = [_ddp(view, info) for view in self.views]
         device = default_device(mesh)
         stages = [PipelineStage(engine, view.stage, self.cut.n_stages, device, group=mesh.pp_group)
-                  for engine, view in zip(engines, self.views)]
+                  for engine, view in zip(self.engines, self.views)]
         cls = _schedule_class(schedule)
         held = stages if schedule in _MULTI else stages[0]
         self.schedule = cls(held, n_microbatches, loss_fn=self._loss, scale_grads=False)

@@ -140,12 +140,13 @@ def tiny_llama(kv_heads: int = 2, bias: bool = False) -> dict:
 TINY_GPT2 = dict(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=64, bos_token_id=0, eos_token_id=0)
 
 
-def _hf_spec(world, mode, tp, sp=1, ckpt=False, sp_mode="ring", zero=0, config=None, model_type="llama"):
-    dp = world // (tp * sp)
+def _hf_spec(world, mode, tp, sp=1, ckpt=False, sp_mode="ring", zero=0, config=None, model_type="llama", pp=1,
+             micro=1):
+    dp = world // (tp * sp * pp)
     parts = batch_parts(dict(tp=tp, tp_mode=mode, tp_depth=1))
     return dict(hf=dict(model_type=model_type, config=config or tiny_llama()),
-                layout=dict(dp=dp, pp=1, sp=sp, tp=tp, tp_mode=mode, tp_depth=1), micro_batches=1,
-                batch=dp * parts, seq=8, steps=2, checkpointing=ckpt, sp_mode=sp_mode, zero=zero)
+                layout=dict(dp=dp, pp=pp, sp=sp, tp=tp, tp_mode=mode, tp_depth=1), micro_batches=micro,
+                batch=dp * micro * parts, seq=8, steps=2, checkpointing=ckpt, sp_mode=sp_mode, zero=zero)
 
 
 def check_hf_exact(spec: dict, directory) -> None:
@@ -159,26 +160,32 @@ def check_hf_exact(spec: dict, directory) -> None:
 
     config = AutoConfig.for_model(spec["hf"]["model_type"], **spec["hf"]["config"])
     config.save_pretrained(directory)
-    candidate, zero = Candidate(**spec["layout"]), spec["zero"]
+    candidate, zero = Candidate(**spec["layout"], micro_batches=spec["micro_batches"]), spec["zero"]
     with torch.device("meta"):  # a family's model_type: its directory would build shardzoo's family
         model = AutoModelForCausalLM.from_config(config)
     planned = plan(str(directory) if spec["hf"]["model_type"] not in FAMILY_TYPES else model, candidate.world, 1e6,
                    spec["batch"], spec["seq"], hardware=HARDWARE["a100"], dtype="fp32", sp_mode=spec["sp_mode"],
                    zero_stages=(zero,), tp_modes=(candidate.tp_mode,))
     cand = next(c for c in planned
-                if c.layout == candidate.mesh_kwargs() and c.activation_checkpointing == spec["checkpointing"])
-    (stage,) = planned.pricer.stages(candidate)
-    want = channel_bytes(*planned.pricer.traffic(stage, candidate, 0, spec["checkpointing"], zero), 1)
+                if c.layout == candidate.mesh_kwargs() and c.activation_checkpointing == spec["checkpointing"]
+                and c.micro_batches == candidate.micro_batches)
+    stages = planned.pricer.stages(candidate)  # one per pp rank (parallelize's cut)
     measured = run_on_ranks(run_layout, candidate.world, spec)
     for rank, got in enumerate(measured):
+        stage = stages[got["stage"]]
+        want = channel_bytes(*planned.pricer.traffic(stage, candidate, got["stage"], spec["checkpointing"], zero),
+                             candidate.micro_batches)
         for k in CHANNELS:
-            assert got[k] == want[k], f"rank {rank} {k}: sent {got[k]}, planned {want[k]} ({spec})"
-        assert got["param_bytes"] == stage.params * 4 == cand.param_bytes_per_rank, f"rank {rank} ({spec})"
+            assert got[k] == want[k], f"rank {rank} stage {got['stage']} {k}: sent {got[k]}, planned {want[k]} ({spec})"
+        assert got["param_bytes"] == stage.params * 4, f"rank {rank} ({spec})"
+    assert cand.param_bytes_per_rank == max(got["param_bytes"] for got in measured), spec
     # the optimizer state, sharded over the ranks ZeRO 1 shards over (dp for a parallelize'd model): on
     # average what the memory model holds per rank (ZeroRedundancyOptimizer splits by whole tensors)
-    memory = planned.pricer.price_variants(candidate, stage, 0, (spec["checkpointing"],), (zero,))
     held = sum(got["optimizer_bytes"] for got in measured)
-    assert held == memory[(spec["checkpointing"], zero)].memory.optimizer * candidate.world, (held, spec)
+    states = [planned.pricer.price_variants(candidate, s, k, (spec["checkpointing"],), (zero,))
+              for k, s in enumerate(stages)]
+    per_rank = candidate.world // candidate.pp
+    assert held == sum(m[(spec["checkpointing"], zero)].memory.optimizer for m in states) * per_rank, (held, spec)
     assert cand.comm_bytes_per_rank_per_step == max(sum((got[k] for k in CHANNELS), Fraction(0)) for got in measured)
 
 
@@ -190,6 +197,10 @@ def check_hf_exact(spec: dict, directory) -> None:
     _hf_spec(4, "2d", 4, ckpt=True, config=TINY_GPT2, model_type="gpt2"),
     # backward averages over sp (a counted all-reduce per parameter), DDP and the broadcasts over dp only
     _hf_spec(4, "1d", 1, sp=2, zero=1),
-], ids=["1d-tp4-gqa-ckpt", "1d-ulysses-zero1", "1d-ring-ckpt-bias", "2d-mqa-bias", "gpt2-2d-ckpt", "dp2-sp2-zero1"])
+    # cut into stages by parallelize: Megatron sequence parallelism enters and leaves in each stage
+    _hf_spec(4, "1d", 2, pp=2, micro=2, ckpt=True),
+    _hf_spec(4, "1d", 1, pp=2, micro=2, zero=1, config=TINY_GPT2, model_type="gpt2"),  # tied table over the stages
+], ids=["1d-tp4-gqa-ckpt", "1d-ulysses-zero1", "1d-ring-ckpt-bias", "2d-mqa-bias", "gpt2-2d-ckpt", "dp2-sp2-zero1",
+        "pp2-1d-tp2-ckpt", "gpt2-pp2-dp2-zero1"])
 def test_exact_for_a_walked_transformers_llama(spec, tmp_path):
     check_hf_exact(spec, tmp_path)
