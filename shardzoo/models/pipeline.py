@@ -33,7 +33,7 @@ from shardzoo.models.meta import materialize, seeded_normal_piece
 from shardzoo.models.pretrained import config_from_dir, load_pretrained
 from shardzoo.models.spec import spec_of
 from shardzoo.parallel.data_parallel import ddp_of
-from shardzoo.parallel.pipelined import tied_group
+from shardzoo.parallel.pipelined import check_step, step_loss, tied_group
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -246,3 +246,44 @@ def sync_tied_grads(stages: list[nn.Module], mesh) -> None:
             param = params.get(table if model.is_first else copy)
             if param is not None and param.grad is not None:  # FSDP2: both stages hold the same dp rows
                 dist.all_reduce(local_tensor(param.grad), group=group)
+
+
+class FamilyPipeline:
+    """``shardzoo.pipeline`` of a family's stage(s): models built with ``stage=(k, n)`` (one per
+    rank, or ``pp_rank + i * pp`` for i < v for the interleaved schedule), each optionally through
+    ``data_parallel``. ``step(input_ids=..., attention_mask=..., labels=...)`` takes this dp
+    replica's full tensors as a transformers model does: the first stage's input and every
+    stage's padding mask are split by the family (``shard_input`` / ``shard_mask``), the labels
+    become the last stage's targets (``target_from_labels``: shifted over the whole sequence for a
+    causal family); :func:`build_schedule` runs the step, the tied table's two gradients are
+    summed, and the loss is broadcast from the last stage to every rank."""
+
+    def __init__(self, stages: list[nn.Module], mesh, n_microbatches: int, schedule: str):
+        name = {"interleaved_1f1b": "interleaved"}.get(schedule, schedule)
+        if name not in SCHEDULES:
+            raise ValueError(f"schedule={schedule!r}: a family's stages run 'gpipe', '1f1b' or 'interleaved_1f1b'; "
+                             f"the zero-bubble schedules need a model cut by shardzoo.parallelize")
+        self.stages, self.mesh, self.n_microbatches = list(stages), mesh, n_microbatches
+        self.models = [getattr(m, "module", m) for m in self.stages]
+        self.first = next((m for m in self.models if m.is_first), None)
+        self.last = next((m for m in self.models if m.is_last), None)
+        loss = self.last.loss if self.last is not None else self.models[0].loss
+        self.schedule = build_schedule([(m.stage_index, s) for m, s in zip(self.models, self.stages)], mesh,
+                                       n_microbatches=n_microbatches, schedule=name, loss_fn=loss)
+        self.last_pp_rank = mesh.pp_size - 1
+        if mesh.pp_size > 1 and self.models[0].tied_names:
+            tied_group(mesh)  # collective: every rank builds the groups before the first step
+
+    def step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+             labels: torch.Tensor | None = None) -> torch.Tensor:
+        """One training step over this dp replica's batch; returns its loss on every rank (the
+        global token mean); gradients stay in the parameters."""
+        check_step(input_ids, labels, self.n_microbatches)
+        model = self.models[0]
+        kwargs = {} if attention_mask is None else {"key_padding_mask": model.shard_mask(attention_mask.bool())}
+        args = (self.first.shard_input(input_ids),) if self.first is not None else ()
+        target = {"target": self.last.target_from_labels(labels)} if self.last is not None else {}
+        losses: list[torch.Tensor] = []
+        self.schedule.step(*args, losses=losses, return_outputs=False, **target, **kwargs)
+        sync_tied_grads(self.stages, self.mesh)
+        return step_loss(losses, self.mesh, self.last_pp_rank)

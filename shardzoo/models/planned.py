@@ -66,6 +66,7 @@ class PlannedModel(StagedModel):
         self.config, self.mesh, self.checkpointing, self.sp_mode = config, mesh, checkpointing, sp_mode
         blocks, self.is_first, self.is_last = common.stage_blocks(self.family, getattr(config, self.layers_field),
                                                                  stage, stage_layers)
+        self.stage_index = stage[0] if stage is not None else 0  # its global stage (shardzoo.pipeline)
         with torch.device("meta"):  # shapes only: the engine builds this rank's pieces from them
             self.build(config, blocks)
         self.stage_state = split_stage(self, mesh, self.plan, sp_mode=sp_mode, causal=self.causal,

@@ -81,6 +81,28 @@ class StageView(nn.Module):
         return out.clone() if out._base is not None else out
 
 
+def check_step(input_ids: torch.Tensor, labels, n_microbatches: int) -> int:
+    """This replica's batch rows, checked against a pipeline step's rules: ``n_microbatches``
+    divides them and there are labels."""
+    rows = input_ids.shape[0]
+    if rows % n_microbatches:
+        raise ValueError(f"n_microbatches={n_microbatches} does not divide this replica's batch of {rows} rows; pass a "
+                         f"batch of a multiple of {n_microbatches} rows, or another n_microbatches")
+    if labels is None:
+        raise ValueError("pipe.step needs labels=[batch, seq] (the step is forward and backward of the loss)")
+    return rows
+
+
+def step_loss(losses: list[torch.Tensor], mesh, last_pp_rank: int) -> torch.Tensor:
+    """The step's loss on every rank: the sum of the last stage's micro-batch losses (each its
+    share of the step's mean), broadcast from that stage over the pp group."""
+    device = default_device(mesh)
+    loss = torch.stack([x.detach().float() for x in losses]).sum().to(device) if losses else \
+        torch.zeros((), device=device)
+    dist.broadcast(loss, src=dist.get_global_rank(mesh.pp_group, last_pp_rank), group=mesh.pp_group)
+    return loss
+
+
 class _ContiguousGrad(torch.autograd.Function):
     """Identity; the gradient sent back to the previous stage is made contiguous (torch's stage
     receives it into a buffer with the strides this rank's gradient has)."""
@@ -133,13 +155,7 @@ class Pipeline:
         rank of the replica) in ``n_microbatches`` micro-batches. Returns the step's loss, the
         global token mean over dp x sp (the serial ``out.loss`` of the whole batch), on every
         rank; the gradients are left in the parameters, as after ``loss.backward()``."""
-        rows = input_ids.shape[0]
-        if rows % self.n_microbatches:
-            raise ValueError(f"n_microbatches={self.n_microbatches} does not divide this replica's batch of {rows} "
-                             f"rows; pass a batch of a multiple of {self.n_microbatches} rows, or another "
-                             f"n_microbatches")
-        if labels is None:
-            raise ValueError("pipe.step needs labels=[batch, seq] (the step is forward and backward of the loss)")
+        rows = check_step(input_ids, labels, self.n_microbatches)
         if position_ids is not None and position_ids.shape[0] != rows:
             position_ids = position_ids.expand(rows, -1)  # one row for all: torch splits every kwarg by rows
         target = batch_loss.shift_labels(labels) if self.state.causal else labels
@@ -154,12 +170,7 @@ class Pipeline:
         self.schedule.step(*args, target=target if self.cut.holds_last else None, losses=losses,
                            return_outputs=False, **kwargs)
         self._sync_tied()
-        device = default_device(self.mesh)
-        loss = torch.stack([x.detach().float() for x in losses]).sum() if losses else torch.zeros((), device=device)
-        loss = loss.to(device)
-        dist.broadcast(loss, src=dist.get_global_rank(self.mesh.pp_group, self.last_pp_rank),
-                       group=self.mesh.pp_group)
-        return loss
+        return step_loss(losses, self.mesh, self.last_pp_rank)
 
     def _sync_tied(self) -> None:
         """Sum the gradients of the token table (first stage) and its untied copy, the head (last)."""
