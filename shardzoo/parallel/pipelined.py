@@ -130,8 +130,10 @@ class Pipeline:
         if shards is not None and schedule in _SPLIT_BACKWARD:
             shards.partial_grads.merged = False  # weight gradients computed group by group (partial_grads.py)
         info = info_of(model)
-        # what torch's stage calls for each view: the view, or its DDP engine (zero 0 / 1)
-        self.engines = [_ddp(view, info) for view in self.views]
+        # what torch's stage calls for each view: the view, or its DDP engine (zero 0 / 1). Under a
+        # split backward DDP's reducer misses the weight pass, so the step averages over dp itself
+        self.average_after = info if schedule in _SPLIT_BACKWARD and info is not None and not info.noop else None
+        self.engines = [view if self.average_after else _ddp(view, info) for view in self.views]
         device = default_device(mesh)
         stages = [PipelineStage(engine, view.stage, self.cut.n_stages, device, group=mesh.pp_group)
                   for engine, view in zip(self.engines, self.views)]
@@ -170,6 +172,8 @@ class Pipeline:
         self.schedule.step(*args, target=target if self.cut.holds_last else None, losses=losses,
                            return_outputs=False, **kwargs)
         self._sync_tied()
+        if self.average_after is not None:
+            _average_grads(self.views, self.average_after)
         return step_loss(losses, self.mesh, self.last_pp_rank)
 
     def _sync_tied(self) -> None:
@@ -203,6 +207,21 @@ def tied_group(mesh):
                 mesh.adopt_group(group)
         _tied_groups[mesh] = mine
     return _tied_groups[mesh]
+
+
+@torch.no_grad()
+def _average_grads(views: list[StageView], info) -> None:
+    """Average the stage views' gradients over the dp group, one all-reduce per dtype (what DDP
+    does in the last micro-batch's backward under the other schedules)."""
+    grads = [p.grad for v in views for p in v.parameters() if p.grad is not None]
+    size = info.mesh.size(*info.axes)
+    for dtype in {g.dtype for g in grads}:
+        same = [g for g in grads if g.dtype == dtype]
+        flat = torch.cat([g.reshape(-1) for g in same])
+        dist.all_reduce(flat, group=info.group)
+        flat.div_(size)
+        for g, piece in zip(same, flat.split([g.numel() for g in same])):
+            g.copy_(piece.view_as(g))
 
 
 def _same_rank_ends(cut: pipeline_cut.StageCut) -> bool:
@@ -248,6 +267,11 @@ def pipeline(model: nn.Module, mesh, *, n_microbatches: int = 4, schedule: str =
     if want == "loop" and (per_rank < 2 or cut.placement != "loop"):
         raise ValueError(f"schedule={schedule!r} needs >= 2 stages per rank in loop placement; the model was cut with "
                          f"virtual_stages={per_rank}, placement={cut.placement!r}: parallelize with virtual_stages=2")
+    info = info_of(model)
+    if schedule in _SPLIT_BACKWARD and info is not None and not info.noop and info.zero >= 2:
+        raise ValueError(f"schedule={schedule!r} computes weight gradients apart from input gradients, which FSDP2 "
+                         f"(data_parallel zero={info.zero}) does not follow on a stage of a cut model; use zero=0 or 1 "
+                         f"with it, or a 1f1b / interleaved_1f1b schedule with zero={info.zero}")
     if want == "v" and cut.placement != "v":
         raise ValueError(f"schedule={schedule!r} needs the V placement; parallelize with virtual_stages=2, "
                          f"placement='v'")

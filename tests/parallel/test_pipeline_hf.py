@@ -16,15 +16,15 @@ from support.hf_pipeline import check_pipeline  # noqa: E402
 # (model, ParallelMesh kwargs, world, blocks, schedule, micro-batches, options)
 CASES = {
     "llama-gqa-pp2-1d-tp2-1f1b-uneven": ("llama", dict(pp=2, tp=2), 4, 3, "1f1b", 2, dict(stages=[1, 2])),
-    "qwen2-tied-pp2-dp2-zero1-gpipe": ("qwen2", dict(pp=2, dp=2), 4, 2, "gpipe", 2, dict(zero=1)),
+    "qwen2-tied-pp2-dp2-zero3-gpipe": ("qwen2", dict(pp=2, dp=2), 4, 2, "gpipe", 2, dict(zero=3)),
     "qwen3-pp4-1f1b-uneven": ("qwen3", dict(pp=4), 4, 5, "1f1b", 4, dict(stages=[2, 1, 1, 1])),
     "gpt2-tied-pp2-1d-tp2-zbv-checkpointed": ("gpt2", dict(pp=2, tp=2), 4, 4, "zbv", 2,
                                              dict(virtual_stages=2, placement="v", checkpointing=True)),
-    "mistral-pp2-2d-zero-bubble": ("mistral", dict(pp=2, tp=4, tp_mode="2d"), 8, 4, "zero_bubble", 2,
-                                   dict(virtual_stages=2)),
+    "mistral-pp2-2d-gpipe": ("mistral", dict(pp=2, tp=4, tp_mode="2d"), 8, 2, "gpipe", 2, {}),
     "llama-pp2-sp2-ulysses-interleaved": ("llama", dict(pp=2, sp=2), 4, 4, "interleaved_1f1b", 2,
                                           dict(virtual_stages=2, sp_mode="ulysses")),
-    "llama-pp2-dp2-zero3-1f1b": ("llama", dict(pp=2, dp=2), 4, 2, "1f1b", 2, dict(zero=3)),
+    "llama-pp2-dp2-zero1-zero-bubble": ("llama", dict(pp=2, dp=2), 4, 4, "zero_bubble", 2,
+                                        dict(zero=1, virtual_stages=2)),
     "gpt2-pp2-tp2-dualpipev": ("gpt2", dict(pp=2, tp=2), 4, 4, "dualpipev", 4, dict(virtual_stages=2, placement="v")),
 }
 
@@ -62,3 +62,9 @@ def test_checkpoint_of_a_pipeline_reshards(tmp_path, target, stages):
     from support.hf_pipeline import check_checkpoint_reshards
 
     run_on_ranks(check_checkpoint_reshards, 4, str(tmp_path / "ck"), target, stages)
+
+
+def test_split_backward_schedules_refuse_fsdp():
+    from support.hf_pipeline import check_split_backward_refuses_fsdp
+
+    run_on_ranks(check_split_backward_refuses_fsdp, 4)
