@@ -242,9 +242,7 @@ class StageBlocks(nn.ModuleList):
     def __iter__(self):
         return iter(self._visible())
 
-    def __getitem__(self, idx):
-        if isinstance(idx, slice):
-            return self._visible()[idx]
+    def __getitem__(self, idx):  # an index or a slice (``self.layers[: n]``): a list, as iterated
         return self._visible()[idx]
 
 
