@@ -18,12 +18,10 @@ last stage after backward, so both copies step identically (Megatron's embedding
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from shardzoo.comm.mesh import default_device
 from shardzoo.layers import replicas
-from shardzoo.layers.dp_shard import local_tensor
 from shardzoo.layers.shard_spec import ShardSpec, get_shard_spec
 from shardzoo.layers.tensor_layout import layout_of
 from shardzoo.layers.token_ids import check_token_ids
@@ -33,7 +31,7 @@ from shardzoo.models.meta import materialize, seeded_normal_piece
 from shardzoo.models.pretrained import config_from_dir, load_pretrained
 from shardzoo.models.spec import spec_of
 from shardzoo.parallel.data_parallel import ddp_of
-from shardzoo.parallel.pipelined import check_step, step_loss, tied_group
+from shardzoo.parallel.pipelined import check_step, step_loss, sum_tied_grad, tied_group
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -236,16 +234,14 @@ def sync_tied_grads(stages: list[nn.Module], mesh) -> None:
     """Sum the gradients of a tied table held separately by the first and last stage."""
     if mesh.pp_size == 1:
         return
-    group = tied_group(mesh)
+    tied_group(mesh)  # collective: every rank takes part in building the groups, middle stages too
     for model in stages:
         model = getattr(model, "module", model)  # a stage in a DDP wrapper built by hand
         if model.is_first == model.is_last:  # a middle stage, or one holding both ends (one table)
             continue
         params = dict(model.named_parameters())
         for copy, table in model.tied_names.items():
-            param = params.get(table if model.is_first else copy)
-            if param is not None and param.grad is not None:  # FSDP2: both stages hold the same dp rows
-                dist.all_reduce(local_tensor(param.grad), group=group)
+            sum_tied_grad(params.get(table if model.is_first else copy), mesh)
 
 
 class FamilyPipeline:

@@ -303,6 +303,12 @@ def count_targets(model: nn.Module, labels, ignore_index: int = -100) -> torch.T
     if not blocks or any(b.dim() != 2 for b in blocks):
         raise ValueError(f"count_targets takes this dp replica's full labels [batch, seq], or a list of the step's "
                          f"micro-batches' labels; got {[tuple(b.shape) for b in blocks] or 'an empty list'}")
+    return count_real_targets(state, blocks, ignore_index)
+
+
+def count_real_targets(state: Parallelized, blocks: list[torch.Tensor], ignore_index: int = -100) -> torch.Tensor:
+    """The real targets of this dp replica's full labels ``blocks`` (shifted first for a causal
+    LM), summed over dp: int64, the same on every rank (any stage of a pipeline)."""
     if state.causal:
         blocks = [batch_loss.shift_labels(b, ignore_index) for b in blocks]
     local = sum((b != ignore_index).sum() for b in blocks).to(torch.int64).reshape(1)

@@ -131,6 +131,23 @@ def pp_plan_of(model: nn.Module, pp_plan: dict | None = None, hf: bool = False) 
     return prefix, list(plan), [k for k in head if base is not model]
 
 
+def plan_parts(model: nn.Module, pp_plan: dict | None = None, hf: bool = False) -> tuple[list[str], str, list[str]]:
+    """(the modules before the blocks, the blocks' nn.ModuleList, the modules after them), as
+    qualified names, from the model's pipeline plan; raises naming what the plan lacks."""
+    prefix, keys, head = pp_plan_of(model, pp_plan, hf)
+    join = (lambda k: f"{prefix}.{k}") if prefix else (lambda k: k)
+    modules = dict(model.named_modules())
+    missing = [join(k) for k in keys + head if join(k) not in modules and k not in modules]
+    if missing:
+        raise ValueError(f"the pipeline plan names {missing}, which {type(model).__name__} does not have")
+    lists = [k for k in keys if isinstance(modules[join(k)], nn.ModuleList)]
+    if len(lists) != 1:
+        raise ValueError(f"{type(model).__name__}'s pipeline plan {keys} must name exactly one nn.ModuleList of "
+                         f"repeated blocks to cut into stages; it names {len(lists)} ({lists})")
+    at = keys.index(lists[0])
+    return [join(k) for k in keys[:at]], join(lists[0]), [join(k) for k in keys[at + 1:]] + head
+
+
 def split_counts(n_blocks: int, n_stages: int, stages) -> list[int]:
     """Blocks per stage: ``stages`` checked, or an even split with the remainder on the first."""
     if stages is None:
@@ -164,18 +181,8 @@ def cut(model: nn.Module, mesh, *, stages=None, virtual_stages: int = 1, placeme
     if placement == "v" and virtual_stages != 2:
         raise ValueError(f"placement='v' puts two stages on each rank (0..pp-1, then back); got virtual_stages="
                          f"{virtual_stages}: pass virtual_stages=2")
-    prefix, keys, head = pp_plan_of(model, pp_plan, hf)
-    join = (lambda k: f"{prefix}.{k}") if prefix else (lambda k: k)
+    before, blocks, after = plan_parts(model, pp_plan, hf)
     modules = dict(model.named_modules())
-    missing = [join(k) for k in keys + head if join(k) not in modules and k not in modules]
-    if missing:
-        raise ValueError(f"the pipeline plan names {missing}, which {type(model).__name__} does not have")
-    lists = [k for k in keys if isinstance(modules[join(k)], nn.ModuleList)]
-    if len(lists) != 1:
-        raise ValueError(f"{type(model).__name__}'s pipeline plan {keys} must name exactly one nn.ModuleList of "
-                         f"repeated blocks to cut into stages; it names {len(lists)} ({lists})")
-    at = keys.index(lists[0])
-    blocks = join(lists[0])
     n_stages = mesh.pp_size * virtual_stages
     counts = split_counts(len(modules[blocks]), n_stages, stages)
     held = held_stages(mesh.pp_size, mesh.pp_rank, n_stages, placement)
@@ -183,8 +190,8 @@ def cut(model: nn.Module, mesh, *, stages=None, virtual_stages: int = 1, placeme
     names = {id(m): n for n, m in modules.items()}
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     tied = inp is not None and out is not None and getattr(inp, "weight", None) is getattr(out, "weight", 0)
-    result = StageCut(counts, mesh.pp_size, placement, held, blocks, [join(k) for k in keys[:at]],
-                      [join(k) for k in keys[at + 1:]] + head, names.get(id(inp)), tied, names.get(id(out)))
+    result = StageCut(counts, mesh.pp_size, placement, held, blocks, before, after, names.get(id(inp)), tied,
+                      names.get(id(out)))
     _replace(model, result)
     model.__dict__[CUT] = result
     if tied and result.holds_last and not result.holds_first and result.head and result.embedding:

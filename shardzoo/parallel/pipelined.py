@@ -161,10 +161,7 @@ class Pipeline:
         if position_ids is not None and position_ids.shape[0] != rows:
             position_ids = position_ids.expand(rows, -1)  # one row for all: torch splits every kwarg by rows
         target = batch_loss.shift_labels(labels) if self.state.causal else labels
-        count = (target != -100).sum().to(torch.int64).reshape(1)
-        if self.mesh.device_mesh.device_type == "cuda":
-            count = count.cuda()
-        self.num_targets = batch_loss.sum_over_axes(count, self.mesh, ("dp",)).reshape(())
+        self.num_targets = inputs.count_real_targets(self.state, [labels])
         kwargs = {k: v for k, v in {"input_ids": input_ids, "attention_mask": attention_mask,
                                      "position_ids": position_ids}.items() if v is not None}
         args = (input_ids,) if self.cut.holds_first else ()
@@ -181,11 +178,8 @@ class Pipeline:
         if self.tied_group is None:
             return
         model = self.model
-        name = "first" if self.cut.holds_first else "last"
-        module = model.get_input_embeddings() if name == "first" else model.get_output_embeddings()
-        grad = getattr(getattr(module, "weight", None), "grad", None)
-        if grad is not None:
-            dist.all_reduce(local_tensor(grad), group=self.tied_group)
+        table = model.get_input_embeddings() if self.cut.holds_first else model.get_output_embeddings()
+        sum_tied_grad(getattr(table, "weight", None), self.mesh)
 
 
 _tied_groups: "weakref.WeakKeyDictionary[object, object]" = weakref.WeakKeyDictionary()
@@ -207,6 +201,14 @@ def tied_group(mesh):
                 mesh.adopt_group(group)
         _tied_groups[mesh] = mine
     return _tied_groups[mesh]
+
+
+def sum_tied_grad(param, mesh) -> None:
+    """Sum ``param``'s gradient (a tied table's, or its copy's) between this rank's first and last
+    pipeline stage (:func:`tied_group`); FSDP2's sharded gradient by its local rows, which both
+    stages hold alike."""
+    if param is not None and param.grad is not None:
+        dist.all_reduce(local_tensor(param.grad), group=tied_group(mesh))
 
 
 @torch.no_grad()

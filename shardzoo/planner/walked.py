@@ -119,14 +119,11 @@ def walked_model(model: nn.Module, plan: dict[str, str] | None = None, name: str
 def _has_pipeline_plan(model: nn.Module) -> bool:
     """Whether ``parallelize`` can cut ``model`` into pipeline stages (its pipeline plan names one
     list of blocks)."""
-    hf = hf_model.is_transformers_model(model)
     try:
-        prefix, keys, _ = pipeline_cut.pp_plan_of(model, None, hf)
+        pipeline_cut.plan_parts(model, None, hf_model.is_transformers_model(model))
     except ValueError:
         return False
-    modules = dict(model.named_modules())
-    lists = [k for k in keys if isinstance(modules.get(f"{prefix}.{k}" if prefix else k), nn.ModuleList)]
-    return len(lists) == 1
+    return True
 
 
 def family_shape(spec, config, name: str = "") -> ModelShape:
