@@ -261,6 +261,10 @@ def pipeline(model: nn.Module, mesh, *, n_microbatches: int = 4, schedule: str =
                          f"(parallelize it on a mesh with pp > 1, got pp={mesh.pp_size})")
     if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
         raise ValueError(f"n_microbatches={n_microbatches!r} must be an int >= 1")
+    if n_microbatches < mesh.pp_size:
+        raise ValueError(f"n_microbatches={n_microbatches} is fewer than the pp={mesh.pp_size} stages; torch's schedules "
+                         f"need at least one micro-batch per stage: pass n_microbatches >= {mesh.pp_size} (and a "
+                         f"batch of at least that many rows per dp replica)")
     per_rank = len(cut.held)
     if schedule in ("gpipe", "1f1b") and per_rank != 1:
         raise ValueError(f"schedule={schedule!r} runs one stage per rank; the model was cut with virtual_stages="

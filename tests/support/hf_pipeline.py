@@ -129,6 +129,7 @@ def check_refusals() -> None:
     refused(r"'interleaved_1f1b' needs >= 2 stages per rank", lambda: shardzoo.pipeline(model, mesh,
                                                                                        schedule="interleaved_1f1b"))
     refused(r"'zbv' needs the V placement", lambda: shardzoo.pipeline(model, mesh, schedule="zbv"))
+    refused(r"n_microbatches=1 is fewer than the pp=2 stages", lambda: shardzoo.pipeline(model, mesh, n_microbatches=1))
     pipe = shardzoo.pipeline(model, mesh, n_microbatches=3)
     ids, mask, labels = padded_batch()
     refused(r"n_microbatches=3 does not divide this replica's batch of 4 rows",
