@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from shardzoo.comm.tp_grids import TP_GRIDS
 from shardzoo.planner.hardware import GIB
+from shardzoo.planner.schedules import SCHEDULES
 
 # (JSON key, MemoryBreakdown field) in the order of the peak formula (planner/memory.py)
 MEMORY_TERMS = (("runtime", "runtime"), ("params", "params"), ("optimizer", "optimizer"), ("buffers", "buffers"),
@@ -79,9 +80,6 @@ def run_lines(plan, cand) -> list[str]:
     return lines
 
 
-PIPELINE_SCHEDULES = {"interleaved": "interleaved_1f1b"}  # the planner's schedule names -> shardzoo.pipeline's
-
-
 def parallelize_lines(plan, cand, mesh: str) -> list[str]:
     """The lines of a model priced by its modules: built by transformers (or one's own code),
     split (and with pp > 1 cut into stages) by ``shardzoo.parallelize``, trained through its
@@ -108,7 +106,7 @@ def parallelize_lines(plan, cand, mesh: str) -> list[str]:
     call = f"{trained}(input_ids=ids, labels=ids).loss" if shape.walk.transformers else \
         f"shardzoo.lm_loss(model, {trained}(ids), ids)"
     if lay["pp"] > 1:
-        schedule = PIPELINE_SCHEDULES.get(plan.pricer.schedule, plan.pricer.schedule)
+        schedule = SCHEDULES[plan.pricer.schedule][0]  # shardzoo.pipeline's name
         lines.append(f"pipe = shardzoo.pipeline({trained}, mesh, n_microbatches={cand.micro_batches}, "
                      f"schedule=\"{schedule}\")")
         call = "pipe.step(input_ids=ids, labels=ids)"

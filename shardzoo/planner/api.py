@@ -134,7 +134,7 @@ def price_candidate(pricer: Pricer, candidate: Candidate, costs, checkpointing, 
     out = []
     for (ckpt, zero), reports in pricer.price(candidate, checkpointing, zeros, costs).items():
         peak = max(r.memory.peak for r in reports)
-        seconds = step_seconds(candidate, reports, pricer.hw.host)
+        seconds = step_seconds(candidate, reports, pricer.hw.host, pricer.schedule)
         cand = PricedCandidate(candidate.mesh_kwargs(), candidate.micro_batches, ckpt, zero,
                                max(r.param_bytes for r in reports), peak,
                                max(reports, key=lambda r: r.comm_scaled).comm_bytes, seconds, tokens / seconds,
@@ -247,9 +247,10 @@ def price(model, world: int, global_batch: int, seq: int, layout, *, micro_batch
 
     ``layout``: ParallelMesh kwargs as a dict or text (``"dp=12,pp=16,tp=8"``; missing sizes
     are 1, dp the rest of the world, tp_mode 1d). ``micro_batches``: default the most the
-    replica batch splits into (the smallest bubble). ``schedule``: "1f1b", "gpipe" or
-    "interleaved" with ``virtual_stages`` v >= 2 model chunks per pipeline rank (torch's
-    ScheduleInterleaved1F1B, ``models.pipeline.build_schedule``). ``device_memory_gib``: for
+    replica batch splits into (the smallest bubble). ``schedule``: one of ``shardzoo.pipeline``'s
+    (``schedules.SCHEDULES``): "1f1b", "gpipe", "interleaved" (or "interleaved_1f1b") or
+    "zero_bubble" with ``virtual_stages`` v >= 2 model chunks per pipeline rank, "zbv" or
+    "dualpipev" with v = 2 (their bubble and activations in flight: ``schedules``). ``device_memory_gib``: for
     ``fits``, default the hardware's memory. ``attention``: the kernel priced, "flash" (what
     shardzoo runs: torch's scaled_dot_product_attention) or "materialized" (the score matrix
     written out, as Megatron-LM ran in Narayanan et al. 2021; sp = 1 only). ``sequence_parallel``: as
@@ -257,22 +258,20 @@ def price(model, world: int, global_batch: int, seq: int, layout, *, micro_batch
     from shardzoo.planner.enumerate import explain
     from shardzoo.planner.flops import model_flops
     from shardzoo.planner.host import DedicatedDevices
+    from shardzoo.planner.schedules import schedule_name
 
     shape = load_model(model)
     hw = resolve_hardware(hardware, nodes, devices_per_node, world)
     dtype = dtype or hw.host.default_dtype
     memory_gib = device_memory_gib if device_memory_gib is not None else hw.memory_bytes / GIB
-    _check_inputs(world, memory_gib, global_batch, seq, shape, sp_mode, "1f1b" if schedule == "interleaved" else schedule,
-                  dtype)
+    v = virtual_stages
+    schedule = schedule_name(schedule, v)
+    _check_inputs(world, memory_gib, global_batch, seq, shape, sp_mode, "1f1b" if v > 1 else schedule, dtype)
     if zero not in ZERO_STAGES:
         raise ValueError(f"zero={zero!r} is not a ZeRO stage {ZERO_STAGES}")
-    v = virtual_stages
-    if (schedule == "interleaved") != (isinstance(v, int) and v >= 2) or (schedule != "interleaved" and v != 1):
-        raise ValueError(f"schedule={schedule!r} with virtual_stages={v!r}: the interleaved schedule takes "
-                         f"virtual_stages >= 2, the others 1; pass both or neither")
     if v > 1 and type(hw.host) is not DedicatedDevices:
-        raise ValueError(f"the interleaved schedule is priced on accelerator presets only, not on {hw.name!r}; use "
-                         f"schedule='1f1b'")
+        raise ValueError(f"schedule={schedule!r} (virtual_stages={v}) is priced on accelerator presets only, not on "
+                         f"{hw.name!r}; use schedule='1f1b'")
     e, ep = DTYPES[dtype]
     if attention not in ATTENTION_KERNELS:
         raise ValueError(f"attention={attention!r} is not one of {ATTENTION_KERNELS}")
@@ -292,7 +291,7 @@ def price(model, world: int, global_batch: int, seq: int, layout, *, micro_batch
     if zero and candidate.dp * candidate.sp == 1:
         raise ValueError(f"zero={zero} shards over dp x sp, which is 1 in {text}; use zero=0")
     if v > 1 and (candidate.pp < 2 or m % candidate.pp or shape.layers % (candidate.pp * v)):
-        raise ValueError(f"the interleaved schedule needs pp >= 2, micro_batches a multiple of pp and the "
+        raise ValueError(f"schedule={schedule!r} needs pp >= 2, micro_batches a multiple of pp and the "
                          f"{shape.layers} blocks split evenly into pp * v = {candidate.pp * v} chunks; got "
                          f"pp={candidate.pp}, micro_batches={m}, virtual_stages={v}")
     pricer = Pricer(problem, hw, schedule)

@@ -35,8 +35,10 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--explain", metavar="LAYOUT", help="why a layout is legal or not and what it costs, e.g. "
                    "dp=2,pp=1,sp=1,tp=4,tp_mode=2d")
     p.add_argument("--sp-mode", default="ring", choices=["ring", "ulysses"], help="attention over sp (default ring)")
-    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "interleaved"],
-                   help="pipeline schedule (default 1f1b; interleaved: with --price only)")
+    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "interleaved", "interleaved_1f1b",
+                                                         "zero_bubble", "zbv", "dualpipev"],
+                   help="pipeline schedule (default 1f1b; those with several chunks per rank, interleaved, "
+                   "zero_bubble, zbv and dualpipev: with --price and --virtual-stages only)")
     p.add_argument("--dtype", choices=["bf16", "fp32"], help="bf16 autocast (default on accelerators) or fp32 "
                    "(default on cpu / calibrate)")
     p.add_argument("--recalibrate", action="store_true", help="with --hardware calibrate: measure again")
@@ -47,7 +49,8 @@ def add_plan_parser(sub) -> None:
     price.add_argument("--checkpointing", action="store_true", help="with --price: activation checkpointing on")
     price.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="with --price: ZeRO stage (default 0)")
     price.add_argument("--virtual-stages", type=int, default=1, metavar="V",
-                       help="with --price --schedule interleaved: model chunks per pipeline rank")
+                       help="with --price and a schedule of several chunks per rank: model chunks per pipeline rank "
+                       "(zbv, dualpipev: 2)")
     price.add_argument("--attention", default="flash", choices=["flash", "materialized"],
                        help="the attention kernel priced (default flash, what shardzoo runs)")
     p.set_defaults(func=run_plan)
@@ -59,9 +62,9 @@ def run_plan(args: argparse.Namespace) -> int:
 
     if args.price:
         return run_price(args)
-    if args.device_memory_gib is None or args.schedule == "interleaved":
+    if args.device_memory_gib is None or args.schedule not in ("1f1b", "gpipe"):
         what = "--device-memory-gib is required" if args.device_memory_gib is None else \
-            "--schedule interleaved prices one layout: add --price LAYOUT"
+            f"--schedule {args.schedule} prices one layout: add --price LAYOUT"
         print(f"shardzoo plan: error: {what}", file=sys.stderr)
         return 2
     if args.top is not None and args.top < 1:

@@ -65,6 +65,8 @@ class StageReport:
     denominator: int
     share: float = 1.0  # the host model's rank_share: below 1 when ranks time-share a CPU host's cores
     stages_alike: int = 1  # pipeline stages of this one's kind (same ends and block count), itself included
+    forward_seconds: float = 0.0  # of micro_seconds: the forward (F of the zero-bubble schedules)
+    weight_seconds: float = 0.0  # of micro_seconds: the weight-gradient matmuls (their W)
 
     @property
     def comm_bytes(self) -> Fraction:
@@ -236,19 +238,22 @@ class Pricer:
             step_s = step_links.seconds(step) + optimizer / share
             ddp_s, ddp_calls = self._ddp_seconds(step, step_links) if zero <= 1 else (0.0, 0)
             step_bytes = self._total(step)
+            # the weight-gradient matmuls: as many FLOPs as the forward's
+            weights = cost.work[0] / (hw.flops * hw.flops_efficiency) / share
             for ckpt in checkpointing:
                 memory = stage_memory(cost, stage=stage, pp=candidate.pp, micro_batches=m, checkpointing=ckpt,
                                       zero=zero, dp_ranks=n, param_bytes=ep, schedule=self.schedule,
-                                      runtime=hw.runtime_bytes)
+                                      runtime=hw.runtime_bytes, virtual_stages=candidate.virtual_stages)
                 compute = timing.compute_seconds(cost, ckpt, hw, problem.e) / share
                 # backward (with the recompute in it) is (2 + r) / (3 + r) of a micro-batch's compute
                 r = 1 if ckpt and cost.blocks else 0
                 hidden = ddp_s - hw.host.exposed_reduction(ddp_s, ddp_calls, compute * (2 + r) / (3 + r))
                 comm_s = base_s + z_s + (rc_s if ckpt and cost.blocks else 0.0)
                 per_mb = base_bytes + z_bytes + (rc_bytes if ckpt and cost.blocks else 0)
-                out[(ckpt, zero)] = StageReport(stage, memory, held // n if zero == 3 else held, compute + comm_s,
+                micro = compute + comm_s
+                out[(ckpt, zero)] = StageReport(stage, memory, held // n if zero == 3 else held, micro,
                                                 step_s - hidden, compute, per_mb * m + step_bytes, self.denominator,
-                                                share)
+                                                share, forward_seconds=micro / (3 + r), weight_seconds=weights)
         return out
 
     @staticmethod

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from shardzoo.planner.schedules import fill_fraction
+
 
 @dataclass(frozen=True)
 class DedicatedDevices:
@@ -36,17 +38,22 @@ class DedicatedDevices:
         wait depends on it."""
         return latency
 
-    def pipeline_seconds(self, m: int, pp: int, reports, virtual_stages: int = 1) -> float:
+    def pipeline_seconds(self, m: int, pp: int, reports, virtual_stages: int = 1, schedule: str = "1f1b") -> float:
         """Forward and backward of m micro-batches through pp stages (``evaluate.StageReport``s,
         each standing for ``stages_alike`` stages): the slowest stage's m micro-batches plus one
         through each other stage, ``(m - 1) * max_k t_k + sum_k t_k``. Interleaved over v
         chunks per rank, the fill and drain pass chunks of 1 / v of a stage (Narayanan et al.
-        2021, sec. 2.2.2): ``m * max_k t_k + (sum_k t_k - max_k t_k) / v``."""
-        slowest = max(r.micro_seconds for r in reports)
-        if virtual_stages == 1:
+        2021, sec. 2.2.2): ``m * max_k t_k + (sum_k t_k - max_k t_k) / v``; the zero-bubble
+        schedules fill them with deferred weight gradients (``schedules.fill_fraction``, with
+        the slowest stage's F, B and W)."""
+        slow = max(reports, key=lambda r: r.micro_seconds)
+        slowest = slow.micro_seconds
+        if virtual_stages == 1 and schedule in ("1f1b", "gpipe"):
             return (m - 1) * slowest + sum(r.micro_seconds * r.stages_alike for r in reports)
         rest = sum(r.micro_seconds * r.stages_alike for r in reports) - slowest
-        return m * slowest + rest / virtual_stages
+        w = slow.weight_seconds
+        fill = fill_fraction(schedule, virtual_stages, slow.forward_seconds, slowest - slow.forward_seconds - w, w)
+        return m * slowest + rest * fill
 
     # DDP all-reduces each gradient bucket as backward fills it, on its own stream
     overlaps_backward = True

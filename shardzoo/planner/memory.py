@@ -4,7 +4,7 @@
            + max(k * A + R + min(G, G_last), G + (k - 1) * A + A_first) + workspace
 
 with k the micro-batches a stage holds activations of at once (1F1B: min(pp - stage, m);
-GPipe: m), A the activation bytes of one micro-batch (saved tensors, and the stage's input /
+GPipe: m; the other schedules: ``schedules.in_flight``), A the activation bytes of one micro-batch (saved tensors, and the stage's input /
 output the pipeline keeps), R the activations one block recomputes under checkpointing, G the
 gradient bytes (G_last / A_first: of the head / the embeddings, the first gradients made and
 the last activations freed). DDP's buckets (stages 0 and 1) hold another copy of the
@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardzoo.planner.model import StageCost
+from shardzoo.planner.schedules import in_flight
 
 ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq, in the parameter dtype
 
@@ -42,13 +43,6 @@ class MemoryBreakdown:
         return self.runtime + self.params + self.optimizer + self.buffers + self.dynamic + self.workspace
 
 
-def in_flight(schedule: str, stage: int, pp: int, micro_batches: int) -> int:
-    """Micro-batches whose activations stage ``stage`` holds at once."""
-    if pp == 1:
-        return 1
-    return micro_batches if schedule == "gpipe" else min(pp - stage, micro_batches)
-
-
 def activation_bytes(cost: StageCost, checkpointing: bool, first: bool, last: bool) -> tuple[int, int]:
     """(bytes of one micro-batch's activations, of its embeddings alone)."""
     blocks = cost.blocks * (cost.kept_per_block if checkpointing else cost.block_saved)
@@ -57,7 +51,8 @@ def activation_bytes(cost: StageCost, checkpointing: bool, first: bool, last: bo
 
 
 def stage_memory(cost: StageCost, *, stage: int, pp: int, micro_batches: int, checkpointing: bool, zero: int,
-                 dp_ranks: int, param_bytes: int, schedule: str, runtime: int) -> MemoryBreakdown:
+                 dp_ranks: int, param_bytes: int, schedule: str, runtime: int,
+                 virtual_stages: int = 1) -> MemoryBreakdown:
     """Peak bytes of one rank of pipeline stage ``stage`` (``dp_ranks``: the group ZeRO shards over and
     DDP reduces over: dp x sp, or dp for stages 0 / 1 of a ``parallelize``'d model)."""
     first, last = cost.is_first, cost.is_last
@@ -75,8 +70,9 @@ def stage_memory(cost: StageCost, *, stage: int, pp: int, micro_batches: int, ch
     else:
         buffers = 0
     per_mb, embed = activation_bytes(cost, checkpointing, first, last)
-    k = in_flight(schedule, stage, pp, micro_batches)
+    k = in_flight(schedule, stage, pp, micro_batches, virtual_stages)
+    held = int(k * per_mb)
     recompute = cost.block_saved if checkpointing and cost.blocks else 0
-    dynamic = max(k * per_mb + recompute + min(grads, g_last), grads + (k - 1) * per_mb + embed)
+    dynamic = max(held + recompute + min(grads, g_last), grads + held - per_mb + embed)
     workspace = cost.workspace + 2 * cost.kept_per_block
-    return MemoryBreakdown(runtime, params, grads, optimizer, buffers, k * per_mb, dynamic, workspace)
+    return MemoryBreakdown(runtime, params, grads, optimizer, buffers, held, dynamic, workspace)

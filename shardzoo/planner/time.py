@@ -78,16 +78,17 @@ class Links:
         return total
 
 
-def step_seconds(candidate, reports, host=DEDICATED) -> float:
+def step_seconds(candidate, reports, host=DEDICATED, schedule: str = "1f1b") -> float:
     """Seconds of a training step of ``candidate`` (an ``evaluate.Candidate``) from its priced stages
     (``evaluate.StageReport``s): the m micro-batches through the pipeline (the host model's
     ``pipeline_seconds``: ``(m - 1) * max_k t_k + sum_k t_k``, the familiar ``(m + pp - 1) * t``
-    when the stages are alike), then the per-step work."""
+    when the stages are alike; ``schedule``, one of ``schedules.SCHEDULES``, where v > 1), then
+    the per-step work."""
     m, pp, v = candidate.micro_batches, candidate.pp, getattr(candidate, "virtual_stages", 1)
     if pp == 1:
         pipe = m * max(r.micro_seconds for r in reports)
     else:  # a host model without interleaving (v = 1) is asked as before
-        pipe = host.pipeline_seconds(m, pp, reports, v) if v > 1 else host.pipeline_seconds(m, pp, reports)
+        pipe = host.pipeline_seconds(m, pp, reports, v, schedule) if v > 1 else host.pipeline_seconds(m, pp, reports)
     return pipe + max(r.step_seconds for r in reports)
 
 

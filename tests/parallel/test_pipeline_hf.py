@@ -1,12 +1,14 @@
 """transformers causal LMs cut into pipeline stages by ``shardzoo.parallelize`` and run by
 ``shardzoo.pipeline`` under every schedule, through their own code: the step's loss on every
 rank and every weight after one optimizer step equal the serial model (fp32, padding included),
-with 1d (Megatron sequence parallelism on), 2d, sp, dp with ZeRO 1 and 3, uneven stages and
-activation checkpointing; each rank holds only its stage's parameters."""
+with 1d (Megatron sequence parallelism on), 2d, sp, dp with ZeRO 1 and 3, uneven stages,
+activation checkpointing and bf16 (against the serial bf16 model); each rank holds only its
+stage's parameters. Dropout draws its masks in a pipeline and checkpointing replays them."""
 
 import functools
 
 import pytest
+import torch
 
 pytest.importorskip("transformers", reason="transformers is in the test extra; these tests build its models")
 
@@ -26,6 +28,7 @@ CASES = {
     "llama-pp2-dp2-zero1-zero-bubble": ("llama", dict(pp=2, dp=2), 4, 4, "zero_bubble", 2,
                                         dict(zero=1, virtual_stages=2)),
     "gpt2-pp2-tp2-dualpipev": ("gpt2", dict(pp=2, tp=2), 4, 4, "dualpipev", 4, dict(virtual_stages=2, placement="v")),
+    "llama-pp2-1d-tp2-bf16-1f1b": ("llama", dict(pp=2, tp=2), 4, 2, "1f1b", 2, dict(dtype=torch.bfloat16)),
 }
 
 
@@ -68,3 +71,9 @@ def test_split_backward_schedules_refuse_fsdp():
     from support.hf_pipeline import check_split_backward_refuses_fsdp
 
     run_on_ranks(check_split_backward_refuses_fsdp, 4)
+
+
+def test_dropout_in_a_pipeline_draws_and_replays_its_masks():
+    from support.hf_pipeline import check_pipeline_dropout
+
+    run_on_ranks(check_pipeline_dropout, 4)

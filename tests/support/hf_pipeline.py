@@ -49,15 +49,17 @@ def check_holdings(parallel, serial) -> None:
 
 def check_pipeline(kind: str, mesh_kwargs: dict, layers: int, schedule: str, n_microbatches: int, *,
                    stages=None, virtual_stages: int = 1, placement: str = "loop", zero: int | None = None,
-                   sp_mode: str = "ring", checkpointing: bool = False) -> float:
-    """On every rank: one pipelined SGD step (lr 1) of a tiny ``kind`` model with ``layers`` blocks
-    equals the serial step; returns the largest parameter difference."""
+                   sp_mode: str = "ring", checkpointing: bool = False, dtype: torch.dtype = torch.float32) -> float:
+    """On every rank: one pipelined SGD step (lr 1) of a tiny ``kind`` model with ``layers`` blocks,
+    its parameters in ``dtype``, equals the serial step in that dtype; returns the largest
+    parameter difference."""
     import shardzoo
 
     batch = padded_batch()
     overrides = {LAYERS.get(kind, "num_hidden_layers"): layers}
     serial = tiny_causal_lm(kind, **overrides)
     exact = copy.deepcopy(serial).double()
+    serial = serial.to(dtype)
     parallel = copy.deepcopy(serial)
     out_s, out_x = _step(serial, batch), _step(exact, batch)
 
@@ -70,14 +72,14 @@ def check_pipeline(kind: str, mesh_kwargs: dict, layers: int, schedule: str, n_m
     ids, mask, labels = (t[dp_rows(batch[0].shape[0], mesh)] for t in batch)
     loss = pipe.step(input_ids=ids, attention_mask=mask, labels=labels)
     norm = shardzoo.models.training.global_grad_norm(parallel, mesh)  # over every stage, the tied table once
-    assert_close_conditioned(norm.float(), out_s.grad_norm.float(), out_x.grad_norm, f"{kind} {schedule} gradient norm",
-                             terms=TINY_MODEL_TERMS)
+    assert_close_conditioned(norm.to(dtype), out_s.grad_norm.to(dtype), out_x.grad_norm,
+                             f"{kind} {schedule} gradient norm", terms=TINY_MODEL_TERMS)
     optimizer = shardzoo.zero_optimizer(parallel, torch.optim.SGD, lr=1.0) if zero is not None else \
         torch.optim.SGD(parallel.parameters(), lr=1.0)
     optimizer.step()
 
     assert_close_conditioned(loss, out_s.loss.detach(), out_x.loss.detach(), f"{kind} {schedule} loss",
-                             terms=TINY_MODEL_TERMS)
+                             terms=TINY_MODEL_TERMS, computed_in=dtype)
     check_holdings(parallel, serial)
     full = shardzoo.full_state_dict(parallel)  # every stage's tensors, on every rank
     reference, exact_state = serial.state_dict(), exact.state_dict()
@@ -213,3 +215,36 @@ def check_split_backward_refuses_fsdp() -> None:
                                                         virtual_stages=2), mesh, zero=3)
     with pytest.raises(ValueError, match=r"schedule='zero_bubble' computes weight gradients apart .* zero=3"):
         shardzoo.pipeline(model, mesh, schedule="zero_bubble")
+
+
+def _pipelined_dropout_step(serial, mesh, batch, checkpointing: bool, seed: int):
+    """One pipelined 1F1B step of a copy of ``serial`` from torch seed ``seed``: (loss, this rank's
+    {name: gradient})."""
+    import shardzoo
+
+    model = shardzoo.parallelize(copy.deepcopy(serial), mesh, checkpointing=checkpointing)
+    pipe = shardzoo.pipeline(model, mesh, n_microbatches=2, schedule="1f1b")
+    torch.manual_seed(seed)
+    loss = pipe.step(**batch)
+    return loss, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def check_pipeline_dropout() -> None:
+    """On every rank of pp=2 x 1d tp=2 (Megatron sequence parallelism on): a GPT-2 with every
+    dropout at 0.1 draws masks in a pipelined step (its loss differs from the same step with
+    dropout off), and activation checkpointing replays them (loss and every gradient equal to
+    the step without it, from the same seed)."""
+    ids, mask, labels = padded_batch()
+    batch = dict(input_ids=ids, attention_mask=mask, labels=labels)
+    mesh = cached_mesh(pp=2, tp=2)
+    drops = dict(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+    serial = tiny_causal_lm("gpt2", n_layer=4, **drops)
+    loss, grads = _pipelined_dropout_step(serial, mesh, batch, False, seed=3)
+    replayed, replayed_grads = _pipelined_dropout_step(serial, mesh, batch, True, seed=3)
+    plain = tiny_causal_lm("gpt2", n_layer=4)  # the same weights (same seed), dropout off
+    undropped, _ = _pipelined_dropout_step(plain, mesh, batch, False, seed=3)
+    assert not torch.equal(loss, undropped), "dropout at 0.1 drew no mask in a pipelined step"
+    torch.testing.assert_close(replayed, loss, rtol=0, atol=0)
+    for name, grad in grads.items():
+        # the recompute replays the same kernels on the same inputs and masks: bitwise
+        torch.testing.assert_close(replayed_grads[name], grad, rtol=0, atol=0, msg=f"{name} under checkpointing")
