@@ -17,7 +17,8 @@ What this rank does not hold is replaced, before any weight is allocated or spli
 which keeps every block's index, so per-layer config entries still line up); a module before
 the blocks that holds weights other than the token table (GPT-2's learned positions, added to
 the input embeddings) becomes a :class:`ZeroPlaceholder`, since a later stage's input already
-contains it. A rank holding several stages runs one at a time: the block list shows the active
+contains it; the token embedding of a model of one's own becomes a :class:`Received`, which
+returns the stage's input (transformers models take it as ``inputs_embeds``). A rank holding several stages runs one at a time: the block list shows the active
 stage's blocks only (:class:`StageBlocks`) and the modules before / after the blocks act as
 placeholders outside the first / last stage (:class:`StageGate`).
 """
@@ -52,6 +53,18 @@ class Placeholder(nn.Module):
         return "held by another pipeline stage"
 
 
+class Received(Placeholder):
+    """Stands for the token embedding of a model of one's own on a stage that does not hold it:
+    returns the activation the stage received from the previous one."""
+
+    def __init__(self, cut: "StageCut"):
+        super().__init__()
+        self.__dict__["cut"] = cut  # not a submodule
+
+    def forward(self, *args, **kwargs):
+        return self.__dict__["cut"].incoming
+
+
 class ZeroPlaceholder(Placeholder):
     """Stands for an embedding added to the inputs on the first stage: adds nothing later."""
 
@@ -75,6 +88,10 @@ class StageCut:
     tied: bool = False
     head: str | None = None  # the output embedding (an untied copy of the table on a last stage)
     active: int | None = None  # the stage whose forward runs now (several held), else None
+    # a model of one's own takes a later stage's input where its token embedding's output was
+    # (transformers models take it as inputs_embeds): the activation received, while a stage runs
+    through_embedding: bool = False
+    incoming: torch.Tensor | None = None
 
     @property
     def n_stages(self) -> int:
@@ -190,13 +207,25 @@ def cut(model: nn.Module, mesh, *, stages=None, virtual_stages: int = 1, placeme
     names = {id(m): n for n, m in modules.items()}
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     tied = inp is not None and out is not None and getattr(inp, "weight", None) is getattr(out, "weight", 0)
-    result = StageCut(counts, mesh.pp_size, placement, held, blocks, before, after, names.get(id(inp)), tied,
-                      names.get(id(out)))
+    embedding = names.get(id(inp)) if hf else _token_module(model, pp_plan, before)
+    result = StageCut(counts, mesh.pp_size, placement, held, blocks, before, after, embedding, tied,
+                      names.get(id(out)), through_embedding=not hf)
     _replace(model, result)
     model.__dict__[CUT] = result
     if tied and result.holds_last and not result.holds_first and result.head and result.embedding:
         set_tied_copies(model, {f"{result.head}.weight": f"{result.embedding}.weight"})
     return result
+
+
+def _token_module(model: nn.Module, pp_plan: dict | None, before: list[str]) -> str | None:
+    """The module of a plan of one's own that reads the token ids (its inputs name
+    ``input_ids``), else the first module before the blocks."""
+    plan = pp_plan if pp_plan is not None else getattr(model, "pp_plan", None) or {}
+    for name in before:
+        entry = plan.get(name)
+        if entry and "input_ids" in entry[0]:
+            return name
+    return before[0] if before else None
 
 
 def _replace(model: nn.Module, result: StageCut) -> None:
@@ -209,7 +238,8 @@ def _replace(model: nn.Module, result: StageCut) -> None:
         for name in result.before:
             module = model.get_submodule(name)
             weights = name != result.embedding and next(module.parameters(), None) is not None
-            model.set_submodule(name, ZeroPlaceholder() if weights else Placeholder())
+            received = name == result.embedding and result.through_embedding
+            model.set_submodule(name, Received(result) if received else ZeroPlaceholder() if weights else Placeholder())
     if not result.holds_last:
         for name in result.after:
             model.set_submodule(name, Placeholder())
@@ -226,9 +256,11 @@ def gate_ends(model: nn.Module) -> None:
     if result is None or len(result.held) == 1:
         return
     for name in result.before if result.holds_first else ():
+        module = model.get_submodule(name)
         if name != result.embedding:
-            module = model.get_submodule(name)
             _gate(module, result, 0, zero=next(module.parameters(), None) is not None)
+        elif result.through_embedding:
+            _gate(module, result, 0, zero=False, received=True)
     for name in result.after if result.holds_last else ():
         _gate(model.get_submodule(name), result, result.n_stages - 1, zero=False)
 
@@ -259,14 +291,16 @@ _IDENTITY = Placeholder()
 class StageGate:
     """A held module's forward that acts as its placeholder while another of the rank's stages runs."""
 
-    def __init__(self, module: nn.Module, cut: StageCut, stage: int, zero: bool):
-        self.forward, self.cut, self.stage, self.zero = module.forward, cut, stage, zero
+    def __init__(self, module: nn.Module, cut: StageCut, stage: int, zero: bool, received: bool = False):
+        self.forward, self.cut, self.stage, self.zero, self.received = module.forward, cut, stage, zero, received
 
     def __call__(self, *args, **kwargs):
         if self.cut.runs(self.stage):
             return self.forward(*args, **kwargs)
+        if self.received:  # a token embedding of one's own: the stage's received activation
+            return self.cut.incoming
         return torch.zeros(()) if self.zero else (args[0] if args else next(iter(kwargs.values())))
 
 
-def _gate(module: nn.Module, cut: StageCut, stage: int, zero: bool) -> None:
-    module.forward = StageGate(module, cut, stage, zero)
+def _gate(module: nn.Module, cut: StageCut, stage: int, zero: bool, received: bool = False) -> None:
+    module.forward = StageGate(module, cut, stage, zero, received)

@@ -5,7 +5,8 @@ schedule; ``pipe.step(input_ids=..., attention_mask=..., labels=...)`` is one tr
 Each stage this rank holds is a :class:`StageView`: a module whose forward calls the model
 itself (its hooks split the inputs; its own code runs), the first stage with ``input_ids``, a
 later one with the activation it received as ``inputs_embeds`` (the ids go along only to size
-the batch). The padding mask and position ids travel to every stage as keyword arguments,
+the batch); a model of one's own, whose forward takes ids only, gets that activation from its
+token embedding's place (``pipeline_cut.Received``). The padding mask and position ids travel to every stage as keyword arguments,
 which torch's schedules split into micro-batches for every stage alike. The view holds the
 stage's modules as its submodules, so torch's stage sees that stage's parameters only (the
 zero-bubble schedules split each backward by them), and a ZeRO 0 / 1 model gets one DDP engine
@@ -67,13 +68,16 @@ class StageView(nn.Module):
         kwargs = {"attention_mask": attention_mask, "position_ids": position_ids}
         if self.first:
             kwargs["input_ids"] = x
+        elif cut.through_embedding:  # a model of one's own: its token embedding's place returns x
+            kwargs["input_ids"] = input_ids
+            cut.incoming = _ContiguousGrad.apply(x)
         else:
             kwargs.update(input_ids=input_ids, inputs_embeds=_ContiguousGrad.apply(x))
         cut.active = self.stage if len(cut.held) > 1 else None
         try:
             out = self.__dict__["model"](**{k: v for k, v in kwargs.items() if v is not None})
         finally:
-            cut.active = None
+            cut.active, cut.incoming = None, None
         out = out.logits if hasattr(out, "logits") else out
         out = out.contiguous()  # torch's stage receives into buffers of these strides
         # a view (an identity placeholder's, a sliced head input) cannot be detached in place,

@@ -77,3 +77,15 @@ def test_dropout_in_a_pipeline_draws_and_replays_its_masks():
     from support.hf_pipeline import check_pipeline_dropout
 
     run_on_ranks(check_pipeline_dropout, 4)
+
+
+@pytest.mark.parametrize("mesh_kwargs, world, schedule, layers, options", [
+    (dict(pp=2, tp=2), 4, "1f1b", 3, {}),
+    (dict(pp=2), 2, "zbv", 4, dict(virtual_stages=2, placement="v")),
+], ids=["pp2-1d-tp2-1f1b", "pp2-zbv"])
+def test_a_module_of_ones_own_is_pipelined_by_its_pp_plan(mesh_kwargs, world, schedule, layers, options):
+    """A model whose forward takes token ids only: a later stage's input takes its token
+    embedding's place; the rank holding the first and last stage (V placement) runs both."""
+    from support.user_model import check_user_model_pipeline
+
+    run_on_ranks(functools.partial(check_user_model_pipeline, **options), world, mesh_kwargs, schedule, layers)

@@ -153,3 +153,43 @@ def assert_params_match(parallel: nn.Module, serial: nn.Module, exact: nn.Module
     full, exact_state = shardzoo.full_state_dict(parallel), exact.state_dict()
     for name, value in serial.state_dict().items():
         assert_close_conditioned(full[name], value, exact_state[name], f"{name} after a step", terms=TINY_MODEL_TERMS)
+
+
+# TinyLM's pipeline plan: its modules in forward order, the blocks the one nn.ModuleList
+PP_PLAN = {"embed": (["input_ids"], ["inputs_embeds"]), "pos": (["position_ids"], ["position_embeds"]),
+           "drop": (["hidden_states"], ["hidden_states"]), "blocks": (["hidden_states"], ["hidden_states"]),
+           "ln_f": (["hidden_states"], ["hidden_states"]), "head": (["hidden_states"], ["logits"])}
+
+
+def check_user_model_pipeline(mesh_kwargs: dict, schedule: str, layers: int, virtual_stages: int = 1,
+                              placement: str = "loop") -> float:
+    """On every rank: a TinyLM (whose forward takes ids and a mask only) cut by ``PP_PLAN`` and
+    run by ``shardzoo.pipeline`` equals its serial twin: the step's loss and every parameter
+    after one SGD step (padding included). Returns the largest parameter difference."""
+    import shardzoo
+
+    torch.manual_seed(0)
+    serial = TinyLM(layers=layers)
+    exact, parallel = copy.deepcopy(serial).double(), copy.deepcopy(serial)
+    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(4, 16, dtype=torch.long)
+    mask[1, -5:], mask[3, -9:] = 0, 0
+    labels = ids.masked_fill(mask == 0, -100)
+
+    def serial_step(model):
+        logits = model(ids, mask)
+        return sgd_step(model, F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()))
+
+    loss_s, loss_x = serial_step(serial), serial_step(exact)
+    mesh = cached_mesh(**mesh_kwargs)
+    shardzoo.parallelize(parallel, mesh, PLAN, pp_plan=PP_PLAN, virtual_stages=virtual_stages, placement=placement)
+    pipe = shardzoo.pipeline(parallel, mesh, n_microbatches=2, schedule=schedule)
+    loss = pipe.step(input_ids=ids, attention_mask=mask, labels=labels)
+    torch.optim.SGD(parallel.parameters(), lr=1.0).step()
+    assert_close_conditioned(loss, loss_s, loss_x, f"{schedule} loss", terms=TINY_MODEL_TERMS)
+    full, reference, exact_state = shardzoo.full_state_dict(parallel), serial.state_dict(), exact.state_dict()
+    assert set(full) == set(reference), sorted(set(full) ^ set(reference))
+    for name, value in reference.items():
+        assert_close_conditioned(full[name], value, exact_state[name], f"{schedule} {name} after a step",
+                                 terms=TINY_MODEL_TERMS)
+    return max((full[n] - v).abs().max().item() for n, v in reference.items())
