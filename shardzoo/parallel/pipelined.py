@@ -135,8 +135,11 @@ class Pipeline:
             shards.partial_grads.merged = False  # weight gradients computed group by group (partial_grads.py)
         info = info_of(model)
         # what torch's stage calls for each view: the view, or its DDP engine (zero 0 / 1). Under a
-        # split backward DDP's reducer misses the weight pass, so the step averages over dp itself
-        self.average_after = info if schedule in _SPLIT_BACKWARD and info is not None and not info.noop else None
+        # split backward DDP's reducer misses the weight pass, so the step averages over dp itself;
+        # FSDP2 (zero 2 / 3) accumulates whole gradients and reduce-scatters them after the step
+        split = schedule in _SPLIT_BACKWARD and info is not None and not info.noop
+        self.average_after = info if split and info.zero <= 1 else None
+        self.fsdp_after = model if split and info.zero >= 2 else None
         self.engines = [view if self.average_after else _ddp(view, info) for view in self.views]
         device = default_device(mesh)
         stages = [PipelineStage(engine, view.stage, self.cut.n_stages, device, group=mesh.pp_group)
@@ -170,8 +173,11 @@ class Pipeline:
                                      "position_ids": position_ids}.items() if v is not None}
         args = (input_ids,) if self.cut.holds_first else ()
         losses: list[torch.Tensor] = []
+        resharding = _fsdp_hold(self.fsdp_after) if self.fsdp_after is not None else None
         self.schedule.step(*args, target=target if self.cut.holds_last else None, losses=losses,
                            return_outputs=False, **kwargs)
+        if self.fsdp_after is not None:
+            _fsdp_reduce(self.fsdp_after, resharding)
         self._sync_tied()
         if self.average_after is not None:
             _average_grads(self.views, self.average_after)
@@ -230,6 +236,48 @@ def _average_grads(views: list[StageView], info) -> None:
             g.copy_(piece.view_as(g))
 
 
+def _fsdp_sync(root, on: bool) -> None:
+    """FSDP2's gradient reduction and resharding after backward, on or off for every unit
+    under ``root`` (off: each micro-batch's weight pass adds to whole gradients)."""
+    root.set_requires_gradient_sync(on)
+    root.set_reshard_after_backward(on)
+    root.set_is_last_backward(on)
+
+
+def _fsdp_groups(root) -> list:
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    groups = [fully_shard.state(m)._fsdp_param_group for m in root.modules() if isinstance(m, FSDPModule)]
+    return [g for g in groups if g is not None]
+
+
+def _fsdp_hold(root) -> list:
+    """Before a split-backward step: every FSDP2 unit keeps its whole parameters and gradients
+    until the step's end (the weight pass finds the parameters the forward used only while they
+    stay gathered: ZeRO 3 runs as ZeRO 2 within the step). Returns each unit's resharding."""
+    _fsdp_sync(root, False)
+    groups = _fsdp_groups(root)
+    resharding = [g.post_forward_mesh_info for g in groups]
+    root.set_reshard_after_forward(False)
+    return resharding
+
+
+def _fsdp_reduce(root, resharding: list) -> None:
+    """After a split-backward step: reduce-scatter every unit's whole gradients and reshard its
+    parameters, as FSDP2's post-backward does after an ordinary backward (torch's pipeline stage
+    does the same for a stage that is itself an FSDP module), and restore each unit's resharding."""
+    from torch.distributed.fsdp import fully_shard
+
+    _fsdp_sync(root, True)
+    state = fully_shard.state(root)
+    for unit in state._state_ctx.all_states:
+        for group in unit._fsdp_param_groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()
+    for group, info in zip(_fsdp_groups(root), resharding):
+        group.post_forward_mesh_info = info
+
+
 def _same_rank_ends(cut: pipeline_cut.StageCut) -> bool:
     return cut.rank_of(0) == cut.rank_of(cut.n_stages - 1)
 
@@ -277,11 +325,6 @@ def pipeline(model: nn.Module, mesh, *, n_microbatches: int = 4, schedule: str =
     if want == "loop" and (per_rank < 2 or cut.placement != "loop"):
         raise ValueError(f"schedule={schedule!r} needs >= 2 stages per rank in loop placement; the model was cut with "
                          f"virtual_stages={per_rank}, placement={cut.placement!r}: parallelize with virtual_stages=2")
-    info = info_of(model)
-    if schedule in _SPLIT_BACKWARD and info is not None and not info.noop and info.zero >= 2:
-        raise ValueError(f"schedule={schedule!r} computes weight gradients apart from input gradients, which FSDP2 "
-                         f"(data_parallel zero={info.zero}) does not follow on a stage of a cut model; use zero=0 or 1 "
-                         f"with it, or a 1f1b / interleaved_1f1b schedule with zero={info.zero}")
     if want == "v" and cut.placement != "v":
         raise ValueError(f"schedule={schedule!r} needs the V placement; parallelize with virtual_stages=2, "
                          f"placement='v'")

@@ -28,6 +28,10 @@ CASES = {
     "llama-pp2-dp2-zero1-zero-bubble": ("llama", dict(pp=2, dp=2), 4, 4, "zero_bubble", 2,
                                         dict(zero=1, virtual_stages=2)),
     "gpt2-pp2-tp2-dualpipev": ("gpt2", dict(pp=2, tp=2), 4, 4, "dualpipev", 4, dict(virtual_stages=2, placement="v")),
+    "qwen2-tied-pp2-dp2-zero3-zbv": ("qwen2", dict(pp=2, dp=2), 4, 4, "zbv", 2,
+                                     dict(zero=3, virtual_stages=2, placement="v")),
+    "llama-pp2-dp2-zero2-zero-bubble": ("llama", dict(pp=2, dp=2), 4, 4, "zero_bubble", 2,
+                                        dict(zero=2, virtual_stages=2)),
     "llama-pp2-1d-tp2-bf16-1f1b": ("llama", dict(pp=2, tp=2), 4, 2, "1f1b", 2, dict(dtype=torch.bfloat16)),
 }
 
@@ -65,12 +69,6 @@ def test_checkpoint_of_a_pipeline_reshards(tmp_path, target, stages):
     from support.hf_pipeline import check_checkpoint_reshards
 
     run_on_ranks(check_checkpoint_reshards, 4, str(tmp_path / "ck"), target, stages)
-
-
-def test_split_backward_schedules_refuse_fsdp():
-    from support.hf_pipeline import check_split_backward_refuses_fsdp
-
-    run_on_ranks(check_split_backward_refuses_fsdp, 4)
 
 
 def test_dropout_in_a_pipeline_draws_and_replays_its_masks():

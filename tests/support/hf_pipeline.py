@@ -203,20 +203,6 @@ def check_checkpoint_reshards(ckpt_dir: str, target: dict, stages) -> None:
         assert torch.equal(full[name], value), f"{name} differs after the reshard"
 
 
-def check_split_backward_refuses_fsdp() -> None:
-    """On every rank of pp=2 x dp=2: a zero-bubble schedule over a ZeRO-3 model is refused by name
-    (FSDP2 does not follow a backward split into input and weight passes)."""
-    import pytest
-
-    import shardzoo
-
-    mesh = cached_mesh(pp=2, dp=2)
-    model = shardzoo.data_parallel(shardzoo.parallelize(tiny_causal_lm("llama", num_hidden_layers=4), mesh,
-                                                        virtual_stages=2), mesh, zero=3)
-    with pytest.raises(ValueError, match=r"schedule='zero_bubble' computes weight gradients apart .* zero=3"):
-        shardzoo.pipeline(model, mesh, schedule="zero_bubble")
-
-
 def _pipelined_dropout_step(serial, mesh, batch, checkpointing: bool, seed: int):
     """One pipelined 1F1B step of a copy of ``serial`` from torch seed ``seed``: (loss, this rank's
     {name: gradient})."""
