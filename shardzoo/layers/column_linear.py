@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from shardzoo.comm import ops
 from shardzoo.layers.common_1d import SEQ_DIM
+from shardzoo.layers.needed_grads import grads_needed, mark_tensors
 
 
 def _autocast_dtype(x: torch.Tensor):
@@ -28,6 +29,7 @@ class ColumnLinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, group, sequence_parallel):
         # autocast does not reach inside a Function's backward: cast here, once, as autocast would
         compute = _autocast_dtype(x) or x.dtype
+        mark_tensors(ctx, x, weight, bias, group, sequence_parallel)
         ctx.dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else None)
         ctx.group, ctx.sequence_parallel = group, sequence_parallel
         x_c, w_c = x.to(compute), weight.to(compute)
@@ -43,20 +45,23 @@ class ColumnLinearFunction(torch.autograd.Function):
     def backward(ctx, dy):
         total, w_c = ctx.saved_tensors
         x_dtype, w_dtype, b_dtype = ctx.dtypes
+        need_x, need_w, need_b = grads_needed(ctx)[:3]  # a split backward asks for dx or dW alone
         dy = dy.to(w_c.dtype)
-        dx = dy.matmul(w_c)  # fresh: reduced in place
-        if ctx.sequence_parallel:
-            finish, _ = ops.reduce_scatter_start(dx, ctx.group, SEQ_DIM)
-        else:
-            work = ops.all_reduce_start(dx, ctx.group)
+        dx = finish = work = None
+        if need_x:
+            dx = dy.matmul(w_c)  # fresh: reduced in place
+            if ctx.sequence_parallel:
+                finish, _ = ops.reduce_scatter_start(dx, ctx.group, SEQ_DIM)
+            else:
+                work = ops.all_reduce_start(dx, ctx.group)
         dy2, x2 = dy.reshape(-1, dy.shape[-1]), total.reshape(-1, total.shape[-1])
-        dw = dy2.t().matmul(x2).to(w_dtype) if ctx.needs_input_grad[1] else None
-        db = dy2.sum(0).to(b_dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        if ctx.sequence_parallel:
+        dw = dy2.t().matmul(x2).to(w_dtype) if need_w else None
+        db = dy2.sum(0).to(b_dtype) if ctx.has_bias and need_b else None
+        if finish is not None:
             dx = finish()
         elif work is not None:
             work.wait()
-        return dx.to(x_dtype), dw, db, None, None
+        return (dx.to(x_dtype) if dx is not None else None), dw, db, None, None
 
 
 def column_linear(x, weight, bias, group, sequence_parallel: bool) -> torch.Tensor:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from shardzoo.comm import ops
+from shardzoo.layers.needed_grads import grads_needed, mark_tensors
 
 
 class Grid2D:
@@ -88,6 +89,7 @@ class SummaLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, a, grid):
         ctx.grid = grid
+        mark_tensors(ctx, x, a, grid)
         ctx.save_for_backward(x, a)
         return summa_nn(x, a, grid)
 
@@ -95,8 +97,9 @@ class SummaLinear(torch.autograd.Function):
     def backward(ctx, dy):
         x, a = ctx.saved_tensors
         dy = dy.contiguous()
-        dx = summa_nt(dy, a, ctx.grid) if ctx.needs_input_grad[0] else None
-        da = summa_tn(x, dy, ctx.grid) if ctx.needs_input_grad[1] else None
+        need_x, need_a = grads_needed(ctx)[:2]  # a split backward asks for one of them
+        dx = summa_nt(dy, a, ctx.grid) if need_x else None
+        da = summa_tn(x, dy, ctx.grid) if need_a else None
         return dx, da, None
 
 
@@ -109,6 +112,7 @@ class SummaLinearT(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, e, grid):
         ctx.grid = grid
+        mark_tensors(ctx, x, e, grid)
         ctx.save_for_backward(x, e)
         return summa_nt(x, e, grid)
 
@@ -116,8 +120,9 @@ class SummaLinearT(torch.autograd.Function):
     def backward(ctx, dy):
         x, e = ctx.saved_tensors
         dy = dy.contiguous()
-        dx = summa_nn(dy, e, ctx.grid) if ctx.needs_input_grad[0] else None
-        de = summa_tn(dy, x, ctx.grid) if ctx.needs_input_grad[1] else None
+        need_x, need_e = grads_needed(ctx)[:2]
+        dx = summa_nn(dy, e, ctx.grid) if need_x else None
+        de = summa_tn(dy, x, ctx.grid) if need_e else None
         return dx, de, None
 
 
