@@ -21,12 +21,12 @@ class Experts(Style):
     def accepts(self, module: nn.Module) -> bool:
         return is_experts(module)
 
-    def build(self, module: nn.Module, ctx: Build) -> nn.Module | None:
-        mesh = ctx.mesh
+    def check_mesh(self, name: str, module: nn.Module, mesh, mode: str) -> None:
+        """Raise unless ``module`` (planned as ``name``) splits over ``mesh``'s ep in ``mode``."""
         if mesh.ep_size == 1:
-            return None
-        if ctx.mode != "1d":
-            raise ValueError(f"ep={mesh.ep_size} with tp_mode={ctx.mode!r} is not built: the {ctx.mode} layout splits "
+            return
+        if mode != "1d":
+            raise ValueError(f"ep={mesh.ep_size} with tp_mode={mode!r} is not built: the {mode} layout splits "
                              f"the tokens an expert reads over its grid; expert parallelism works with tp_mode='1d' "
                              f"and tp=1 (with dp, sp and ZeRO); use those, or ep=1")
         if mesh.tp_size > 1:
@@ -34,6 +34,11 @@ class Experts(Style):
                              f"with tp=1 (with dp, sp and ZeRO); use tp=1, or ep=1")
         n_experts = module.gate_up_proj.shape[0]
         if n_experts % mesh.ep_size != 0:
-            raise ValueError(f"ep={mesh.ep_size} does not divide the {n_experts} experts: each ep rank holds whole "
-                             f"experts, n_experts / ep of them; use an ep that divides {n_experts}")
-        return ExpertsEP.from_serial(module, mesh, device=module.gate_up_proj.device)
+            raise ValueError(f"{name}: ep={mesh.ep_size} does not divide the {n_experts} experts: each ep rank holds "
+                             f"whole experts, n_experts / ep of them; use an ep that divides {n_experts}")
+
+    def build(self, module: nn.Module, ctx: Build) -> nn.Module | None:
+        if ctx.mesh.ep_size == 1:
+            return None
+        self.check_mesh(ctx.name, module, ctx.mesh, ctx.mode)
+        return ExpertsEP.from_serial(module, ctx.mesh, device=module.gate_up_proj.device)
