@@ -5,6 +5,7 @@ from shardzoo.comm.collectives import (
     all_gather,
     all_reduce,
     all_to_all,
+    all_to_all_v,
     broadcast,
     copy_to,
     gather_from,
@@ -19,7 +20,7 @@ from shardzoo.comm.tp_grids import TP_GRIDS, TP_MODES, TpGrid
 from shardzoo.comm.workers import RankTimeoutError, RemoteTraceback, WorkerDiedError, WorkerPool
 
 __all__ = [
-    "CommCounter", "count", "all_gather", "all_reduce", "all_to_all", "broadcast", "copy_to",
+    "CommCounter", "count", "all_gather", "all_reduce", "all_to_all", "all_to_all_v", "broadcast", "copy_to",
     "gather_from", "reduce_from", "reduce_scatter", "scatter_to", "launch", "TP_GRIDS", "TP_MODES", "TpGrid",
     "ParallelMesh", "RingExchange", "recv", "send", "RankTimeoutError", "RemoteTraceback",
     "WorkerDiedError", "WorkerPool",

@@ -12,6 +12,7 @@ all_reduce      2 (p-1)/p * n        (n = tensor size)
 all_gather      (p-1)/p * n          (n = gathered output size)
 reduce_scatter  (p-1)/p * n          (n = full input size)
 all_to_all      (p-1)/p * n          (n = input size)
+all_to_all_v    n                    (n = the rows sent to the other ranks; uneven splits)
 broadcast       (p-1)/p * n          (pipelined chain, averaged over ranks)
 reduce          (p-1)/p * n          (the chain in reverse; broadcast's adjoint)
 send            n
@@ -35,6 +36,7 @@ _BYTE_FACTOR = {
     "all_gather": lambda p: Fraction(p - 1, p),
     "reduce_scatter": lambda p: Fraction(p - 1, p),
     "all_to_all": lambda p: Fraction(p - 1, p),
+    "all_to_all_v": lambda p: Fraction(1),
     "broadcast": lambda p: Fraction(p - 1, p),
     "reduce": lambda p: Fraction(p - 1, p),
     "send": lambda p: Fraction(1),

@@ -14,6 +14,7 @@ gather_from    all_gather along dim            keep this rank's chunk (output re
 all_gather     all_gather along dim            reduce_scatter along dim (output per rank)
 reduce_scatter reduce_scatter along dim        all_gather along dim
 all_to_all     split scatter_dim, cat gather   all_to_all with the dims swapped
+all_to_all_v   rows to members, uneven counts  all_to_all_v with the counts swapped
 broadcast      member src's tensor everywhere  reduce (sum) to src, zero elsewhere
 ============== ============================== ==========================================
 
@@ -120,6 +121,18 @@ class _AllToAll(torch.autograd.Function):
         return ops.all_to_all(grad, ctx.group, gather_dim, scatter_dim), None, None, None
 
 
+class _AllToAllUneven(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, send_splits, recv_splits):
+        ctx.group, ctx.splits = group, (send_splits, recv_splits)
+        return ops.all_to_all_uneven(x, group, send_splits, recv_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_splits, recv_splits = ctx.splits
+        return ops.all_to_all_uneven(grad, ctx.group, recv_splits, send_splits), None, None, None
+
+
 class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, src):
@@ -206,6 +219,15 @@ def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> tor
     scatter_dim, gather_dim = _norm_dim(x, scatter_dim), _norm_dim(x, gather_dim)
     ops.check_divisible(x, scatter_dim, ops.group_size(group), "all_to_all")
     return _AllToAll.apply(x, group, scatter_dim, gather_dim)
+
+
+def all_to_all_v(x: torch.Tensor, group, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
+    """Uneven all-to-all of the rows of ``x`` (ops.all_to_all_uneven): ``send_splits[i]`` rows to
+    member i, ``recv_splits[i]`` received from it, in member order: [sum(send), ...] ->
+    [sum(recv), ...]. Backward sends the gradient rows back the same way (counts swapped)."""
+    if ops.group_size(group) == 1:
+        return x
+    return _AllToAllUneven.apply(x, group, list(send_splits), list(recv_splits))
 
 
 def broadcast(x: torch.Tensor, group, src: int = 0) -> torch.Tensor:

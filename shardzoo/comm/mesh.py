@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from shardzoo.comm.expert_mesh import EXPERT_AXES, ExpertAxes, check_ep
 from shardzoo.comm.tp_grids import TP_MODES, tp_grid  # noqa: F401  (TP_MODES: the public name stays here too)
 
 
@@ -124,6 +125,11 @@ class ParallelMesh:
     Args:
         dp, pp, sp, tp: axis sizes; their product must equal the world size. One may be None
             and is inferred.
+        ep: expert parallelism: the experts of a MoE layer are split over groups of ``ep``
+            ranks of the dp x sp group (``group("ep")``, consecutive in dp x sp order, so an ep
+            equal to sp splits them over the sp ranks) and replicated over the rest of it, the
+            expert data parallel group (``group("edp")``, dp*sp/ep ranks), where their
+            gradients are averaged. ep divides dp*sp and adds no ranks; 1 (default): no split.
         tp_mode: "1d", "2d", "2.5d" or "3d" (the sub-grid of the tp axis).
         tp_depth: depth d of the 2.5d grid (tp = d*q*q).
         timeout: collective timeout of the groups (default: 10 minutes), so a dead rank makes
@@ -136,7 +142,10 @@ class ParallelMesh:
             (layers/rng_streams.py) still differs per tp rank. False leaves every generator alone.
 
     Axis names: "dp", "pp", "sp", "tp" and the tp sub-axes of the mode (module docstring).
-    ``mesh.group("tp_row", "tp_col")`` returns the group spanning several axes.
+    ``mesh.group("tp_row", "tp_col")`` returns the group spanning several axes. The expert axes
+    "ep" and "edp" (:data:`EXPERT_AXES`) split dp x sp another way: ``size``, ``rank`` and
+    ``ranks`` take them in place of dp and sp (with the tp axes), ``group`` and ``sub_mesh``
+    one at a time; their groups are made on first use (expert_mesh.py).
     """
 
     def __init__(
@@ -150,6 +159,7 @@ class ParallelMesh:
         *,
         timeout: datetime.timedelta | float | None = 600.0,
         sync_rng: bool = True,
+        ep: int = 1,
     ):
         seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
         if timeout is not None and not seconds > 0:  # checked before any group exists
@@ -160,6 +170,7 @@ class ParallelMesh:
         self.tp_grid = tp_grid(tp_mode)
         world = dist.get_world_size()
         sizes = _infer_sizes({"dp": dp, "pp": pp, "sp": sp, "tp": tp}, world)
+        check_ep(ep, sizes["dp"], sizes["sp"])  # before any group is made
         self.tp_mode = tp_mode
         self.tp_sub_axes = self.tp_grid.sub_axes
         tp_shape = self.tp_grid.shape(sizes["tp"], tp_depth)
@@ -178,6 +189,7 @@ class ParallelMesh:
         self._adopted: list = []  # groups others made for this mesh, closed with it
         coord = self.device_mesh.get_coordinate()
         self._coord = dict(zip(self.axis_names, coord))
+        self.expert = ExpertAxes(self, ep)
         if sync_rng:
             self._sync_default_rng()
 
@@ -208,26 +220,33 @@ class ParallelMesh:
         for a in axes:
             if a == "tp" and tp_is_split:
                 expanded.extend(self.tp_sub_axes)
-            elif a in self.axis_names:
+            elif a in self.axis_names or a in EXPERT_AXES:
                 expanded.append(a)
             else:
                 names = ", ".join(("tp",) + self.axis_names if tp_is_split else self.axis_names)
                 raise ValueError(f"unknown mesh axis {a!r} for tp_mode={self.tp_mode!r}; axes are {names}")
         if len(set(expanded)) != len(expanded):
             raise ValueError(f"mesh axes {axes} name an axis twice")
-        return tuple(sorted(expanded, key=self.axis_names.index))
+        if set(expanded) & set(EXPERT_AXES) and set(expanded) & {"dp", "sp"}:
+            raise ValueError(f"mesh axes {axes}: the expert axes ep / edp split dp x sp another way and do not combine "
+                             f"with dp or sp; ask for them with the other axes (pp, tp) only")
+        order = EXPERT_AXES + self.axis_names  # ep / edp stand where dp and sp do
+        return tuple(sorted(expanded, key=order.index))
 
     def size(self, *axes: str) -> int:
         """Number of ranks spanned by ``axes`` (all axes: the world size)."""
         axes = self.expand_axes(*axes) if axes else self.axis_names
-        return math.prod(self._sizes[a] for a in axes)
+        return math.prod(self.expert.sizes[a] if a in EXPERT_AXES else self._sizes[a] for a in axes)
 
     def rank(self, *axes: str) -> int:
         """This rank's index in the group spanned by ``axes`` (row-major over mesh order)."""
         axes = self.expand_axes(*axes) if axes else self.axis_names
         idx = 0
         for a in axes:
-            idx = idx * self._sizes[a] + self._coord[a]
+            if a in EXPERT_AXES:
+                idx = idx * self.expert.sizes[a] + self.expert.coord[a]
+            else:
+                idx = idx * self._sizes[a] + self._coord[a]
         return idx
 
     @property
@@ -241,13 +260,15 @@ class ParallelMesh:
         Multi-axis groups are created on first use; every rank must ask for them in the same
         order, as for any torch.distributed group creation."""
         axes = self.expand_axes(*axes)
-        if len(axes) == 1:
+        if len(axes) == 1 and axes[0] not in EXPERT_AXES:
             return self.device_mesh.get_group(axes[0])
         return self.sub_mesh(*axes).get_group()
 
     def sub_mesh(self, *axes: str) -> DeviceMesh:
         """A 1-D DeviceMesh over ``axes`` (flattened when several), for DTensor / FSDP2 interop."""
         axes = self.expand_axes(*axes)
+        if set(axes) & set(EXPERT_AXES):
+            return self.expert.sub_mesh(axes)
         if len(axes) == 1:
             return self.device_mesh[axes[0]]
         if axes not in self._combined:
@@ -262,7 +283,7 @@ class ParallelMesh:
         uses. Local to this rank; the mesh and modules built on it must not be used afterwards."""
         default = dist.distributed_c10d._get_default_group()
         groups = [self.device_mesh.get_group(a) for a in self.axis_names]
-        groups += [m.get_group() for m in self._combined.values()] + self._adopted
+        groups += [m.get_group() for m in self._combined.values()] + self._adopted + self.expert.groups()
         seen: set[int] = set()
         for g in groups:
             if g is None or g is default or id(g) in seen:
@@ -272,13 +293,14 @@ class ParallelMesh:
         # A DeviceMesh keeps its groups in a registry its slices share, and caches in torch
         # (DTensor's, FSDP2's) may keep the meshes alive: drop the groups from it, or each one's
         # thread outlives the close.
-        for m in [self.device_mesh, *self._combined.values()]:
+        for m in [self.device_mesh, *self._combined.values(), *self.expert.meshes()]:
             registry = getattr(m._get_root_mesh() if hasattr(m, "_get_root_mesh") else m, "_pg_registry", None)
             if isinstance(registry, dict):
                 for name in [n for n, g in registry.items() if g is not default]:
                     del registry[name]
         self._combined.clear()
         self._adopted.clear()
+        self.expert.forget()
         _forget_dtensor_specs()
 
     def adopt_group(self, group) -> None:
@@ -290,6 +312,8 @@ class ParallelMesh:
     def ranks(self, *axes: str) -> list[int]:
         """Global ranks of this rank's group over ``axes``, in group-rank order."""
         axes = self.expand_axes(*axes)
+        if set(axes) & set(EXPERT_AXES):
+            return self.expert.ranks(axes)
         mesh = self.device_mesh.mesh
         index = tuple(slice(None) if a in axes else self._coord[a] for a in self.axis_names)
         return [int(r) for r in mesh[index].flatten().tolist()]
@@ -357,9 +381,19 @@ class ParallelMesh:
     def sp_group(self):
         return self.group("sp")
 
+    @property
+    def ep_size(self) -> int:
+        return self.expert.sizes["ep"]
+
+    @property
+    def ep_rank(self) -> int:
+        return self.expert.coord["ep"]
+
     def __repr__(self) -> str:
         sizes = ", ".join(f"{a}={self._sizes[a]}" for a in ("dp", "pp", "sp", "tp"))
         sub = "x".join(str(self._sizes[a]) for a in self.tp_sub_axes)
+        if self.ep_size > 1:
+            sizes += f", ep={self.ep_size}"
         return f"ParallelMesh({sizes}, tp_mode={self.tp_mode!r} [{sub}], rank={dist.get_rank()})"
 
 

@@ -118,6 +118,27 @@ def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> tor
     return torch.cat(recv.unbind(0), gather_dim)
 
 
+def all_to_all_uneven(x: torch.Tensor, group, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
+    """Rows of ``x`` to the members of ``group``: the first ``send_splits[0]`` rows to member 0,
+    the next ``send_splits[1]`` to member 1, ...; returns the rows received, ``recv_splits[i]``
+    from member i, in member order: [sum(send_splits), ...] -> [sum(recv_splits), ...]. Every
+    member's ``recv_splits[j]`` is member j's ``send_splits`` entry for it. Counted as the bytes
+    of the rows this rank sends to the other members (its own stay)."""
+    p = group_size(group)
+    if p == 1:
+        return x
+    if len(send_splits) != p or len(recv_splits) != p or sum(send_splits) != x.shape[0]:
+        raise ValueError(f"all_to_all_uneven over {p} ranks needs {p} send and receive counts with the send counts "
+                         f"summing to the {x.shape[0]} rows of x; got send {send_splits}, receive {recv_splits}")
+    x = x.contiguous()
+    out = x.new_empty((sum(recv_splits),) + tuple(x.shape[1:]))
+    row_bytes = x[0].numel() * x.element_size() if x.dim() > 1 else x.element_size()
+    record("all_to_all_v", row_bytes * (sum(send_splits) - send_splits[group_rank(group)]), p)
+    dist.all_to_all_single(out, x, output_split_sizes=list(recv_splits), input_split_sizes=list(send_splits),
+                           group=group)
+    return out
+
+
 def broadcast(x: torch.Tensor, group, src: int) -> torch.Tensor:
     """``x`` of group member ``src`` on every rank (every rank passes a tensor of that shape)."""
     p = group_size(group)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from shardzoo.comm.expert_mesh import EXPERT_AXES
 from shardzoo.layers.shard_spec import ShardSpec, ShardSpecError
 
 
@@ -47,7 +48,7 @@ def mesh_axes(device_mesh, mesh) -> tuple[tuple[str, ...], ...]:
                              "ParallelMesh axes; shard over mesh.sub_mesh('dp', ...) of the model's ParallelMesh")
     out = []
     for dim, name in enumerate(names):
-        axes = _parse_axes(name, mesh.axis_names)
+        axes = _parse_axes(name, tuple(mesh.axis_names) + EXPERT_AXES)
         if axes is None or device_mesh.size(dim) != mesh.size(*axes) or \
                 dist.get_process_group_ranks(device_mesh.get_group(dim)) != mesh.ranks(*axes):
             raise ShardSpecError(f"DeviceMesh dim {name!r} is not a group of the model's {mesh!r}; shard over "

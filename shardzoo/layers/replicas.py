@@ -64,8 +64,11 @@ def checksum(t: torch.Tensor) -> torch.Tensor:
 
 def copy_axes(spec, mesh) -> tuple[str, ...]:
     """Mesh axes over which this rank's piece (``spec``; None: the whole tensor) is repeated:
-    every axis but pp and those the spec partitions it over."""
+    every axis but pp and those the spec partitions it over. A piece split over the expert axis
+    ep is repeated over edp and tp only (ep and edp take the place of dp and sp)."""
     parted = set(mesh.expand_axes(*spec.partitioned_over)) if spec is not None and spec.partitioned_over else set()
+    if parted & {"ep", "edp"}:
+        return tuple(a for a in ("edp",) + tuple(mesh.tp_sub_axes) if a not in parted)
     return tuple(a for a in mesh.axis_names if a != "pp" and a not in parted)
 
 

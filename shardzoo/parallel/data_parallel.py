@@ -19,6 +19,11 @@ zero   engine                                        sharded over the dp (x sp) 
 Every stage returns the model itself, wrapped in place: the same object, class, parameter
 names and methods (``model.loss``, ``model.shard_input``), whose calls now run the engine.
 
+With expert parallelism (``ParallelMesh(ep=E)``) the experts' parameters (layers/experts.py)
+are different on the ranks of an ep group, so they stay out of the dp x sp engine: their
+gradients are averaged over the expert data parallel group edp by their own layer (zero 0),
+or FSDP2 shards them over edp as their own units (zero 2 / 3); zero 1 is refused.
+
 The tensor-parallel parameters are plain local tensors, so FSDP2 shards each rank's piece
 along its dim 0 over the dp axes; the ShardSpec on the owning module still describes the
 piece (layers/dp_shard.py gives the rows this rank keeps). See docs/data_parallel.md.
@@ -32,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardzoo.layers.experts import ExpertsEP
 from shardzoo.parallel import pipeline_cut, sp_grads
 
 _MARK = "_shardzoo_data_parallel"  # module attribute: the DataParallelInfo of a wrapped model
@@ -114,7 +120,12 @@ def _ddp_in_place(model: nn.Module, info: DataParallelInfo) -> nn.Module:
 
     # a stage's microbatches all run backward before the reduction; DDP's bucket rebuild after
     # the first step counts every microbatch's hooks and fails, which find_unused_parameters skips
-    ddp = DistributedDataParallel(_OwnForward(model), process_group=info.group,
+    wrapped = _OwnForward(model)
+    experts = [f"model.{name}.{leaf}" for name, m in model.named_modules() if isinstance(m, ExpertsEP)
+               for leaf, _ in m.named_parameters()]
+    if experts:  # averaged over edp by their layer, not over dp (x sp)
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(wrapped, experts)
+    ddp = DistributedDataParallel(wrapped, process_group=info.group,
                                   find_unused_parameters=info.mesh.pp_size > 1)
     # kept outside _modules: registering DDP (which holds the model) would make a cycle of submodules
     model.__dict__[_DDP] = ddp
@@ -155,6 +166,19 @@ def _check_args(model, mesh, zero, mixed_precision, offload, reshard_after_forwa
         raise ValueError(f"offload=True moves sharded parameters, gradients and optimizer state from the GPU to CPU "
                          f"memory, but this run computes on CPU already (backend {dist.get_backend()!r}); there is no "
                          f"device to offload from. Drop offload=True, or run on GPUs with NCCL")
+
+
+def _check_experts(model: nn.Module, mesh, zero: int, units) -> None:
+    """Refuse what expert parallelism does not compose with, before anything is wrapped."""
+    if not any(isinstance(m, ExpertsEP) for m in model.modules()):
+        return
+    if zero == 1:
+        raise ValueError(f"zero=1 with ep={mesh.ep_size}: ZeroRedundancyOptimizer over dp x sp would broadcast one "
+                         f"rank's experts over ranks holding other experts; use zero=0, 2 or 3 (FSDP2 shards the "
+                         f"experts over the expert data parallel group)")
+    if zero >= 2 and units is not None:
+        raise ValueError(f"units= with ep={mesh.ep_size}: the experts are FSDP2 units of their own over edp; leave "
+                         f"units out")
 
 
 def _shared_elsewhere(module: nn.Module, counts: collections.Counter) -> bool:
@@ -198,6 +222,10 @@ def _fully_shard(model, info, zero, mixed_precision, offload, reshard_after_forw
                          f"{size} ranks of {'x'.join(info.axes)} other than 1 and {size} (the group resharded to)")
     units = block_units(model) if units is None else list(units)
     block = False if zero == 2 else (True if reshard_after_forward is None else reshard_after_forward)
+    experts = [m for m in model.modules() if isinstance(m, ExpertsEP)]
+    for module in experts:  # their own units over edp, before the blocks holding them
+        fully_shard(module, reshard_after_forward=block, **{**kwargs, "mesh": info.mesh.sub_mesh("edp")})
+        module.reduced_by_fsdp = True
     # the root's embeddings and head are the first used in backward: FSDP2's default keeps them
     root = False if zero == 2 else reshard_after_forward
     for unit in units:
@@ -236,6 +264,7 @@ def data_parallel(model: nn.Module, mesh, zero: int = 0, *, mixed_precision: str
         second call is refused like any double wrapping).
     """
     _check_args(model, mesh, zero, mixed_precision, offload, reshard_after_forward)
+    _check_experts(model, mesh, zero, units)
     # a parallelized model's backward() averages over sp already: DDP adds dp only (FSDP2
     # still shards over dp x sp, where averaging the equal sp gradients again changes nothing)
     done = () if zero >= 2 else getattr(model.__dict__.get("_shardzoo_parallel"), "grads_averaged_over", ())

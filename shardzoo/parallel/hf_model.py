@@ -15,7 +15,7 @@ from torch import nn
 from shardzoo.layers import batch_loss
 from shardzoo.parallel import generation, hf_attention, inputs
 from shardzoo.parallel.kinds import is_norm
-from shardzoo.parallel.plan import style_of
+from shardzoo.parallel.plan import matches, style_of
 
 
 def is_transformers_model(model: nn.Module) -> bool:
@@ -67,8 +67,9 @@ def _shipped(model: nn.Module) -> dict[str, str]:
 
 def default_plan(model: nn.Module) -> dict[str, str] | None:
     """A transformers model's own plan (the instance's ``tp_plan``, else the config's
-    ``base_model_tp_plan`` and the class's ``_tp_plan``), completed with the token embedding,
-    the output head and every norm over the hidden size. None for a model without one."""
+    ``base_model_tp_plan`` and the class's ``_tp_plan``) with its ``base_model_ep_plan`` (a MoE
+    model's experts: style 'experts'), completed with the token embedding, the output head and
+    every norm over the hidden size. None for a model without one."""
     if not is_transformers_model(model):
         return None
     plan = dict(getattr(model, "tp_plan", None) or {})
@@ -79,7 +80,17 @@ def default_plan(model: nn.Module) -> dict[str, str] | None:
         plan = _shipped(model)
     if not plan:
         return None
-    return complete_plan(model, plan)
+    # the experts of a MoE model: its ep plan's entries take the experts' modules from the tp plan
+    ep_plan = dict(getattr(model.config, "base_model_ep_plan", None) or {})
+    if ep_plan:
+        plan = {p: s for p, s in plan.items() if not any(p == e or p.startswith(e + ".") for e in ep_plan)}
+        # a MoE model's tp plan names the dense MLPs of the layers that have one (Qwen3-MoE's
+        # mlp_only_layers); with none, those entries match nothing and are dropped
+        names = [n for n, _ in model.named_modules() if n]
+        plan = {p: s for p, s in plan.items() if any(matches(p, n) for n in names)}
+        ep_plan = {p: s for p, s in ep_plan.items() if any(matches(p.rpartition(".")[0] if s == "grouped_gemm" else p, n)
+                                                          for n in names)}
+    return complete_plan(model, {**plan, **ep_plan})
 
 
 def complete_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
@@ -118,7 +129,21 @@ def install(model: nn.Module, state: inputs.Parallelized) -> None:
         model.loss_function = functools.partial(_loss, state, model)
     if state.mesh.sp_size > 1:
         hf_attention.use_sequence_parallel_attention(model, state)
+        if hasattr(model.config, "output_router_logits"):
+            model.register_forward_pre_hook(functools.partial(_refuse_router_logits, state), with_kwargs=True)
     generation.install(model, state)  # generate reads whole logits; refused under sp
+
+
+def _refuse_router_logits(state, model, args, kwargs):
+    """A MoE model's load-balancing loss reads every token's router logits with the padding
+    mask; under sp a rank holds its chunk of them and no mask, so the loss would be silently
+    another one: refused until it is gathered over sp."""
+    wanted = kwargs.get("output_router_logits")
+    if wanted if wanted is not None else getattr(model.config, "output_router_logits", False):
+        raise ValueError(f"output_router_logits=True under sp={state.mesh.sp_size}: the load-balancing loss of "
+                         f"{type(model).__name__} would be computed on each sp rank's chunk of the tokens, not the "
+                         f"serial one (not built yet); pass output_router_logits=False (and set "
+                         f"model.config.output_router_logits = False), or use sp=1")
 
 
 def _loss(state, model, logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index: int = -100,

@@ -133,6 +133,8 @@ def split_modules(model: nn.Module, mesh, plan: dict[str, str], *, causal: bool,
     counts are installed)."""
     planned = match_plan(model, plan, partial)
     layout = layout_of(mesh)
+    for name, (module, style, _) in planned.items():  # the mesh's rules (ep) first: they name the fix
+        STYLES[style].check_mesh(name, module, mesh, layout.mode)
     refuse_uncovered(model, planned, layout, whole_tables)
     if checkpointing:
         activation_checkpointing.block_names(model)  # raises when there are no blocks

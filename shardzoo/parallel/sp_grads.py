@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from shardzoo.comm import ops
+from shardzoo.layers.experts import ExpertsEP
 
 # Set on a model ``data_parallel`` gave to FSDP2 (zero >= 2): FSDP2 reduces every gradient over
 # dp x sp itself, and its root unit's parameters are plain tensors while it runs, which the
@@ -43,7 +44,10 @@ def install(model: nn.Module, mesh) -> None:
     def hook_new_parameters(module, args) -> None:
         if module.__dict__.get(FSDP_AVERAGES_SP):  # FSDP2's reduce-scatter over dp x sp does it
             return
+        experts = {id(p) for m in module.modules() if isinstance(m, ExpertsEP) for p in m.parameters()}
         for p in module.parameters():
+            if id(p) in experts:  # reduced over edp by their own layer (layers/experts.py)
+                continue
             seen = hooked.get(id(p))
             if (seen is not None and seen() is p) or not p.requires_grad or _is_dtensor(p):
                 continue

@@ -352,6 +352,8 @@ PRICERS = {
     "patch_embedding": _patch_embedding, "norm": _norm, "vocab_embedding": _vocab_embedding,
     "embedding": _embedding, "position_embedding": _embedding, "lm_head": _lm_head, "dropout": _dropout,
     "replicate": _replicate, "replicate_sum": _replicate_sum,
+    # the planner prices no ep yet: experts are priced whole on every rank, as at ep = 1
+    "experts": _replicate,
 }
 
 

@@ -33,6 +33,9 @@ patch_embedding    a ViTEmbeddings-like module (conv patches, cls token, positio
 classifier         an nn.Linear onto a few classes: full logits in every rank's batch rows
 vocab_bias         a module whose own ``bias`` [V] its forward adds to an lm_head's logits
                    (BERT's cls.predictions): the bias split like the logits' vocabulary
+experts            a module with transformers' experts contract (gate_up_proj [E, 2I, H],
+                   down_proj [E, H, I]): E / ep whole experts per rank of the ep group, the
+                   routed tokens moved by the dropless all-to-all (layers/experts.py)
 ================== ==================================================================
 
 Linear styles take an ``nn.Linear`` or transformers' ``Conv1D`` (weight stored [in, out]).
@@ -46,6 +49,7 @@ from torch import nn
 from shardzoo.parallel.kinds import is_weighted_kind
 from shardzoo.parallel.plan import ALIASES, planned_modules, unmatched
 from shardzoo.parallel.styles.base import Build, Style
+from shardzoo.parallel.styles.experts import Experts
 from shardzoo.parallel.styles.embeddings import Embedding, PatchEmbedding, PositionEmbedding, VocabEmbedding
 from shardzoo.parallel.styles.linears import Column, Dense, HeadFusedColumn, PackedColumn, Row
 from shardzoo.parallel.styles.logits import Classifier, LMHead, VocabBias
@@ -55,7 +59,10 @@ from shardzoo.parallel.styles.whole import Dropout, FirstToken, Replicate, Repli
 STYLES: dict[str, Style] = {s.name: s for s in (
     Column(), Row(), Norm(), VocabEmbedding(), Embedding(), PositionEmbedding(), LMHead(), Replicate(),
     ReplicateSum(), PackedColumn(), HeadFusedColumn(), Dense(), FirstToken(), Dropout(), PatchEmbedding(),
-    Classifier(), VocabBias())}
+    Classifier(), VocabBias(), Experts())}
+# transformers' style for a parameter of an experts module (its split over ep), accepted where
+# the plan makes the module 'experts' (which splits its parameters so)
+WEIGHT_STYLES = {"grouped_gemm": "experts"}
 
 __all__ = ["STYLES", "Build", "Style", "canonical_style", "check_plan", "check_planned", "covered_prefixes", "match_plan"]
 
@@ -73,10 +80,20 @@ def canonical_style(style: str, where: str) -> str:
 
 
 def check_plan(plan) -> dict[str, str]:
-    """``plan`` as a dict of pattern -> canonical style, every entry checked."""
+    """``plan`` as a dict of pattern -> canonical style, every entry checked. An entry naming a
+    parameter (transformers' ``...experts.gate_up_proj: grouped_gemm``) is dropped where the
+    plan gives its module the style that splits it so, and refused elsewhere."""
     if not isinstance(plan, dict):
         raise TypeError(f"a plan is a dict of module-name pattern -> style; got {type(plan).__name__}")
-    return {str(p): canonical_style(s, p) for p, s in plan.items()}
+    weights = {str(p): s for p, s in plan.items() if isinstance(s, str) and s in WEIGHT_STYLES}
+    checked = {str(p): canonical_style(s, p) for p, s in plan.items() if str(p) not in weights}
+    for pattern, style in weights.items():
+        owner = pattern.rpartition(".")[0]
+        if checked.get(owner) != WEIGHT_STYLES[style]:
+            raise ValueError(f"plan entry {pattern!r}: {style!r} splits a parameter of an experts module, but the plan "
+                             f"does not make {owner!r} {WEIGHT_STYLES[style]!r}; add plan[{owner!r}] = "
+                             f"'{WEIGHT_STYLES[style]}' (transformers' 'ep_dispatch_experts'), or drop the entry")
+    return checked
 
 
 def check_planned(planned: dict[str, tuple[nn.Module, str, str]]) -> None:

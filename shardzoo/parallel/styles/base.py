@@ -95,6 +95,10 @@ class Style:
             raise ValueError(f"plan entry {pattern!r} makes {name} ({type(module).__name__}) a {self.name!r} block, "
                              f"which needs {self.needs}; change the style or the pattern")
 
+    def check_mesh(self, name: str, module: nn.Module, mesh, mode: str) -> None:
+        """Raise unless ``module`` (planned as ``name``) splits over ``mesh`` in tp_mode ``mode``
+        (rules of a mesh axis the layouts do not check, such as ep); nothing has moved yet."""
+
     def layer(self, serial: nn.Module, ctx: Build, device=None, **extra) -> nn.Module:
         """This tp_mode's layer of this style from ``serial``, on ``device`` (default the
         serial module's)."""

@@ -1,0 +1,190 @@
+"""Mixture of experts split over ep by ``shardzoo.parallelize`` with the model's own ep plan: a
+tiny random Mixtral and Qwen3-MoE, run by their own transformers code with
+``output_router_logits=True``, equal the serial model (fp32, padding included): loss, aux loss,
+router logits, logits, the gradient norm and every weight after one SGD step, at ep 2 and 4
+with dp and ZeRO 0 / 3; and the refusals.
+
+The load-balancing loss is each dp replica's own (as any per-replica loss): the serial
+reference is the cross entropy over the whole batch plus the router_aux_loss_coef times the
+mean over the replicas of the aux loss of each replica's rows, whose gradient is what the
+replicas' gradients averaged over dp give."""
+
+import copy
+import functools
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from shardzoo.testing import assert_close_conditioned, cached_mesh, run_on_ranks
+from shardzoo.testing.dtypes import TINY_MODEL_TERMS
+from tests.support.hf_parallel import assert_step_equal, dp_rows, padded_batch
+
+WORLD, VOCAB = 4, 96
+
+
+def tiny_moe(kind: str, seed: int = 0, router_logits: bool = True):
+    """A tiny transformers MoE causal LM (4 experts, top 2, 2 layers, fp32) with random weights;
+    the routers drawn wide (std 1) so no token's top-2 is a near tie that rounding could flip."""
+    import transformers
+
+    common = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  vocab_size=VOCAB, max_position_embeddings=64, attn_implementation="sdpa",
+                  num_experts_per_tok=2, output_router_logits=router_logits, router_aux_loss_coef=0.1,
+                  experts_implementation="eager")  # its loop over experts runs in fp64 too (the exact twin)
+    if kind == "mixtral":
+        cls, config = transformers.MixtralForCausalLM, transformers.MixtralConfig(
+            intermediate_size=16, num_local_experts=4, **common)
+    else:  # normalized top-k
+        cls, config = transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig(
+            intermediate_size=32, moe_intermediate_size=16, num_experts=4, norm_topk_prob=True, head_dim=8, **common)
+    torch.manual_seed(seed)
+    model = cls(config).float().train()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 1.0)
+            elif "experts" in name:
+                p.normal_(0.0, 0.1)
+    return model
+
+
+def _aux(model, router_logits, mask):
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    return load_balancing_loss_func(router_logits, model.config.num_experts, model.config.num_experts_per_tok, mask)
+
+
+def serial_step(model, batch, replicas: int):
+    """One SGD step (lr 1) of the serial ``model`` on the whole batch, its loss the cross entropy
+    over the batch plus coef * the mean over ``replicas`` row blocks of their aux loss. Returns
+    the output with ``replica_aux`` [replicas] and ``replica_loss`` (the loss each replica sees)."""
+    ids, mask, labels = batch
+    out = model(input_ids=ids, attention_mask=mask)
+    ce = model.loss_function(out.logits, labels, vocab_size=VOCAB)
+    rows, seq = ids.shape
+    per = rows // replicas
+    coef = model.config.router_aux_loss_coef if model.config.output_router_logits else 0.0
+    aux = torch.zeros(replicas) if not coef else torch.stack([_aux(model, tuple(r.view(rows, seq, -1)[i * per:(i + 1) * per].reshape(per * seq, -1)
+                                         for r in out.router_logits), mask[i * per:(i + 1) * per])
+                       for i in range(replicas)])
+    (ce + coef * aux.mean()).backward()
+    out.grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.double().norm() for p in model.parameters()]))
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= p.grad
+    return SimpleNamespace(logits=out.logits.detach(), router_logits=[r.detach() for r in out.router_logits or ()],
+                           replica_aux=aux.detach(), replica_loss=(ce + coef * aux).detach(), grad_norm=out.grad_norm)
+
+
+def moe_against_serial(kind, mesh_kwargs, zero):
+    import shardzoo
+    from shardzoo.models.training import global_grad_norm
+
+    batch = padded_batch(rows=4, seq=16, vocab=VOCAB)
+    router_logits = mesh_kwargs.get("sp", 1) == 1  # refused under sp (test below)
+    serial = tiny_moe(kind, router_logits=router_logits)
+    exact = copy.deepcopy(serial).double()
+    parallel = copy.deepcopy(serial)
+    mesh = cached_mesh(**mesh_kwargs)
+    replicas = mesh.dp_size
+    out_s, out_x = serial_step(serial, batch, replicas), serial_step(exact, batch, replicas)
+
+    shardzoo.parallelize(parallel, mesh)
+    experts = [m for m in parallel.modules() if type(m).__name__ == "ExpertsEP"]
+    assert len(experts) == 2 and all(m.num_experts == 4 // mesh.ep_size for m in experts)
+    wrapped = shardzoo.data_parallel(parallel, mesh, zero=zero)
+    rows = dp_rows(4, mesh)
+    ids, mask, labels = (t[rows] for t in batch)
+    out = wrapped(input_ids=ids, attention_mask=mask, labels=labels)
+    out.loss.backward()
+    norm = global_grad_norm(wrapped, mesh)
+    shardzoo.zero_optimizer(wrapped, torch.optim.SGD, lr=1.0).step()
+    r = mesh.dp_rank
+    if router_logits:
+        check_router_outputs(kind, out, out_s, out_x, r, rows, ids.shape[1])
+    result = {"loss": out.loss.detach(), "logits": shardzoo.gather_logits(parallel, out.logits.detach()),
+              "norm": norm, "state": shardzoo.full_state_dict(wrapped)}
+    out_s.loss, out_x.loss = out_s.replica_loss[r], out_x.replica_loss[r]  # what this replica's loss is
+    return assert_step_equal(f"{kind} {mesh_kwargs} zero={zero}", result, (serial, out_s), (exact, out_x), rows,
+                             batch[1].bool())
+
+
+def check_router_outputs(kind, out, out_s, out_x, r, rows, seq):
+    """This replica's aux loss and router logits equal the serial ones of its rows."""
+    assert_close_conditioned(out.aux_loss.detach(), out_s.replica_aux[r], out_x.replica_aux[r], f"{kind} aux loss",
+                             terms=TINY_MODEL_TERMS)
+    for layer, (got, s, x) in enumerate(zip(out.router_logits, out_s.router_logits, out_x.router_logits)):
+        mine = slice(rows.start * seq, rows.stop * seq)
+        assert_close_conditioned(got.detach(), s[mine], x[mine], f"{kind} router logits of layer {layer}",
+                                 terms=TINY_MODEL_TERMS)
+
+
+CASES = [("mixtral", dict(dp=4, ep=2), 0), ("mixtral", dict(dp=4, ep=4), 3), ("qwen3_moe", dict(dp=4, ep=4), 0),
+         ("qwen3_moe", dict(dp=4, ep=2), 3), ("mixtral", dict(dp=2, sp=2, ep=2), 0),
+         ("qwen3_moe", dict(dp=2, sp=2, ep=4), 3)]
+
+
+@pytest.mark.parametrize("kind,mesh_kwargs,zero", CASES,
+                         ids=[f"{k}-sp{m.get('sp', 1)}-ep{m['ep']}-zero{z}" for k, m, z in CASES])
+def test_moe_model_equals_serial(kind, mesh_kwargs, zero):
+    run_on_ranks(moe_against_serial, WORLD, kind, mesh_kwargs, zero)
+
+
+def refusals(_):
+    """Each refusal raises before any weight moves: the model is unchanged afterwards."""
+    import shardzoo
+
+    messages = {}
+    cases = {"tp": (dict(dp=2, tp=2, ep=2), None),
+             "experts": (dict(dp=4, ep=4), dict(num_local_experts=6))}
+    for what, (layout, config) in cases.items():
+        model = tiny_moe("mixtral")
+        if config is not None:
+            from transformers import MixtralConfig, MixtralForCausalLM
+
+            model = MixtralForCausalLM(MixtralConfig(**{**model.config.to_dict(), **config}))
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        mesh = cached_mesh(**layout)
+        with pytest.raises(ValueError) as err:
+            shardzoo.parallelize(model, mesh)
+        messages[what] = str(err.value)
+        assert all(torch.equal(before[n], p) for n, p in model.named_parameters()), what
+    model = shardzoo.parallelize(tiny_moe("mixtral"), cached_mesh(dp=4, ep=2))
+    with pytest.raises(ValueError) as err:
+        shardzoo.data_parallel(model, cached_mesh(dp=4, ep=2), zero=1)
+    messages["zero1"] = str(err.value)
+    model = shardzoo.parallelize(tiny_moe("mixtral"), cached_mesh(dp=2, sp=2, ep=2))
+    with pytest.raises(ValueError) as err:
+        model(input_ids=torch.zeros(2, 8, dtype=torch.long))
+    messages["sp_router_logits"] = str(err.value)
+    return messages
+
+
+def test_refusals_name_the_value_the_rule_and_the_fix():
+    m = run_on_ranks(refusals, WORLD, 0)[0]
+    assert "ep=2 with tp=2" in m["tp"] and "use tp=1, or ep=1" in m["tp"]
+    assert "ep=4 does not divide the 6 experts" in m["experts"] and "divides 6" in m["experts"]
+    assert "zero=1 with ep=2" in m["zero1"] and "use zero=0, 2 or 3" in m["zero1"]
+    assert "output_router_logits=True under sp=2" in m["sp_router_logits"]
+
+
+def grid_refused(_):
+    import shardzoo
+
+    mesh = cached_mesh(dp=2, tp=4, tp_mode="2d", ep=2)
+    model = tiny_moe("mixtral")
+    with pytest.raises(ValueError) as err:
+        shardzoo.parallelize(model, mesh, plan=GRID_PLAN)
+    return str(err.value)
+
+
+GRID_PLAN = {"embed_tokens": "vocab_embedding", "lm_head": "lm_head", "norm": "norm", "layers.*.input_layernorm": "norm",
+             "layers.*.post_attention_layernorm": "norm", "layers.*.self_attn.q_proj": "column",
+             "layers.*.self_attn.k_proj": "column", "layers.*.self_attn.v_proj": "column",
+             "layers.*.self_attn.o_proj": "row", "layers.*.mlp.gate": "replicate", "layers.*.mlp.experts": "experts"}
+
+
+def test_grid_layouts_with_ep_are_refused_by_name():
+    message = run_on_ranks(grid_refused, 8, 0)[0]
+    assert "ep=2 with tp_mode='2d'" in message and "tp_mode='1d'" in message
