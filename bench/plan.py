@@ -1,7 +1,9 @@
 """The layout planner against measured runs of the layouts it enumerates, and against two
 published configurations.
 
-1. Validation (``--hardware calibrate``): for a GPT-2 config that fits 4 and 8 ranks, plan, then
+1. Validation (``--hardware calibrate``): for a GPT-2 config that fits 4 and 8 ranks (shardzoo's
+   family), and a transformers Llama of the same size on 4 ranks (half its candidates
+   pipelined: cut by ``parallelize``, run by ``shardzoo.pipeline``), plan, then
    run the candidates the planner enumerates, ZeRO stages 0-3 included (up to
    ``--max-candidates`` per world, spread evenly over the predicted ranking, the top pick always
    among them): AdamW training steps on fresh local ranks per candidate,
@@ -31,6 +33,7 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -69,27 +72,60 @@ def spread(items: list, k: int) -> list:
     return [items[round(i * (len(items) - 1) / (k - 1))] for i in range(k)] if k > 1 else items[:1]
 
 
-def validate_world(world: int, args, hw) -> dict:
-    from shardzoo.comm.workers import WorkerPool
+def gpt2_family(args) -> tuple:
+    """(shape, the spec's model entries, name) of shardzoo's GPT-2 family of ``args``' size."""
     from shardzoo.models import GPT2Config
-    from shardzoo.planner.api import plan
-    from _measure import run_layout
     from shardzoo.models.gpt2 import GPT2_SPEC
     from shardzoo.planner.walked import family_shape
 
     config = dict(n_layer=args.layers, n_embd=args.hidden, n_head=args.heads, vocab_size=args.vocab,
                   n_positions=args.seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    shape = family_shape(GPT2_SPEC, GPT2Config(**config), "gpt2-bench")
+    return family_shape(GPT2_SPEC, GPT2Config(**config), "gpt2-bench"), dict(family="gpt2", config=config), \
+        f"GPT-2 family n_layer={args.layers} n_embd={args.hidden}"
+
+
+def transformers_llama(args, directory: str) -> tuple:
+    """(the config directory ``shardzoo plan DIR`` reads, the spec's model entries, name) of a
+    transformers Llama of ``args``' size (grouped-query, untied), which ``parallelize`` splits
+    and cuts into stages: planned as its modules are walked."""
+    from transformers import LlamaConfig
+
+    fields = dict(hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3 // 16 * 16,
+                  num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                  num_key_value_heads=max(1, args.heads // 2), vocab_size=args.vocab,
+                  max_position_embeddings=args.seq, tie_word_embeddings=False)
+    LlamaConfig(**fields).save_pretrained(directory)
+    return directory, dict(hf=dict(model_type="llama", config=fields)), \
+        f"transformers Llama {args.layers} layers hidden {args.hidden}"
+
+
+def validate_world(world: int, args, hw, model=None) -> dict:
+    """Plan ``model`` (``gpt2_family(args)`` by default) on ``world`` ranks and run a spread of
+    its fitting candidates; with ``args.pp_share`` > 0, that share of them has pp > 1."""
+    from shardzoo.comm.workers import WorkerPool
+    from shardzoo.planner.api import plan
+    from _measure import run_layout
+
+    shape, entries, name = model or gpt2_family(args)
     memory_gib = hw.memory_bytes / world / GIB
     start = time.perf_counter()
     planned = plan(shape, world, memory_gib, args.batch, args.seq, hardware=hw, dtype="fp32",
                    zero_stages=tuple(args.zero))
     plan_s = time.perf_counter() - start
-    chosen = spread([c for c in planned if c.fits], args.max_candidates)
+    fits = [c for c in planned if c.fits]
+    if model is not None:  # as many pipelined candidates as the others, spread over each ranking
+        piped = [c for c in fits if c.layout["pp"] > 1]
+        half = min(len(piped), args.max_candidates // 2)
+        chosen = spread(piped, half) + spread([c for c in fits if c.layout["pp"] == 1], args.max_candidates - half)
+        if fits and fits[0] not in chosen:
+            chosen.append(fits[0])
+        chosen.sort(key=fits.index)
+    else:
+        chosen = spread(fits, args.max_candidates)
     rows, start = [], time.perf_counter()
 
     def launch(c):
-        spec = dict(family="gpt2", config=config, layout=c.layout, micro_batches=c.micro_batches,
+        spec = dict(entries, layout=c.layout, micro_batches=c.micro_batches,
                     batch=args.batch, seq=args.seq, steps=args.steps, checkpointing=c.activation_checkpointing,
                     zero=c.zero, time_on_heap=not args.glibc_default)
         # fresh ranks per candidate, as a user's run starts: a reused process keeps the meshes,
@@ -102,9 +138,9 @@ def validate_world(world: int, args, hw) -> dict:
         step_s = max(r["step_s"] for r in got)
         rows.append(dict(candidate=c, step_s=step_s, launches=[step_s],
                          peak=max(r["peak_rss"] for r in got), base=max(r["base_rss"] for r in got)))
-        print(f"world {world}: {c.describe()}: step {rows[-1]['step_s']:.3f} s (predicted {c.step_seconds:.3f}), "
-              f"peak {rows[-1]['peak'] / 2**20:.0f} MiB (predicted {c.peak_bytes_per_rank / 2**20:.0f}; "
-              f"{rows[-1]['base'] / 2**20:.0f} MiB held before the build)", flush=True)
+        print(f"{name}, world {world}: {c.describe()}: step {rows[-1]['step_s']:.3f} s (predicted "
+              f"{c.step_seconds:.3f}), peak {rows[-1]['peak'] / 2**20:.0f} MiB (predicted "
+              f"{c.peak_bytes_per_rank / 2**20:.0f}; {rows[-1]['base'] / 2**20:.0f} MiB held before the build)", flush=True)
     # the fastest of many single launches is partly the luckiest: the top pick and the fastest
     # measured candidate are launched again, alternately, and compared by their medians
     best = min(rows, key=lambda r: r["step_s"])
@@ -113,7 +149,7 @@ def validate_world(world: int, args, hw) -> dict:
             r["launches"].append(max(g["step_s"] for g in launch(r["candidate"])))
             print(f"world {world}: again {r['candidate'].describe()}: step {r['launches'][-1]:.3f} s", flush=True)
     return dict(world=world, rows=rows, plan_s=plan_s, measure_s=time.perf_counter() - start,
-                enumerated=planned.count, top=planned[0], best=best)
+                enumerated=planned.count, top=planned[0], best=best, name=name)
 
 
 def max_fitting(shape, world, memory_gib, layout, batch, seq, vary, hw) -> int:
@@ -264,6 +300,8 @@ def report_published(names=None) -> None:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--worlds", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--hf-worlds", type=int, nargs="*", default=[4],
+                    help="worlds for the transformers Llama of the same size (half its candidates pipelined)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--heads", type=int, default=8)
@@ -298,6 +336,8 @@ def main(argv=None):
         # run_layout times its steps after switching back to a heap that keeps freed blocks.
         os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 << 10))
     results = [validate_world(w, args, hw) for w in args.worlds]
+    with tempfile.TemporaryDirectory() as tmp:  # a transformers model cut into stages by parallelize
+        results += [validate_world(w, args, hw, transformers_llama(args, tmp)) for w in args.hf_worlds]
     tables, data = [], {"args": vars(args), "hardware": hw.to_json(), "worlds": []}
     for res in results:
         rows, pred_t, meas_t, errors = [], [], [], []
@@ -320,7 +360,7 @@ def main(argv=None):
                    f"candidate {best_s:.3f} s ({top_s / best_s:.2f}x, {best['candidate'].describe()}; {launches}); "
                    f"(d) planning {res['plan_s']:.2f} s vs measuring {res['measure_s']:.0f} s")
         print(summary)
-        tables.append(f"### World {res['world']}\n\n" + markdown_table(
+        tables.append(f"### {res['name']}, world {res['world']}\n\n" + markdown_table(
             ["candidate", "peak MiB predicted", "peak MiB measured", "error", "step s predicted",
              "step s measured"], rows) + f"\n\n{summary}")
         runs = [dict(layout=r["candidate"].layout, micro_batches=r["candidate"].micro_batches,
@@ -329,7 +369,7 @@ def main(argv=None):
                      step_s_launches=r["launches"],
                      peak_predicted=r["candidate"].peak_bytes_per_rank, peak_measured=r["peak"])
                 for r in res["rows"]]
-        data["worlds"].append(dict(world=res["world"], summary=summary, rows=rows, runs=runs))
+        data["worlds"].append(dict(world=res["world"], model=res["name"], summary=summary, rows=rows, runs=runs))
     sp_rows = sequence_parallel_paper(args)
     tables.append(f"### Sequence parallelism vs 1D at fixed memory (BERT-Base, 12 devices, "
                   f"{args.paper_memory_gib:g} GiB each as assumed here; bf16, no checkpointing)\n\n"
@@ -340,7 +380,11 @@ def main(argv=None):
     data.update(sequence_parallel=sp_rows, plan_4096_s=t4096)
     table = "\n\n".join(tables)
     print(table)
-    note = (f"GPT-2 n_layer={args.layers} n_embd={args.hidden} n_head={args.heads} vocab={args.vocab}, global batch "
+    note = (f"GPT-2 n_layer={args.layers} n_embd={args.hidden} n_head={args.heads} vocab={args.vocab} (shardzoo's "
+            f"family), and a transformers Llama of the same layers, hidden size, heads and vocabulary ({args.heads // 2} "
+            f"kv heads, intermediate {args.hidden * 8 // 3 // 16 * 16}) planned from its config directory and split "
+            f"by parallelize (pp > 1: cut into stages and run by shardzoo.pipeline, 1F1B; half its candidates "
+            f"pipelined); global batch "
             f"{args.batch} x {args.seq} tokens, fp32 AdamW, {args.steps} steps per candidate (first one a warm-up); "
             f"hardware: this host calibrated ({hw.source}). More ranks than cores time-share the cores; the "
             "planner scales compute and communication by cores / ranks. Pipelines run with return_outputs=False. "

@@ -28,7 +28,7 @@ import time
 from shardzoo.planner.hardware import GIB, Hardware, from_flat_json, from_json
 from shardzoo.planner.host_cpu import TimeSharedCpu
 
-CACHE_VERSION = 7  # 7: the host model's fields under "host"; 6: the same fields flat
+CACHE_VERSION = 8  # 8: library_bytes; 7: the host model's fields under "host"; 6: the same fields flat
 FLAT_VERSION = 6
 
 
@@ -165,6 +165,30 @@ def _tiny_training(steps: int = 9) -> tuple[int, float]:
     return rss, statistics.median(times[1:]) / len(calls)
 
 
+def _transformers_bytes() -> int:
+    """The RSS a rank adds when it builds a tiny transformers causal LM and trains it two steps
+    (transformers' modules, loaded as its first model is built), after :func:`_tiny_training`;
+    0 without transformers."""
+    try:
+        import transformers
+    except ImportError:
+        return 0
+    import torch
+
+    def rss() -> int:
+        with open("/proc/self/status") as f:
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)
+
+    before = rss()
+    config = transformers.LlamaConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1, vocab_size=16, max_position_embeddings=8)
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 16, (1, 5), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        model(input_ids=ids, labels=ids).loss.backward()
+    return max(rss() - before, 0)
+
+
 def _gloo_probe(small: int, large: int, reps: int) -> dict:
     """On each of 2 ranks: median all_reduce seconds of ``small`` and ``large`` bytes, the
     runtime RSS, and the compute rates with every rank busy at once, one thread each, as
@@ -185,6 +209,7 @@ def _gloo_probe(small: int, large: int, reps: int) -> dict:
 
     out = {"small": timed(small), "large": timed(large)}
     out["rss"], out["module_call"] = _single_thread(_tiny_training)
+    out["library"] = _transformers_bytes()
     for key, measure in (("flops", _measure_flops), ("attention", _measure_attention),
                          ("elementwise", _measure_norm_bandwidth), ("large_elementwise", _measure_loss_bandwidth),
                          ("huge_elementwise", lambda: _measure_loss_bandwidth(1024))):
@@ -299,12 +324,14 @@ def calibrate(use_cache: bool = True) -> Hardware:
     hw = Hardware("calibrate", flops=rate("flops"), memory_bytes=_host_memory(), mem_bandwidth=_measure_mem_bandwidth(),
                   intra_bandwidth=bandwidth, inter_bandwidth=bandwidth, intra_latency=latency, inter_latency=latency,
                   devices_per_node=1 << 20, runtime_bytes=max(r["rss"] for r in probe),
+                  library_bytes=max(r["library"] for r in probe),
                   attention_flops=rate("attention"), elementwise_bandwidth=rate("elementwise"), backend="gloo", host=host,
                   source=f"measured on {platform.node()} at {time.strftime('%Y-%m-%d %H:%M')}: on 2 local ranks at "
                          f"once, one thread each, fp32 matmul, attention, LayerNorm (small tensors) and cross entropy "
                          f"(8 and 32 MiB of logits) per core, a module call of a tiny model's training step; gloo "
                          f"all_reduce between the 2 ranks, alone and with 2 and 4 busy ranks per core after short and "
-                         f"long matmuls; rank RSS after a few tiny training steps; memory copy")
+                         f"long matmuls; rank RSS after a few tiny training steps, and what a tiny transformers model's "
+                         f"build and steps add to it; memory copy")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:

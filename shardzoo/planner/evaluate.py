@@ -87,6 +87,8 @@ class Pricer:
 
     def __init__(self, problem, hw: Hardware, schedule: str = "1f1b"):
         self.problem, self.hw, self.schedule = problem, hw, schedule
+        walk = getattr(problem.shape, "walk", None)
+        self._transformers = bool(getattr(walk, "transformers", False))  # run by transformers' code
         self._parts: dict[tuple, object] = {}
         self._sums: dict[tuple, tuple[object, Traffic]] = {}
         self._reductions: dict[tuple, tuple[Traffic, Traffic]] = {}
@@ -243,7 +245,8 @@ class Pricer:
             for ckpt in checkpointing:
                 memory = stage_memory(cost, stage=stage, pp=candidate.pp, micro_batches=m, checkpointing=ckpt,
                                       zero=zero, dp_ranks=n, param_bytes=ep, schedule=self.schedule,
-                                      runtime=hw.runtime_bytes, virtual_stages=candidate.virtual_stages)
+                                      runtime=hw.runtime_for(self._transformers),
+                                      virtual_stages=candidate.virtual_stages)
                 compute = timing.compute_seconds(cost, ckpt, hw, problem.e) / share
                 # backward (with the recompute in it) is (2 + r) / (3 + r) of a micro-batch's compute
                 r = 1 if ckpt and cost.blocks else 0

@@ -24,7 +24,9 @@ class Hardware:
     flops: dense matmul FLOP/s per device in the training dtype; memory_bytes: device memory;
     mem_bandwidth: bytes/s of device memory; intra / inter_bandwidth: bytes/s one device sends
     inside a node / to another node; intra / inter_latency: seconds per message;
-    devices_per_node; runtime_bytes: memory a rank holds before any model; attention_flops:
+    devices_per_node; runtime_bytes: memory a rank holds before any model; library_bytes: what
+    a model run by transformers' own code adds to it (the library's modules, loaded as the first
+    model is built: host memory, so 0 on the accelerator presets); attention_flops:
     FLOP/s the attention kernel reaches (forward + backward); elementwise_bandwidth: bytes/s an
     elementwise kernel streams (read + write); flops_efficiency: the fraction of ``flops``
     matmuls reach; source: where the numbers come from; backend: the collective library
@@ -44,9 +46,15 @@ class Hardware:
     attention_flops: float
     elementwise_bandwidth: float
     flops_efficiency: float = 1.0
+    library_bytes: int = 0
     source: str = ""
     backend: str = "nccl"
     host: DedicatedDevices = DEDICATED
+
+    def runtime_for(self, transformers: bool) -> int:
+        """Bytes a rank holds before a model's own: with ``transformers``, a model run by
+        transformers' code, the library's too."""
+        return self.runtime_bytes + (self.library_bytes if transformers else 0)
 
     def to_json(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -61,7 +69,7 @@ def _positive(name: str, value, path: str):
     return value
 
 
-OPTIONAL = ("flops_efficiency", "source", "backend", "host")
+OPTIONAL = ("flops_efficiency", "library_bytes", "source", "backend", "host")
 TEXT = ("name", "source", "backend", "host")
 
 
@@ -75,9 +83,9 @@ def from_json(data: dict, path: str) -> Hardware:
         raise ValueError(f"{path} lacks {missing}; delete it and calibrate again")
     kwargs = {k: data[k] for k in names if k in data}
     for k, v in kwargs.items():
-        if k not in TEXT:
+        if k not in TEXT and not (k == "library_bytes" and v == 0):
             _positive(k, v, path)
-    for k in ("memory_bytes", "devices_per_node", "runtime_bytes"):
+    for k in ("memory_bytes", "devices_per_node", "runtime_bytes", "library_bytes"):
         kwargs[k] = int(kwargs[k])
     if kwargs.get("backend", "nccl") not in BACKENDS:
         raise ValueError(f"{path}: backend={kwargs['backend']!r} is not one of {BACKENDS}")

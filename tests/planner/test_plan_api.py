@@ -197,3 +197,25 @@ def test_the_why_line_splits_the_step_it_explains(cores):
     total, step = float(found[1]) + float(found[2]), plan[0].step_seconds
     pipeline = step - max(r.step_seconds for r in plan[0].reports)
     assert 0.99 * pipeline <= total <= 1.01 * step
+
+
+def test_a_model_run_by_transformers_code_holds_the_library_too(tmp_path):
+    """A host's ``library_bytes`` (what building a transformers model adds to a rank, measured by
+    calibration) counts in the peak of a model run by transformers' code, and only there."""
+    import dataclasses
+
+    from transformers import LlamaConfig
+
+    from shardzoo.planner.api import price
+
+    LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                vocab_size=101, max_position_embeddings=64).save_pretrained(tmp_path)
+    bare = HARDWARE["a100"]
+    host = dataclasses.replace(bare, library_bytes=123 << 20)
+    assert host.runtime_for(True) == bare.runtime_bytes + (123 << 20) and host.runtime_for(False) == bare.runtime_bytes
+    peaks = {}
+    for name, model in (("llama", str(tmp_path)), ("gpt2", "gpt2")):
+        for hw in (bare, host):
+            peaks[name, hw.library_bytes] = price(model, 2, 4, 32, "dp=2", hardware=hw).candidate.peak_bytes_per_rank
+    assert peaks["llama", 123 << 20] - peaks["llama", 0] == 123 << 20
+    assert peaks["gpt2", 123 << 20] == peaks["gpt2", 0]
