@@ -4,7 +4,7 @@
 A stage holds a contiguous range of globally numbered blocks; the embeddings sit on the first
 stage and the head on the last. A model built whole is a single stage holding everything.
 ``build_schedule`` wraps this rank's stage(s) in ``PipelineStage`` over ``mesh.pp_group`` and
-returns a GPipe / 1F1B / interleaved 1F1B schedule; ``schedule.step(ids, target=...)`` on the
+returns a GPipe / 1F1B / interleaved 1F1B / zero-bubble (interleaved, ZB-V, DualPipeV) schedule; ``schedule.step(ids, target=...)`` on the
 first / last stage runs one training step. The step counts the real targets of its whole batch
 once and passes them to every microbatch's loss (``num_targets``), whose gradients are summed
 (``scale_grads=False``): the gradients are those of the step's global token mean, as the
@@ -16,6 +16,8 @@ last stage after backward, so both copies step identically (Megatron's embedding
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import nn
@@ -33,7 +35,9 @@ from shardzoo.models.spec import spec_of
 from shardzoo.parallel.data_parallel import ddp_of
 from shardzoo.parallel.pipelined import check_step, step_loss, sum_tied_grad, tied_group
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev")
+_SPLIT_BACKWARD = ("zero_bubble", "zbv", "dualpipev")  # input and weight gradients computed apart
+_V_PLACED = ("zbv", "dualpipev")  # stages pp_rank and 2 pp - 1 - pp_rank on each rank
 
 
 class StagedModel(GlobalLoss, nn.Module):
@@ -180,35 +184,74 @@ def build_schedule(stages: list[tuple[int, nn.Module]], mesh, *, n_microbatches:
     if loss_fn is None:
         raise ValueError("build_schedule needs loss_fn on every rank (the schedules run backward only when they have "
                          "one); pass the last stage's model.loss, or any callable on the other ranks")
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    from torch.distributed import pipelining as pl
 
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES}")
     pp = mesh.pp_size
     device = device or default_device(mesh)  # where the stages' p2p buffers live (CUDA under NCCL)
     total = pp * len(stages)
-    # a zero 0 / 1 stage runs through its DDP engine, which torch's stages recognise (no_sync)
-    wrapped = [PipelineStage(_engine(m), index, total, device, group=mesh.pp_group) for index, m in stages]
+    split = schedule in _SPLIT_BACKWARD
+    # a zero 0 / 1 stage runs through its DDP engine, which torch's stages recognise (no_sync);
+    # under a split backward DDP's reducer misses the weight pass: the model's own forward runs
+    # and the step averages the gradients itself (``_split_step``)
+    wrapped = [pl.PipelineStage(_engine(m, split), index, total, device, group=mesh.pp_group) for index, m in stages]
     last = [getattr(m, "module", m) for _, m in stages if getattr(getattr(m, "module", m), "is_last", False)]
-    if schedule == "interleaved":
+    indices = [index for index, _ in stages]
+    if schedule in ("interleaved", "zero_bubble"):
         if len(stages) < 2:
-            raise ValueError("the interleaved schedule needs >= 2 stages per rank (virtual stages); build the model as "
-                             "stages pp_rank + i * pp for i in range(v)")
-        cls, held = ScheduleInterleaved1F1B, wrapped
+            raise ValueError(f"the {schedule} schedule needs >= 2 stages per rank (virtual stages); build the model as "
+                             f"stages pp_rank + i * pp for i in range(v)")
+        cls = pl.ScheduleInterleaved1F1B if schedule == "interleaved" else pl.ScheduleInterleavedZeroBubble
+        held = wrapped
+    elif schedule in _V_PLACED:
+        want = [mesh.pp_rank, 2 * pp - 1 - mesh.pp_rank]
+        if sorted(indices) != sorted(want):
+            raise ValueError(f"schedule={schedule!r} runs two stages per rank in a V: stages {want} of {2 * pp} on pp "
+                             f"rank {mesh.pp_rank}; got stages {indices}")
+        cls = pl.ScheduleZBVZeroBubble if schedule == "zbv" else pl.schedules.ScheduleDualPipeV
+        held = [w for _, w in sorted(zip(indices, wrapped), key=lambda t: t[0])]
     elif len(stages) != 1:
         raise ValueError(f"schedule={schedule!r} takes one stage per rank; got {len(stages)} (use 'interleaved')")
     else:
-        cls, held = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B, wrapped[0]
+        cls, held = pl.ScheduleGPipe if schedule == "gpipe" else pl.Schedule1F1B, wrapped[0]
     # the loss of a microbatch is its share of the step's mean: gradients add up, unscaled
     result = _counting(cls)(held, n_microbatches, loss_fn=loss_fn, scale_grads=False)
     result.count_targets = last[0].count_targets if last else None
+    result.split_stages = [m for _, m in stages] if split else []
     return result
 
 
-def _engine(stage: nn.Module) -> nn.Module:
-    """What the pipeline stage calls: a zero 0 / 1 stage's DDP engine, else the stage."""
+@contextlib.contextmanager
+def _split_step(stages: list[nn.Module]):
+    """Around a split-backward step of ``stages``: a ZeRO 2 / 3 stage (FSDP2, whose reduction
+    torch's stage drives) keeps its parameters gathered through the step, and afterwards the
+    zero 0 / 1 stages' gradients are averaged over their DDP group (DDP itself was bypassed),
+    one all-reduce per dtype."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from shardzoo.parallel.data_parallel import info_of
+    from shardzoo.parallel.pipelined import average_over_dp, hold_gathered, release_gathered
+
+    held = [(s, hold_gathered(s)) for s in stages if isinstance(s, FSDPModule)]
+    try:
+        yield
+    finally:
+        for stage, resharding in held:
+            release_gathered(stage, resharding)
+    for stage in stages:
+        info = info_of(stage)
+        if info is not None and not info.noop and info.zero <= 1:
+            average_over_dp([stage], info)
+
+
+def _engine(stage: nn.Module, split: bool = False) -> nn.Module:
+    """What the pipeline stage calls: a zero 0 / 1 stage's DDP engine, else the stage; under a
+    split backward the stage's own forward, without DDP (``_split_step`` averages)."""
     ddp = ddp_of(stage)
-    return stage if ddp is None else ddp
+    if ddp is None:
+        return stage
+    return ddp.module if split else ddp
 
 
 _COUNTING: dict[type, type] = {}
@@ -224,21 +267,32 @@ def _counting(cls: type) -> type:
             if (target is not None and self.count_targets is not None and "num_targets" not in loss_kwargs
                     and loss_kwargs.get("reduction", "mean") == "mean"):
                 loss_kwargs["num_targets"] = self.count_targets(target, loss_kwargs.get("ignore_index", -100))
-            return cls.step(self, *args, target=target, losses=losses, loss_kwargs=loss_kwargs, **kwargs)
+            with _split_step(getattr(self, "split_stages", [])):
+                return cls.step(self, *args, target=target, losses=losses, loss_kwargs=loss_kwargs, **kwargs)
 
         _COUNTING[cls] = type(cls.__name__, (cls,), {"step": step, "__module__": __name__, "__doc__": cls.__doc__})
     return _COUNTING[cls]
 
 
 def sync_tied_grads(stages: list[nn.Module], mesh) -> None:
-    """Sum the gradients of a tied table held separately by the first and last stage."""
+    """Sum the gradients of a tied table held separately by the first and last stage: over the
+    first and last pp rank, or here when this rank holds both (the V placement of zbv)."""
     if mesh.pp_size == 1:
         return
     tied_group(mesh)  # collective: every rank takes part in building the groups, middle stages too
-    for model in stages:
-        model = getattr(model, "module", model)  # a stage in a DDP wrapper built by hand
-        if model.is_first == model.is_last:  # a middle stage, or one holding both ends (one table)
-            continue
+    models = [getattr(m, "module", m) for m in stages]  # a stage in a DDP wrapper built by hand
+    ends = [m for m in models if m.is_first != m.is_last]  # not a middle stage nor one holding both
+    if len(ends) == 2:  # both ends here: add the two gradients locally
+        first, last = sorted(ends, key=lambda m: not m.is_first)
+        firsts, lasts = dict(first.named_parameters()), dict(last.named_parameters())
+        for copy, table in first.tied_names.items():
+            a, b = firsts.get(table), lasts.get(copy)
+            if a is not None and b is not None and a.grad is not None and b.grad is not None:
+                total = a.grad + b.grad
+                a.grad.copy_(total)
+                b.grad.copy_(total)
+        return
+    for model in ends:
         params = dict(model.named_parameters())
         for copy, table in model.tied_names.items():
             sum_tied_grad(params.get(table if model.is_first else copy), mesh)
@@ -256,9 +310,9 @@ class FamilyPipeline:
 
     def __init__(self, stages: list[nn.Module], mesh, n_microbatches: int, schedule: str):
         name = {"interleaved_1f1b": "interleaved"}.get(schedule, schedule)
-        if name not in SCHEDULES:
-            raise ValueError(f"schedule={schedule!r}: a family's stages run 'gpipe', '1f1b' or 'interleaved_1f1b'; "
-                             f"the zero-bubble schedules need a model cut by shardzoo.parallelize")
+        if name not in SCHEDULES or schedule == "interleaved":
+            raise ValueError(f"schedule={schedule!r} is not one of 'gpipe', '1f1b', 'interleaved_1f1b', 'zero_bubble', "
+                             f"'zbv', 'dualpipev'")
         self.stages, self.mesh, self.n_microbatches = list(stages), mesh, n_microbatches
         self.models = [getattr(m, "module", m) for m in self.stages]
         self.first = next((m for m in self.models if m.is_first), None)
@@ -266,7 +320,7 @@ class FamilyPipeline:
         loss = self.last.loss if self.last is not None else self.models[0].loss
         self.schedule = build_schedule([(m.stage_index, s) for m, s in zip(self.models, self.stages)], mesh,
                                        n_microbatches=n_microbatches, schedule=name, loss_fn=loss)
-        self.last_pp_rank = mesh.pp_size - 1
+        self.last_pp_rank = 0 if name in _V_PLACED else mesh.pp_size - 1  # the rank of the last stage
         if mesh.pp_size > 1 and self.models[0].tied_names:
             tied_group(mesh)  # collective: every rank builds the groups before the first step
 

@@ -180,7 +180,7 @@ class Pipeline:
             _fsdp_reduce(self.fsdp_after, resharding)
         self._sync_tied()
         if self.average_after is not None:
-            _average_grads(self.views, self.average_after)
+            average_over_dp(self.views, self.average_after)
         return step_loss(losses, self.mesh, self.last_pp_rank)
 
     def _sync_tied(self) -> None:
@@ -222,9 +222,10 @@ def sum_tied_grad(param, mesh) -> None:
 
 
 @torch.no_grad()
-def _average_grads(views: list[StageView], info) -> None:
-    """Average the stage views' gradients over the dp group, one all-reduce per dtype (what DDP
-    does in the last micro-batch's backward under the other schedules)."""
+def average_over_dp(views: list[nn.Module], info) -> None:
+    """Average the gradients of ``views`` (stage views, or a family's stages) over the group of
+    ``info`` (a DataParallelInfo), one all-reduce per dtype (what DDP does in the last
+    micro-batch's backward under the other schedules)."""
     grads = [p.grad for v in views for p in v.parameters() if p.grad is not None]
     size = info.mesh.size(*info.axes)
     for dtype in {g.dtype for g in grads}:
@@ -251,15 +252,29 @@ def _fsdp_groups(root) -> list:
     return [g for g in groups if g is not None]
 
 
-def _fsdp_hold(root) -> list:
-    """Before a split-backward step: every FSDP2 unit keeps its whole parameters and gradients
-    until the step's end (the weight pass finds the parameters the forward used only while they
-    stay gathered: ZeRO 3 runs as ZeRO 2 within the step). Returns each unit's resharding."""
-    _fsdp_sync(root, False)
+def hold_gathered(root) -> list:
+    """Every FSDP2 unit under ``root`` keeps its parameters gathered from its first forward
+    until :func:`release_gathered`: a split backward's weight pass finds the parameters the
+    forward used only while they stay gathered (ZeRO 3 runs as ZeRO 2 within the step). Returns
+    each unit's resharding, for :func:`release_gathered`."""
     groups = _fsdp_groups(root)
     resharding = [g.post_forward_mesh_info for g in groups]
     root.set_reshard_after_forward(False)
     return resharding
+
+
+def release_gathered(root, resharding: list) -> None:
+    """Each FSDP2 unit under ``root`` reshards after forward again as it did before
+    :func:`hold_gathered`."""
+    for group, info in zip(_fsdp_groups(root), resharding):
+        group.post_forward_mesh_info = info
+
+
+def _fsdp_hold(root) -> list:
+    """Before a split-backward step: every FSDP2 unit keeps its whole parameters and gradients
+    until the step's end (:func:`hold_gathered`). Returns each unit's resharding."""
+    _fsdp_sync(root, False)
+    return hold_gathered(root)
 
 
 def _fsdp_reduce(root, resharding: list) -> None:
@@ -274,8 +289,7 @@ def _fsdp_reduce(root, resharding: list) -> None:
         for group in unit._fsdp_param_groups:
             group.post_backward()
     state._root_post_backward_final_callback()
-    for group, info in zip(_fsdp_groups(root), resharding):
-        group.post_forward_mesh_info = info
+    release_gathered(root, resharding)
 
 
 def _same_rank_ends(cut: pipeline_cut.StageCut) -> bool:

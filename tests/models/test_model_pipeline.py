@@ -1,4 +1,5 @@
-"""GPT-2 as pipeline stages under torch.distributed.pipelining (GPipe, 1F1B, interleaved 1F1B) over
+"""GPT-2 as pipeline stages under torch.distributed.pipelining (GPipe, 1F1B, interleaved 1F1B; through
+shardzoo.pipeline also the zero-bubble schedules, with dp and ZeRO 0 / 3) over
 mesh.pp_group, composed with 1D tp, 2D tp and sp: loss and every gradient equal transformers'
 unpipelined model. Also OPT, ViT and BERT (a padding mask passed to every stage) under pipelining."""
 
@@ -15,6 +16,7 @@ LAYOUTS = {
     "pp2_1d_tp2": with_world(pp=2, tp=2),
     "pp2_2d_tp4": with_world(pp=2, tp=4, tp_mode="2d"),
     "pp2_sp2": with_world(pp=2, sp=2),
+    "pp2_dp2": with_world(pp=2, dp=2),
 }
 
 
@@ -78,7 +80,10 @@ def check_pipeline(layout, case):
 def check_shardzoo_pipeline(layout, case):
     """The same stages through ``shardzoo.pipeline``, the call a transformers model cut by
     ``parallelize`` takes: this replica's full ids, padding mask and labels on every rank; the
-    step's loss on every rank and every gradient equal transformers' ``labels=`` step."""
+    step's loss on every rank and every gradient equal transformers' ``labels=`` step.
+    ``case["placement"] == "v"``: the stages of zbv / DualPipeV (pp_rank and 2 pp - 1 - pp_rank);
+    ``case["zero"]``: each stage through ``data_parallel``; the loss of a second step after one
+    SGD step is compared instead of the gradients (reduced over dp, or sharded)."""
     import shardzoo
     from shardzoo.models import GPT2, GPT2Config
     from shardzoo.models.gpt2 import hf_to_shardzoo
@@ -87,29 +92,53 @@ def check_shardzoo_pipeline(layout, case):
     hf = hf_gpt2(case["seed"], n_layer=case["n_layer"])
     config = GPT2Config.from_json(hf.config.to_dict())
     pp, virtual = mesh.pp_size, case.get("virtual", 1)
-    models = [GPT2(config, mesh=mesh, stage=(mesh.pp_rank + i * pp, pp * virtual)) for i in range(virtual)]
+    indices = ([mesh.pp_rank, 2 * pp - 1 - mesh.pp_rank] if case.get("placement") == "v" else
+               [mesh.pp_rank + i * pp for i in range(virtual)])
+    models = [GPT2(config, mesh=mesh, stage=(index, pp * virtual)) for index in indices]
     for model in models:
         model.load_full_state_dict(converted(hf.state_dict(), hf_to_shardzoo, config), strict=True)
+    zero = case.get("zero")
+    if zero is not None:
+        models = [shardzoo.data_parallel(model, mesh, zero=zero) for model in models]
     gen = torch.Generator().manual_seed(case["seed"] + 1)
     ids = torch.randint(0, config.vocab_size, (case["batch"], case["seq"]), generator=gen)
     mask = torch.ones_like(ids)
     mask[1, -3:] = 0
     labels = ids.masked_fill(mask == 0, -100)
-    pipe = shardzoo.pipeline(models if virtual > 1 else models[0], mesh, n_microbatches=case["microbatches"],
+    rows = slice(mesh.dp_rank * case["batch"] // mesh.dp_size, (mesh.dp_rank + 1) * case["batch"] // mesh.dp_size)
+    pipe = shardzoo.pipeline(models if len(models) > 1 else models[0], mesh, n_microbatches=case["microbatches"],
                              schedule=case["schedule"])
-    loss = pipe.step(input_ids=ids, attention_mask=mask, labels=labels)
+    loss = pipe.step(input_ids=ids[rows], attention_mask=mask[rows], labels=labels[rows])
     ref = hf(input_ids=ids, attention_mask=mask, labels=labels).loss
     ref.backward()
     assert_close(loss, ref.detach(), f"{layout} shardzoo.pipeline loss", terms=TINY_MODEL_TERMS)
+    if zero is not None:  # the step the optimizer takes is the check (the gradients are reduced, or sharded)
+        for model in models:
+            shardzoo.zero_optimizer(model, torch.optim.SGD, lr=1.0).step()
+        with torch.no_grad():
+            for p in hf.parameters():
+                p -= p.grad
+        again = pipe.step(input_ids=ids[rows], attention_mask=mask[rows], labels=labels[rows])
+        want = hf(input_ids=ids, attention_mask=mask, labels=labels).loss.detach()
+        assert_close(again, want, f"{layout} shardzoo.pipeline loss after a step", terms=TINY_MODEL_TERMS)
+        return
     grads = converted({n: p.grad for n, p in hf.named_parameters()}, hf_to_shardzoo, config)
     grads.setdefault("lm_head.weight", grads["transformer.wte.weight"])
     for model in models:
         grads_vs_reference(model, mesh, grads, f"{layout} shardzoo.pipeline stage")
 
 
-@pytest.mark.parametrize("layout, changes", [("pp2_1d_tp2", {}), ("pp2_sp2", {"schedule": "interleaved_1f1b",
-                                                                              "virtual": 2, "n_layer": 4})],
-                         ids=["pp2_1d_tp2-1f1b", "pp2_sp2-interleaved"])
+FAMILY_CASES = {
+    "pp2_1d_tp2-1f1b": ("pp2_1d_tp2", {}),
+    "pp2_sp2-interleaved": ("pp2_sp2", {"schedule": "interleaved_1f1b", "virtual": 2, "n_layer": 4}),
+    "pp2_1d_tp2-zbv": ("pp2_1d_tp2", {"schedule": "zbv", "virtual": 2, "n_layer": 4, "placement": "v"}),
+    "pp2_dp2-zero0-zero_bubble": ("pp2_dp2", {"schedule": "zero_bubble", "virtual": 2, "n_layer": 4, "zero": 0}),
+    "pp2_dp2-zero3-dualpipev": ("pp2_dp2", {"schedule": "dualpipev", "virtual": 2, "n_layer": 4, "placement": "v",
+                                            "zero": 3, "batch": 8, "microbatches": 4}),
+}
+
+
+@pytest.mark.parametrize("layout, changes", list(FAMILY_CASES.values()), ids=list(FAMILY_CASES))
 def test_family_stages_run_by_shardzoo_pipeline(layout, changes):
     run_on_ranks(check_shardzoo_pipeline, LAYOUTS[layout][1], layout, {**BASE, **changes})
 
