@@ -20,6 +20,8 @@ CASES = {
     "llama-gqa-pp2-1d-tp2-1f1b-uneven": ("llama", dict(pp=2, tp=2), 4, 3, "1f1b", 2, dict(stages=[1, 2])),
     "qwen2-tied-pp2-dp2-zero3-gpipe": ("qwen2", dict(pp=2, dp=2), 4, 2, "gpipe", 2, dict(zero=3)),
     "qwen3-pp4-1f1b-uneven": ("qwen3", dict(pp=4), 4, 5, "1f1b", 4, dict(stages=[2, 1, 1, 1])),
+    "llama-pp4-zbv-uneven": ("llama", dict(pp=4), 4, 9, "zbv", 4,
+                             dict(virtual_stages=2, placement="v", stages=[2, 1, 1, 1, 1, 1, 1, 1])),
     "gpt2-tied-pp2-1d-tp2-zbv-checkpointed": ("gpt2", dict(pp=2, tp=2), 4, 4, "zbv", 2,
                                              dict(virtual_stages=2, placement="v", checkpointing=True)),
     "mistral-pp2-2d-zero-bubble": ("mistral", dict(pp=2, tp=4, tp_mode="2d"), 8, 4, "zero_bubble", 2,
