@@ -192,6 +192,24 @@ def _assert_same_state(a, b, what: str):
             assert torch.equal(torch.as_tensor(sa[k][key]), torch.as_tensor(sb[k][key])), f"{what}: state {k} {key}"
 
 
+def _convert_and_compare(ckpt: str, out_dir: str, reference, batch, want, twin):
+    """``shardzoo convert`` of ``ckpt`` loads in transformers with the reference's weights and logits."""
+    import transformers
+
+    from shardzoo.cli import main
+
+    assert main(["convert", ckpt, out_dir, "--no-progress"]) == 0
+    loaded = transformers.MixtralForCausalLM.from_pretrained(out_dir, experts_implementation="eager").float().eval()
+    got = loaded.state_dict()
+    for name, value in reference.state_dict().items():
+        assert torch.equal(got[name], value), name
+    ids, mask = batch
+    with torch.no_grad():
+        logits = loaded(input_ids=ids, attention_mask=mask).logits
+    keep = mask.bool()
+    assert_close_conditioned(logits[keep], want[keep], twin[keep], "logits of the converted model", terms=TINY_MODEL_TERMS)
+
+
 SAVED_AT = dict(dp=4, ep=2)
 LOADED_AT = [dict(dp=4, ep=4), dict(dp=4), dict(dp=2, sp=2, ep=2), dict(dp=4, ep=2)]
 
@@ -209,6 +227,7 @@ def test_save_at_ep2_load_at_other_layouts(tmp_path, zero):
         want = reference[0].eval()(input_ids=ids, attention_mask=mask).logits
         twin = exact(input_ids=ids, attention_mask=mask).logits
     keep = mask.bool()
+    _convert_and_compare(ckpt, str(tmp_path / "converted"), reference[0], (ids, mask), want, twin)
     for i, mesh_kwargs in enumerate(LOADED_AT):
         again = str(tmp_path / f"again-{i}")
         load_zero = 3 - zero if mesh_kwargs.get("ep", 1) > 1 else zero  # across ZeRO stages too
