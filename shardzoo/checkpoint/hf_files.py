@@ -45,6 +45,9 @@ class HFWeights:
 
     Attributes:
         entries: checkpoint key -> (file name, shape, safetensors dtype such as "F32").
+        sources: model tensor name -> where the files hold it when not under that name (a
+            renamed key, or a hf_stacked.StackedSource of per-expert tensors); set by the
+            loader, which knows the model.
     """
 
     def __init__(self, hf_dir: str):
@@ -66,6 +69,7 @@ class HFWeights:
                 f"directory saved as safetensors; a pytorch_model.bin model converts with transformers: "
                 f"AutoModel.from_pretrained(d).save_pretrained(out)")
         self.entries: dict[str, tuple[str, tuple[int, ...], str]] = {}
+        self.sources: dict[str, object] = {}
         for file in files:
             path = resolve_in(self.hf_dir, file, source=f"{index}, weight_map" if weight_map else source)
             if not os.path.isfile(path):

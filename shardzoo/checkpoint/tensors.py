@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardzoo.checkpoint.errors import CheckpointError
+from shardzoo.comm.expert_mesh import EXPERT_AXES
 from shardzoo.layers.dp_shard import rank_piece, reshard_fsdp
 from shardzoo.layers.replicas import find_mesh
 from shardzoo.layers.shard_spec import (ShardSpec, ShardSpecError, check_local, check_specs, get_shard_spec, tied_copies,
@@ -138,14 +139,19 @@ def _expand_axes(axes: tuple[str, ...], mesh) -> set[str]:
 
 def is_candidate_writer(lt: LocalTensor, rank: int) -> bool:
     """The writer rule: coordinate 0 on every mesh axis except pp and the spec's partitioned_over
-    axes (pipeline stages own different tensors; replicas along every other axis are equal).
+    axes (pipeline stages own different tensors; replicas along every other axis are equal);
+    for a tensor split over ep, the expert axes ep / edp replace dp / sp (comm/expert_mesh.py).
     Without a mesh, global rank 0. Equal pieces offered by several ranks (tied weights on two
     stages, a scalar optimizer step) are then written once, by the lowest rank."""
     if lt.mesh is None:
         return rank == 0
     free = _expand_axes(lt.spec.partitioned_over, lt.mesh) if lt.spec is not None else set()
     free |= _expand_axes(lt.held_over, lt.mesh)
-    return all(c == 0 for axis, c in lt.mesh.coordinate.items() if axis != "pp" and axis not in free)
+    coordinate = lt.mesh.coordinate
+    if free & set(EXPERT_AXES):  # split over ep: the expert axes (ep, edp) stand where dp and sp do
+        coordinate = {a: c for a, c in coordinate.items() if a not in ("dp", "sp")}
+        coordinate.update({a: lt.mesh.rank(a) for a in EXPERT_AXES})
+    return all(c == 0 for axis, c in coordinate.items() if axis != "pp" and axis not in free)
 
 
 def intersect(a: Box, b: Box) -> Box | None:

@@ -28,10 +28,12 @@ from torch import nn
 
 from shardzoo.checkpoint.errors import CheckpointError
 from shardzoo.checkpoint.hf_files import HFWeights
+from shardzoo.checkpoint.hf_stacked import StackedSource, read_stacked, stacked_shape
 from shardzoo.checkpoint.sync import Ranks, describe
 from shardzoo.checkpoint.tensors import fill_local, model_tensors
 from shardzoo.parallel.stage_state import full_state_dict
 from shardzoo.layers.shard_spec import unwrap_ddp
+from shardzoo.models.hf_key_map import file_sources
 from shardzoo.models.meta import materialize
 from shardzoo.models.pretrained import config_json
 from shardzoo.parallel import parallelize
@@ -115,6 +117,7 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
     try:
         weights = HFWeights(model_dir)
         local, _ = model_tensors(model)
+        weights.sources = file_sources(unwrap_ddp(model), [lt.name for lt in local], weights.entries)
         problems = [_problem(lt, weights) for lt in local]
         problems = [p for p in problems if p]
         if problems:
@@ -155,19 +158,36 @@ def _serial_shape(lt) -> tuple[int, ...]:
     return tuple(lt.spec.serial_shape) if lt.spec is not None and lt.spec.serial_shape else lt.global_shape
 
 
+def _source(weights: HFWeights, name: str):
+    """Where the files hold model tensor ``name``: its own key, a renamed one, or a
+    StackedSource of per-expert tensors (hf_key_map.py); None when nowhere."""
+    source = weights.sources.get(name, name)
+    return source if isinstance(source, StackedSource) or source in weights.entries else None
+
+
+def _file_shape(weights: HFWeights, source) -> tuple[int, ...]:
+    return stacked_shape(weights, source) if isinstance(source, StackedSource) else tuple(weights.shape(source))
+
+
+def _read_source(weights: HFWeights, source, box) -> torch.Tensor:
+    return read_stacked(weights, source, box) if isinstance(source, StackedSource) else weights.read(source, box)
+
+
 def _problem(lt, weights: HFWeights) -> str | None:
-    if lt.name not in weights.entries:
+    source = _source(weights, lt.name)
+    if source is None:
         return f"missing from the files: {lt.name}"
-    if tuple(weights.shape(lt.name)) != _serial_shape(lt):
-        return f"{lt.name}: the files hold {list(weights.shape(lt.name))}, the model {list(_serial_shape(lt))}"
+    if _file_shape(weights, source) != _serial_shape(lt):
+        return f"{lt.name}: the files hold {list(_file_shape(weights, source))}, the model {list(_serial_shape(lt))}"
     return None
 
 
 def _read(weights: HFWeights, lt, box) -> torch.Tensor:
     """Box ``box`` of ``lt``'s global tensor; a packed tensor (spec.serial_shape) is read part by
     part from the serial [.., K n, ..] tensor its global [.., K, n, ..] views."""
+    source = _source(weights, lt.name)
     if lt.spec is None or not lt.spec.serial_shape:
-        return weights.read(lt.name, box)
+        return _read_source(weights, source, box)
     offsets, shape = box
     dim = next(d for d, (g, s) in enumerate(zip(lt.spec.global_shape, lt.spec.serial_shape)) if g != s)
     n = lt.spec.global_shape[dim + 1]
@@ -175,7 +195,7 @@ def _read(weights: HFWeights, lt, box) -> torch.Tensor:
     for k in range(offsets[dim], offsets[dim] + shape[dim]):
         o = offsets[:dim] + (k * n + offsets[dim + 1],) + offsets[dim + 2:]
         s = shape[:dim] + (shape[dim + 1],) + shape[dim + 2:]
-        pieces.append(weights.read(lt.name, (o, s)))
+        pieces.append(_read_source(weights, source, (o, s)))
     return torch.stack(pieces, dim)
 
 
