@@ -7,8 +7,9 @@ same size run by its stage builder and ``build_schedule``, in one pool of ranks.
    whose ratio is this host's noise.
 2. The bubble of each schedule at pp 2 and 4: ``1 - T1 / (pp * Tpp)``, T1 the step of the same
    model and batch on one rank (no pipeline) and Tpp the pipelined step, every rank with one
-   intra-op thread (so one rank computes as fast as one stage's rank), next to 1F1B's ideal
-   ``(pp - 1) / (m + pp - 1)`` (interleaved: ``(pp - 1) / (v m + pp - 1)``). With more ranks
+   intra-op thread (so one rank computes as fast as one stage's rank), next to the ideal of the
+   planner's schedule model (``ideal_bubble``: 1F1B's ``(pp - 1) / (m + pp - 1)``, interleaved
+   ``(pp - 1) / (v m + pp - 1)``, the zero-bubble schedules' with F = B = W). With more ranks
    than cores the ranks share cores, so an idle rank's bubble partly lends its core to another:
    read pp 4 on a 2-core host as an ordering of the schedules, not a fraction.
 3. ``from_pretrained`` with pp: the RSS a rank adds while it builds, allocates and reads its
@@ -33,7 +34,9 @@ LOAD_HIDDEN = (512, 1024)  # from_pretrained: two stage sizes, to tell a fixed o
 
 VARIANTS = ("family GPT2, build_schedule", "transformers GPT-2, shardzoo.pipeline",
             "transformers GPT-2 again (A/A control)")
-SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 2}  # schedule: virtual stages
+# schedule: (virtual stages, placement)
+SCHEDULES = {"gpipe": (1, "loop"), "1f1b": (1, "loop"), "interleaved_1f1b": (2, "loop"), "zero_bubble": (2, "loop"),
+             "zbv": (2, "v")}
 
 
 def gpt2_fields(args) -> dict:
@@ -46,12 +49,19 @@ def spec(args, variant: str, pp: int, schedule: str = "1f1b") -> dict:
                 steps=args.steps, micro_batches=args.micro if pp > 1 else 1, threads=1)
     if variant.startswith("family"):
         return dict(base, family="gpt2", config=gpt2_fields(args))
-    return dict(base, hf=dict(model_type="gpt2", config=gpt2_fields(args)), schedule=schedule,
-                virtual_stages=SCHEDULES[schedule])
+    v, placement = SCHEDULES[schedule]
+    return dict(base, hf=dict(model_type="gpt2", config=gpt2_fields(args)), schedule=schedule, virtual_stages=v,
+                placement=placement)
 
 
-def ideal_bubble(pp: int, m: int, v: int) -> float:
-    return (pp - 1) / (v * m + pp - 1)
+def ideal_bubble(pp: int, m: int, schedule: str) -> float:
+    """The bubble the planner's schedule model gives with the stages alike and a backward's
+    input and weight passes each as long as the forward: ``fill (pp - 1) / (m + fill (pp - 1))``
+    (1F1B: ``(pp - 1) / (m + pp - 1)``; interleaved: ``(pp - 1) / (v m + pp - 1)``; ZB-V: 0)."""
+    from shardzoo.planner.schedules import ALIASES, fill_fraction
+
+    fill = fill_fraction(ALIASES.get(schedule, schedule), SCHEDULES[schedule][0], 1.0, 1.0, 1.0)
+    return fill * (pp - 1) / (m + fill * (pp - 1))
 
 
 def main(argv=None) -> None:
@@ -91,9 +101,9 @@ def main(argv=None) -> None:
         one = statistics.median(slowest(pool, spec(args, "transformers", 1)) for _ in range(args.reps))
     for pp in (2, 4):
         with WorkerPool(pp, timeout=args.timeout) as pool:
-            for schedule, v in SCHEDULES.items():
+            for schedule, (v, _) in SCHEDULES.items():
                 t = statistics.median(slowest(pool, spec(args, "transformers", pp, schedule)) for _ in range(args.reps))
-                measured, ideal = 1 - one / (pp * t), ideal_bubble(pp, args.micro, v)
+                measured, ideal = 1 - one / (pp * t), ideal_bubble(pp, args.micro, schedule)
                 data["bubble"][f"{pp}/{schedule}"] = dict(step_s=t, one_rank_s=one, measured=measured, ideal=ideal)
                 bubbles.append([pp, schedule, v, f"{t:.3f}", f"{measured:.3f}", f"{ideal:.3f}"])
                 print(bubbles[-1], flush=True)
