@@ -2,8 +2,8 @@
 published configurations.
 
 1. Validation (``--hardware calibrate``): for a GPT-2 config that fits 4 and 8 ranks (shardzoo's
-   family), and a transformers Llama of the same size on 4 ranks (half its candidates
-   pipelined: cut by ``parallelize``, run by ``shardzoo.pipeline``), plan, then
+   family; with ``--hf-only`` instead a transformers Llama of the same size on 4 ranks, half its
+   candidates pipelined: cut by ``parallelize``, run by ``shardzoo.pipeline``), plan, then
    run the candidates the planner enumerates, ZeRO stages 0-3 included (up to
    ``--max-candidates`` per world, spread evenly over the predicted ranking, the top pick always
    among them): AdamW training steps on fresh local ranks per candidate,
@@ -25,6 +25,7 @@ published configurations.
     python bench/plan.py                                       # full: GPT-2 4 x 256, worlds 4 and 8
     python bench/plan.py --worlds 4 --max-candidates 3 --layers 2 --hidden 64 --steps 2   # quick
     python bench/plan.py --published-only                      # the published runs alone
+    python bench/plan.py --hf-only                             # a transformers Llama, pipelines included
 """
 
 from __future__ import annotations
@@ -150,6 +151,63 @@ def validate_world(world: int, args, hw, model=None) -> dict:
             print(f"world {world}: again {r['candidate'].describe()}: step {r['launches'][-1]:.3f} s", flush=True)
     return dict(world=world, rows=rows, plan_s=plan_s, measure_s=time.perf_counter() - start,
                 enumerated=planned.count, top=planned[0], best=best, name=name)
+
+
+def world_report(res: dict) -> tuple[str, dict]:
+    """(markdown, data) of one ``validate_world`` result: each candidate's predicted and measured
+    peak and step time, and the summary (a)-(d)."""
+    rows, pred_t, meas_t, errors = [], [], [], []
+    for r in res["rows"]:
+        c = r["candidate"]
+        err = (c.peak_bytes_per_rank - r["peak"]) / r["peak"]
+        errors.append(err)
+        pred_t.append(c.step_seconds)
+        meas_t.append(r["step_s"])
+        rows.append([c.describe(), f"{c.peak_bytes_per_rank / 2**20:.0f}", f"{r['peak'] / 2**20:.0f}",
+                     f"{err:+.1%}", f"{c.step_seconds:.3f}", f"{r['step_s']:.3f}"])
+    best, top = res["best"], res["rows"][0]
+    top_s, best_s = statistics.median(top["launches"]), statistics.median(best["launches"])
+    launches = (f"medians of {len(top['launches'])} launches each: " + ", ".join(
+        f"{'top' if r is top else 'best'} {' '.join(f'{x:.3f}' for x in r['launches'])}" for r in (top, best))
+        if best is not top else "the top pick measured fastest")
+    summary = (f"world {res['world']}: {len(rows)} of {res['enumerated']} candidates run; (a) peak memory error "
+               f"{min(errors):+.1%} .. {max(errors):+.1%}; (b) Spearman rank correlation of step time "
+               f"{spearman(pred_t, meas_t):.2f}; (c) top pick measured {top_s:.3f} s vs the fastest measured "
+               f"candidate {best_s:.3f} s ({top_s / best_s:.2f}x, {best['candidate'].describe()}; {launches}); "
+               f"(d) planning {res['plan_s']:.2f} s vs measuring {res['measure_s']:.0f} s")
+    print(summary)
+    table = f"### {res['name']}, world {res['world']}\n\n" + markdown_table(
+        ["candidate", "peak MiB predicted", "peak MiB measured", "error", "step s predicted",
+         "step s measured"], rows) + f"\n\n{summary}"
+    runs = [dict(layout=r["candidate"].layout, micro_batches=r["candidate"].micro_batches,
+                 activation_checkpointing=r["candidate"].activation_checkpointing, zero=r["candidate"].zero,
+                 step_s_predicted=r["candidate"].step_seconds, step_s_measured=r["step_s"],
+                 step_s_launches=r["launches"],
+                 peak_predicted=r["candidate"].peak_bytes_per_rank, peak_measured=r["peak"])
+            for r in res["rows"]]
+    return table, dict(world=res["world"], model=res["name"], summary=summary, rows=rows, runs=runs)
+
+
+def report_hf(args, hw) -> None:
+    """``--hf-only``: a transformers Llama planned from its config directory and measured, half its
+    candidates pipelined; the section "Planner: a transformers model's pipelines"."""
+    with tempfile.TemporaryDirectory() as tmp:  # a transformers model cut into stages by parallelize
+        results = [validate_world(w, args, hw, transformers_llama(args, tmp)) for w in args.hf_worlds]
+    tables, data = [], {"args": vars(args), "hardware": hw.to_json(), "worlds": []}
+    for res in results:
+        table, entry = world_report(res)
+        tables.append(table)
+        data["worlds"].append(entry)
+    note = (f"A transformers Llama ({args.layers} layers, hidden {args.hidden}, {args.heads} heads, "
+            f"{max(1, args.heads // 2)} kv heads, intermediate {args.hidden * 8 // 3 // 16 * 16}, vocabulary "
+            f"{args.vocab}, untied) planned from its config directory as `shardzoo plan DIR` plans it and split by "
+            f"parallelize: pp > 1 cut into stages and run by shardzoo.pipeline (1F1B); half the candidates run are "
+            f"pipelined, spread over the ranking of those, the rest over the others. Global batch {args.batch} x "
+            f"{args.seq} tokens, fp32 AdamW, {args.steps} steps per candidate (first one a warm-up); hardware: this "
+            f"host calibrated ({hw.source}). Peak and timing as in the section above (MALLOC_MMAP_THRESHOLD_ for "
+            f"the peak, a heap keeping freed blocks for the timed steps).")
+    write_results("plan-hf", "Planner: a transformers model's pipelines, predicted vs measured (bench/plan.py "
+                  "--hf-only)", "\n\n".join(tables), data, note)
 
 
 def max_fitting(shape, world, memory_gib, layout, batch, seq, vary, hw) -> int:
@@ -300,8 +358,12 @@ def report_published(names=None) -> None:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--worlds", type=int, nargs="+", default=[4, 8])
-    ap.add_argument("--hf-worlds", type=int, nargs="*", default=[4],
-                    help="worlds for the transformers Llama of the same size (half its candidates pipelined)")
+    ap.add_argument("--hf-worlds", type=int, nargs="+", default=[4],
+                    help="with --hf-only: worlds for the transformers Llama of the same size (half its candidates "
+                    "pipelined)")
+    ap.add_argument("--hf-only", action="store_true",
+                    help="only the transformers Llama (measured): the section \"Planner: a transformers model's "
+                    "pipelines\"")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--heads", type=int, default=8)
@@ -335,41 +397,14 @@ def main(argv=None):
         # live top in the RSS. Read by each rank's malloc at its start (the pools spawn later);
         # run_layout times its steps after switching back to a heap that keeps freed blocks.
         os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 << 10))
+    if args.hf_only:
+        return report_hf(args, hw)
     results = [validate_world(w, args, hw) for w in args.worlds]
-    with tempfile.TemporaryDirectory() as tmp:  # a transformers model cut into stages by parallelize
-        results += [validate_world(w, args, hw, transformers_llama(args, tmp)) for w in args.hf_worlds]
     tables, data = [], {"args": vars(args), "hardware": hw.to_json(), "worlds": []}
     for res in results:
-        rows, pred_t, meas_t, errors = [], [], [], []
-        for r in res["rows"]:
-            c = r["candidate"]
-            err = (c.peak_bytes_per_rank - r["peak"]) / r["peak"]
-            errors.append(err)
-            pred_t.append(c.step_seconds)
-            meas_t.append(r["step_s"])
-            rows.append([c.describe(), f"{c.peak_bytes_per_rank / 2**20:.0f}", f"{r['peak'] / 2**20:.0f}",
-                         f"{err:+.1%}", f"{c.step_seconds:.3f}", f"{r['step_s']:.3f}"])
-        best, top = res["best"], res["rows"][0]
-        top_s, best_s = statistics.median(top["launches"]), statistics.median(best["launches"])
-        launches = (f"medians of {len(top['launches'])} launches each: " + ", ".join(
-            f"{'top' if r is top else 'best'} {' '.join(f'{x:.3f}' for x in r['launches'])}" for r in (top, best))
-            if best is not top else "the top pick measured fastest")
-        summary = (f"world {res['world']}: {len(rows)} of {res['enumerated']} candidates run; (a) peak memory error "
-                   f"{min(errors):+.1%} .. {max(errors):+.1%}; (b) Spearman rank correlation of step time "
-                   f"{spearman(pred_t, meas_t):.2f}; (c) top pick measured {top_s:.3f} s vs the fastest measured "
-                   f"candidate {best_s:.3f} s ({top_s / best_s:.2f}x, {best['candidate'].describe()}; {launches}); "
-                   f"(d) planning {res['plan_s']:.2f} s vs measuring {res['measure_s']:.0f} s")
-        print(summary)
-        tables.append(f"### {res['name']}, world {res['world']}\n\n" + markdown_table(
-            ["candidate", "peak MiB predicted", "peak MiB measured", "error", "step s predicted",
-             "step s measured"], rows) + f"\n\n{summary}")
-        runs = [dict(layout=r["candidate"].layout, micro_batches=r["candidate"].micro_batches,
-                     activation_checkpointing=r["candidate"].activation_checkpointing, zero=r["candidate"].zero,
-                     step_s_predicted=r["candidate"].step_seconds, step_s_measured=r["step_s"],
-                     step_s_launches=r["launches"],
-                     peak_predicted=r["candidate"].peak_bytes_per_rank, peak_measured=r["peak"])
-                for r in res["rows"]]
-        data["worlds"].append(dict(world=res["world"], model=res["name"], summary=summary, rows=rows, runs=runs))
+        table, entry = world_report(res)
+        tables.append(table)
+        data["worlds"].append(entry)
     sp_rows = sequence_parallel_paper(args)
     tables.append(f"### Sequence parallelism vs 1D at fixed memory (BERT-Base, 12 devices, "
                   f"{args.paper_memory_gib:g} GiB each as assumed here; bf16, no checkpointing)\n\n"
@@ -380,11 +415,7 @@ def main(argv=None):
     data.update(sequence_parallel=sp_rows, plan_4096_s=t4096)
     table = "\n\n".join(tables)
     print(table)
-    note = (f"GPT-2 n_layer={args.layers} n_embd={args.hidden} n_head={args.heads} vocab={args.vocab} (shardzoo's "
-            f"family), and a transformers Llama of the same layers, hidden size, heads and vocabulary ({args.heads // 2} "
-            f"kv heads, intermediate {args.hidden * 8 // 3 // 16 * 16}) planned from its config directory and split "
-            f"by parallelize (pp > 1: cut into stages and run by shardzoo.pipeline, 1F1B; half its candidates "
-            f"pipelined); global batch "
+    note = (f"GPT-2 n_layer={args.layers} n_embd={args.hidden} n_head={args.heads} vocab={args.vocab}, global batch "
             f"{args.batch} x {args.seq} tokens, fp32 AdamW, {args.steps} steps per candidate (first one a warm-up); "
             f"hardware: this host calibrated ({hw.source}). More ranks than cores time-share the cores; the "
             "planner scales compute and communication by cores / ranks. Pipelines run with return_outputs=False. "
