@@ -60,6 +60,11 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
+def scale_grad(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """``x`` unchanged (any shape); its gradient times ``factor`` in backward."""
+    return _ScaleGrad.apply(x, factor)
+
+
 class _ContiguousGrad(torch.autograd.Function):
     """Identity forward; a contiguous gradient backward (the grouped matmul's backward needs one)."""
 

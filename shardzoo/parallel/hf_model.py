@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from shardzoo.layers import batch_loss
-from shardzoo.parallel import generation, hf_attention, inputs
+from shardzoo.parallel import generation, hf_attention, inputs, router_logits
 from shardzoo.parallel.kinds import is_norm
 from shardzoo.parallel.plan import matches, style_of
 
@@ -129,21 +129,9 @@ def install(model: nn.Module, state: inputs.Parallelized) -> None:
         model.loss_function = functools.partial(_loss, state, model)
     if state.mesh.sp_size > 1:
         hf_attention.use_sequence_parallel_attention(model, state)
-        if hasattr(model.config, "output_router_logits"):
-            model.register_forward_pre_hook(functools.partial(_refuse_router_logits, state), with_kwargs=True)
+        # a MoE causal LM's router logits and aux loss: the serial ones over the replica's sequences
+        router_logits.install(model, state, is_causal_lm(model))
     generation.install(model, state)  # generate reads whole logits; refused under sp
-
-
-def _refuse_router_logits(state, model, args, kwargs):
-    """A MoE model's load-balancing loss reads every token's router logits with the padding
-    mask; under sp a rank holds its chunk of them and no mask, so the loss would be silently
-    another one: refused until it is gathered over sp."""
-    wanted = kwargs.get("output_router_logits")
-    if wanted if wanted is not None else getattr(model.config, "output_router_logits", False):
-        raise ValueError(f"output_router_logits=True under sp={state.mesh.sp_size}: the load-balancing loss of "
-                         f"{type(model).__name__} would be computed on each sp rank's chunk of the tokens, not the "
-                         f"serial one (not built yet); pass output_router_logits=False (and set "
-                         f"model.config.output_router_logits = False), or use sp=1")
 
 
 def _loss(state, model, logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index: int = -100,
