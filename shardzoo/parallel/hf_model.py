@@ -7,6 +7,7 @@ transformers stays optional: a plain ``nn.Module`` never imports it.
 from __future__ import annotations
 
 import functools
+import re
 import sys
 
 import torch
@@ -90,7 +91,20 @@ def default_plan(model: nn.Module) -> dict[str, str] | None:
         plan = {p: s for p, s in plan.items() if any(matches(p, n) for n in names)}
         ep_plan = {p: s for p, s in ep_plan.items() if any(matches(p.rpartition(".")[0] if s == "grouped_gemm" else p, n)
                                                           for n in names)}
+        # the routers the model records router logits from, where its plans leave them out
+        ep_plan.update({p: "router" for p in _router_patterns(model) if style_of({**plan, **ep_plan}, p) is None})
     return complete_plan(model, {**plan, **ep_plan})
+
+
+def _router_patterns(model: nn.Module) -> list[str]:
+    """The names of a transformers MoE model's routers (the modules its ``_can_record_outputs``
+    records ``router_logits`` from), block indices as '*'."""
+    spec = (getattr(model, "_can_record_outputs", None) or {}).get("router_logits")
+    target = getattr(spec, "target_class", None)
+    if not isinstance(target, type):
+        return []
+    names = [n for n, m in model.named_modules() if isinstance(m, target)]
+    return list(dict.fromkeys(re.sub(r"\.\d+\.", ".*.", n) for n in names))
 
 
 def complete_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
@@ -129,8 +143,9 @@ def install(model: nn.Module, state: inputs.Parallelized) -> None:
         model.loss_function = functools.partial(_loss, state, model)
     if state.mesh.sp_size > 1:
         hf_attention.use_sequence_parallel_attention(model, state)
-        # a MoE causal LM's router logits and aux loss: the serial ones over the replica's sequences
-        router_logits.install(model, state, is_causal_lm(model))
+    # a MoE causal LM's router logits and aux loss under sp / Megatron sequence parallelism: the
+    # serial ones over the replica's whole sequences
+    router_logits.install(model, state, is_causal_lm(model))
     generation.install(model, state)  # generate reads whole logits; refused under sp
 
 

@@ -102,9 +102,12 @@ def install(model: nn.Module, planned: dict, layout, enabled: bool) -> SequenceS
     blocks = {name for names in lists for name in names}
     inside = tuple(f"{name}." for name in blocks)
     readers, partial = set(), {}
-    for name in planned:
+    for name, (_, style, _) in planned.items():
         if name.startswith(inside):
             module = model.get_submodule(name)
+            put_on_chunks = getattr(STYLES[style], "put_on_chunks", None)
+            if put_on_chunks is not None:  # a router or experts: its gradient summed over tp
+                put_on_chunks(module, layout.mesh)
             block = next(b for b in blocks if name.startswith(f"{b}."))
             partial.setdefault(block, []).extend((module, p) for p in _on_chunks(module, shards))
             parent = name.rpartition(".")[0]
