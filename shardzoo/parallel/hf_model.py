@@ -91,9 +91,40 @@ def default_plan(model: nn.Module) -> dict[str, str] | None:
         plan = {p: s for p, s in plan.items() if any(matches(p, n) for n in names)}
         ep_plan = {p: s for p, s in ep_plan.items() if any(matches(p.rpartition(".")[0] if s == "grouped_gemm" else p, n)
                                                           for n in names)}
-        # the routers the model records router logits from, where its plans leave them out
+        # the routers the model records router logits from, and shared experts, where its plans
+        # leave them out
         ep_plan.update({p: "router" for p in _router_patterns(model) if style_of({**plan, **ep_plan}, p) is None})
+        ep_plan.update({p: s for p, s in _shared_expert_entries(model).items() if style_of({**plan, **ep_plan}, p) is None})
     return complete_plan(model, {**plan, **ep_plan})
+
+
+def _shared_expert_entries(model: nn.Module) -> dict[str, str]:
+    """Plan entries for what a MoE block (the parent of a module with the experts contract)
+    holds beside its experts and router: a dense MLP (``gate_proj`` / ``up_proj`` / ``down_proj``
+    linears: Qwen2-MoE's shared expert) as a column / column / row pair, and a linear onto one
+    output (its per-token sigmoid gate) as a 'router' (whole; on sequence chunks its gradient
+    summed over tp). Block indices as '*'."""
+    from shardzoo.layers.experts import is_experts
+
+    entries: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if not is_experts(module) or "." not in name:
+            continue
+        block = name.rpartition(".")[0]
+        for child_name, child in model.get_submodule(block).named_children():
+            where = _wild(f"{block}.{child_name}")
+            parts = [getattr(child, p, None) for p in ("gate_proj", "up_proj", "down_proj")]
+            if all(isinstance(p, nn.Linear) for p in parts):
+                entries.update({f"{where}.gate_proj": "column", f"{where}.up_proj": "column",
+                                f"{where}.down_proj": "row"})
+            elif isinstance(child, nn.Linear) and child.out_features == 1:
+                entries[where] = "router"
+    return entries
+
+
+def _wild(name: str) -> str:
+    """A module name with its block indices as '*' (a plan pattern for every block)."""
+    return re.sub(r"\.\d+(?=\.|$)", ".*", name)
 
 
 def _router_patterns(model: nn.Module) -> list[str]:
@@ -104,7 +135,7 @@ def _router_patterns(model: nn.Module) -> list[str]:
     if not isinstance(target, type):
         return []
     names = [n for n, m in model.named_modules() if isinstance(m, target)]
-    return list(dict.fromkeys(re.sub(r"\.\d+\.", ".*.", n) for n in names))
+    return list(dict.fromkeys(_wild(n) for n in names))
 
 
 def complete_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:

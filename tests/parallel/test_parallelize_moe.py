@@ -1,5 +1,5 @@
 """Mixture of experts split over ep by ``shardzoo.parallelize`` with the model's own ep plan: a
-tiny random Mixtral and Qwen3-MoE, run by their own transformers code with
+tiny random Mixtral, Qwen3-MoE, Qwen2-MoE (shared expert) and OLMoE, run by their own transformers code with
 ``output_router_logits=True``, equal the serial model (fp32, padding included): loss, aux loss,
 router logits, logits, the gradient norm and every weight after one SGD step, at ep 2 and 4
 with dp, sp (ring and Ulysses: the aux loss over the replica's whole sequences) and ZeRO 0 / 3;
@@ -36,9 +36,16 @@ def tiny_moe(kind: str, seed: int = 0, router_logits: bool = True):
     if kind == "mixtral":
         cls, config = transformers.MixtralForCausalLM, transformers.MixtralConfig(
             intermediate_size=16, num_local_experts=4, **common)
-    else:  # normalized top-k
+    elif kind == "qwen3_moe":  # normalized top-k
         cls, config = transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig(
             intermediate_size=32, moe_intermediate_size=16, num_experts=4, norm_topk_prob=True, head_dim=8, **common)
+    elif kind == "qwen2_moe":  # a shared expert behind a sigmoid gate, top-k not renormalized
+        cls, config = transformers.Qwen2MoeForCausalLM, transformers.Qwen2MoeConfig(
+            intermediate_size=32, moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=4,
+            norm_topk_prob=False, **common)
+    else:  # OLMoE: q / k norms over the projections' width, top-k not renormalized
+        cls, config = transformers.OlmoeForCausalLM, transformers.OlmoeConfig(
+            intermediate_size=16, num_experts=4, norm_topk_prob=False, **common)
     torch.manual_seed(seed)
     model = cls(config).float().train()
     with torch.no_grad():
@@ -51,8 +58,9 @@ def tiny_moe(kind: str, seed: int = 0, router_logits: bool = True):
 
 
 def _aux(model, router_logits, mask):
-    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+    import sys
 
+    load_balancing_loss_func = sys.modules[type(model).__module__].load_balancing_loss_func  # the model's own
     return load_balancing_loss_func(router_logits, model.config.num_experts, model.config.num_experts_per_tok, mask)
 
 
@@ -90,7 +98,15 @@ def moe_against_serial(kind, mesh_kwargs, zero, sp_mode="ring", router_logits=Tr
     replicas = mesh.dp_size
     out_s, out_x = serial_step(serial, batch, replicas), serial_step(exact, batch, replicas)
 
-    shardzoo.parallelize(parallel, mesh, sp_mode=sp_mode)
+    plan = None
+    if kind == "olmoe":  # its q / k norms span every head's width; its own plan gathers q, k, v for them
+        from shardzoo.parallel.hf_model import default_plan  # (not built: at tp = 1 they stay whole)
+
+        attention = {f"model.layers.*.self_attn.{n}": s for n, s in (
+            ("q_proj", "column"), ("k_proj", "column"), ("v_proj", "column"), ("o_proj", "row"),
+            ("q_norm", "replicate"), ("k_norm", "replicate"))}
+        plan = {**{p: s for p, s in default_plan(parallel).items() if ".self_attn." not in p}, **attention}
+    shardzoo.parallelize(parallel, mesh, plan, sp_mode=sp_mode)
     experts = [m for m in parallel.modules() if type(m).__name__ == "ExpertsEP"]
     assert len(experts) == (2 if mesh.ep_size > 1 else 0) and all(m.num_experts == 4 // mesh.ep_size for m in experts)
     wrapped = shardzoo.data_parallel(parallel, mesh, zero=zero)
@@ -126,7 +142,8 @@ CASES = [("mixtral", dict(dp=4, ep=2), 0, "ring"), ("mixtral", dict(dp=4, ep=4),
          ("mixtral", dict(dp=2, sp=2, ep=2), 0, "ring"), ("qwen3_moe", dict(dp=2, sp=2, ep=2), 3, "ulysses"),
          ("qwen3_moe", dict(dp=2, sp=2, ep=4), 3, "ring"),
          # 1d tp: Megatron sequence parallelism splits the tokens over tp; router and experts on the chunks
-         ("mixtral", dict(dp=2, tp=2, ep=2), 0, "ring"), ("mixtral", dict(dp=2, tp=2), 3, "ring")]
+         ("mixtral", dict(dp=2, tp=2, ep=2), 0, "ring"), ("mixtral", dict(dp=2, tp=2), 3, "ring"),
+         ("qwen2_moe", dict(dp=4, ep=2), 0, "ring"), ("olmoe", dict(dp=2, sp=2, ep=2), 3, "ring")]
 
 
 @pytest.mark.parametrize("kind,mesh_kwargs,zero,sp_mode", CASES,
