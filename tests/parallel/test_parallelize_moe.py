@@ -86,12 +86,12 @@ def serial_step(model, batch, replicas: int):
                            replica_aux=aux.detach(), replica_loss=(ce + coef * aux).detach(), grad_norm=out.grad_norm)
 
 
-def moe_against_serial(kind, mesh_kwargs, zero, sp_mode="ring", router_logits=True):
+def moe_against_serial(kind, mesh_kwargs, zero, sp_mode="ring", sequence_parallel=True):
     import shardzoo
     from shardzoo.models.training import global_grad_norm
 
     batch = padded_batch(rows=4, seq=16, vocab=VOCAB)
-    serial = tiny_moe(kind, router_logits=router_logits)
+    serial = tiny_moe(kind)
     exact = copy.deepcopy(serial).double()
     parallel = copy.deepcopy(serial)
     mesh = cached_mesh(**mesh_kwargs)
@@ -106,7 +106,7 @@ def moe_against_serial(kind, mesh_kwargs, zero, sp_mode="ring", router_logits=Tr
             ("q_proj", "column"), ("k_proj", "column"), ("v_proj", "column"), ("o_proj", "row"),
             ("q_norm", "replicate"), ("k_norm", "replicate"))}
         plan = {**{p: s for p, s in default_plan(parallel).items() if ".self_attn." not in p}, **attention}
-    shardzoo.parallelize(parallel, mesh, plan, sp_mode=sp_mode)
+    shardzoo.parallelize(parallel, mesh, plan, sp_mode=sp_mode, sequence_parallel=sequence_parallel)
     experts = [m for m in parallel.modules() if type(m).__name__ == "ExpertsEP"]
     assert len(experts) == (2 if mesh.ep_size > 1 else 0) and all(m.num_experts == 4 // mesh.ep_size for m in experts)
     wrapped = shardzoo.data_parallel(parallel, mesh, zero=zero)
@@ -117,8 +117,7 @@ def moe_against_serial(kind, mesh_kwargs, zero, sp_mode="ring", router_logits=Tr
     norm = global_grad_norm(wrapped, mesh)
     shardzoo.zero_optimizer(wrapped, torch.optim.SGD, lr=1.0).step()
     r = mesh.dp_rank
-    if router_logits:
-        check_router_outputs(kind, out, out_s, out_x, r, rows, ids.shape[1])
+    check_router_outputs(kind, out, out_s, out_x, r, rows, ids.shape[1])
     result = {"loss": out.loss.detach(), "logits": shardzoo.gather_logits(parallel, out.logits.detach()),
               "norm": norm, "state": shardzoo.full_state_dict(wrapped)}
     out_s.loss, out_x.loss = out_s.replica_loss[r], out_x.replica_loss[r]  # what this replica's loss is
@@ -143,14 +142,17 @@ CASES = [("mixtral", dict(dp=4, ep=2), 0, "ring"), ("mixtral", dict(dp=4, ep=4),
          ("qwen3_moe", dict(dp=2, sp=2, ep=4), 3, "ring"),
          # 1d tp: Megatron sequence parallelism splits the tokens over tp; router and experts on the chunks
          ("mixtral", dict(dp=2, tp=2, ep=2), 0, "ring"), ("mixtral", dict(dp=2, tp=2), 3, "ring"),
-         ("qwen2_moe", dict(dp=4, ep=2), 0, "ring"), ("olmoe", dict(dp=2, sp=2, ep=2), 3, "ring")]
+         ("qwen2_moe", dict(dp=4, ep=2), 0, "ring"), ("olmoe", dict(dp=2, sp=2, ep=2), 3, "ring"),
+         # without Megatron sequence parallelism the MoE block runs the whole sequence on every tp rank
+         ("qwen2_moe", dict(dp=2, tp=2, ep=2), 0, "ring-no-megatron-sp")]
 
 
 @pytest.mark.parametrize("kind,mesh_kwargs,zero,sp_mode", CASES,
                          ids=[f"{k}-sp{m.get('sp', 1)}-{s}-tp{m.get('tp', 1)}-ep{m.get('ep', 1)}-zero{z}"
                               for k, m, z, s in CASES])
 def test_moe_model_equals_serial(kind, mesh_kwargs, zero, sp_mode):
-    run_on_ranks(moe_against_serial, WORLD, kind, mesh_kwargs, zero, sp_mode)
+    sequence_parallel = not sp_mode.endswith("-no-megatron-sp")
+    run_on_ranks(moe_against_serial, WORLD, kind, mesh_kwargs, zero, sp_mode.split("-")[0], sequence_parallel)
 
 
 def refusals(_):
@@ -158,9 +160,10 @@ def refusals(_):
     import shardzoo
 
     messages = {}
-    cases = {"experts": (dict(dp=4, ep=4), dict(num_local_experts=6))}
-    for what, (layout, config) in cases.items():
-        model = tiny_moe("mixtral")
+    cases = {"experts": ("mixtral", dict(dp=4, ep=4), dict(num_local_experts=6)),
+             "shared_expert_on_chunks": ("qwen2_moe", dict(dp=2, tp=2, ep=2), None)}
+    for what, (kind, layout, config) in cases.items():
+        model = tiny_moe(kind)
         if config is not None:
             from transformers import MixtralConfig, MixtralForCausalLM
 
@@ -181,6 +184,8 @@ def refusals(_):
 def test_refusals_name_the_value_the_rule_and_the_fix():
     m = run_on_ranks(refusals, WORLD, 0)[0]
     assert "ep=4 does not divide the 6 experts" in m["experts"] and "divides 6" in m["experts"]
+    shared = m["shared_expert_on_chunks"]
+    assert "model.layers.0.mlp.shared_expert.gate_proj" in shared and "sequence_parallel=False" in shared
     assert "zero=1 with ep=2" in m["zero1"] and "use zero=0, 2 or 3" in m["zero1"]
 
 
