@@ -155,6 +155,11 @@ def test_moe_model_equals_serial(kind, mesh_kwargs, zero, sp_mode):
     run_on_ranks(moe_against_serial, WORLD, kind, mesh_kwargs, zero, sp_mode.split("-")[0], sequence_parallel)
 
 
+def test_moe_with_tp_and_sp_equals_serial():
+    """dp 2 x sp 2 x tp 2 (8 ranks) at ep 2: the router logits gathered over the tp chunks, then sp."""
+    run_on_ranks(moe_against_serial, 8, "mixtral", dict(dp=2, sp=2, tp=2, ep=2), 0, "ring", True)
+
+
 def refusals(_):
     """Each refusal raises before any weight moves: the model is unchanged afterwards."""
     import shardzoo
