@@ -183,12 +183,25 @@ def refusals(_):
     with pytest.raises(ValueError) as err:
         shardzoo.data_parallel(model, cached_mesh(dp=4, ep=2), zero=1)
     messages["zero1"] = str(err.value)
+    from transformers import MixtralForSequenceClassification
+
+    from shardzoo.parallel.hf_model import default_plan
+
+    config = tiny_moe("mixtral").config
+    config.num_labels, config.pad_token_id = 3, 0
+    classifier = MixtralForSequenceClassification(config)  # no aux loss of a causal LM to make serial
+    shardzoo.parallelize(classifier, cached_mesh(dp=2, sp=2, ep=2), {**default_plan(classifier), "score": "classifier"})
+    with pytest.raises(ValueError) as err:
+        classifier(input_ids=torch.ones(2, 8, dtype=torch.long))
+    messages["classifier_router_logits"] = str(err.value)
     return messages
 
 
 def test_refusals_name_the_value_the_rule_and_the_fix():
     m = run_on_ranks(refusals, WORLD, 0)[0]
     assert "ep=4 does not divide the 6 experts" in m["experts"] and "divides 6" in m["experts"]
+    assert "output_router_logits=True with sp=2" in m["classifier_router_logits"]
+    assert "MixtralForSequenceClassification" in m["classifier_router_logits"]
     shared = m["shared_expert_on_chunks"]
     assert "model.layers.0.mlp.shared_expert.gate_proj" in shared and "sequence_parallel=False" in shared
     assert "zero=1 with ep=2" in m["zero1"] and "use zero=0, 2 or 3" in m["zero1"]
