@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardzoo.comm import ops
+from shardzoo.comm import copy_to, ops
 from shardzoo.layers.expert_dispatch import run_experts
 from shardzoo.layers.module import ParallelModule
 from shardzoo.layers.shard_spec import ShardSpec, shard_param
@@ -58,6 +58,11 @@ class _ScaleGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad * ctx.factor, None
+
+
+def scale_grad(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """``x`` unchanged (any shape); its gradient times ``factor`` in backward."""
+    return _ScaleGrad.apply(x, factor)
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -117,6 +122,7 @@ class ExpertsEP(ParallelModule):
         self.mesh, self.n_experts, self.capacity_factor = mesh, n_experts, capacity_factor
         self.act_fn = serial.act_fn
         self.reduced_by_fsdp = False  # data_parallel sets it when FSDP2 averages over edp
+        self.sum_over_tp = False  # set when its tokens are this tp rank's sequence chunk (styles/experts.py)
         for name in ("gate_up_proj", "down_proj"):
             full = getattr(serial, name)
             spec = ShardSpec.split(tuple(full.shape), {0: (mesh.ep_rank, ep)}, partitioned_over=("ep",))
@@ -147,9 +153,13 @@ class ExpertsEP(ParallelModule):
         if self.capacity_factor is not None:
             capacity = max(1, math.ceil(self.capacity_factor * top_k_index.numel() / self.n_experts))
 
+        gate_up, down = self.gate_up_proj, self.down_proj
+        if self.sum_over_tp:  # each tp rank saw its chunk of the tokens: the gradients are partial
+            gate_up, down = copy_to(gate_up, self.mesh.tp_group), copy_to(down, self.mesh.tp_group)
+
         def compute(rows: torch.Tensor, sizes: list[int]) -> torch.Tensor:
             rows = _ScaleGrad.apply(rows, float(ep))  # the tokens' gradient unscaled ...
-            out = expert_mlp(rows, sizes, self.gate_up_proj, self.down_proj, self.act_fn)
+            out = expert_mlp(rows, sizes, gate_up, down, self.act_fn)
             return _ScaleGrad.apply(out, 1.0 / ep)  # ... the experts' by 1/ep (module doc)
 
         return run_experts(hidden, top_k_index, top_k_weights, self.n_experts, self.mesh.group("ep"), compute,

@@ -7,13 +7,14 @@ transformers stays optional: a plain ``nn.Module`` never imports it.
 from __future__ import annotations
 
 import functools
+import re
 import sys
 
 import torch
 from torch import nn
 
 from shardzoo.layers import batch_loss
-from shardzoo.parallel import generation, hf_attention, inputs
+from shardzoo.parallel import generation, hf_attention, inputs, router_logits
 from shardzoo.parallel.kinds import is_norm
 from shardzoo.parallel.plan import matches, style_of
 
@@ -90,7 +91,51 @@ def default_plan(model: nn.Module) -> dict[str, str] | None:
         plan = {p: s for p, s in plan.items() if any(matches(p, n) for n in names)}
         ep_plan = {p: s for p, s in ep_plan.items() if any(matches(p.rpartition(".")[0] if s == "grouped_gemm" else p, n)
                                                           for n in names)}
+        # the routers the model records router logits from, and shared experts, where its plans
+        # leave them out
+        ep_plan.update({p: "router" for p in _router_patterns(model) if style_of({**plan, **ep_plan}, p) is None})
+        ep_plan.update({p: s for p, s in _shared_expert_entries(model).items() if style_of({**plan, **ep_plan}, p) is None})
     return complete_plan(model, {**plan, **ep_plan})
+
+
+def _shared_expert_entries(model: nn.Module) -> dict[str, str]:
+    """Plan entries for what a MoE block (the parent of a module with the experts contract)
+    holds beside its experts and router: a dense MLP (``gate_proj`` / ``up_proj`` / ``down_proj``
+    linears: Qwen2-MoE's shared expert) as a column / column / row pair, and a linear onto one
+    output (its per-token sigmoid gate) as a 'router' (whole; on sequence chunks its gradient
+    summed over tp). Block indices as '*'."""
+    from shardzoo.layers.experts import is_experts
+
+    entries: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if not is_experts(module) or "." not in name:
+            continue
+        block = name.rpartition(".")[0]
+        for child_name, child in model.get_submodule(block).named_children():
+            where = _wild(f"{block}.{child_name}")
+            parts = [getattr(child, p, None) for p in ("gate_proj", "up_proj", "down_proj")]
+            if all(isinstance(p, nn.Linear) for p in parts):
+                entries.update({f"{where}.gate_proj": "column", f"{where}.up_proj": "column",
+                                f"{where}.down_proj": "row"})
+            elif isinstance(child, nn.Linear) and child.out_features == 1:
+                entries[where] = "router"
+    return entries
+
+
+def _wild(name: str) -> str:
+    """A module name with its block indices as '*' (a plan pattern for every block)."""
+    return re.sub(r"\.\d+(?=\.|$)", ".*", name)
+
+
+def _router_patterns(model: nn.Module) -> list[str]:
+    """The names of a transformers MoE model's routers (the modules its ``_can_record_outputs``
+    records ``router_logits`` from), block indices as '*'."""
+    spec = (getattr(model, "_can_record_outputs", None) or {}).get("router_logits")
+    target = getattr(spec, "target_class", None)
+    if not isinstance(target, type):
+        return []
+    names = [n for n, m in model.named_modules() if isinstance(m, target)]
+    return list(dict.fromkeys(_wild(n) for n in names))
 
 
 def complete_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
@@ -129,21 +174,10 @@ def install(model: nn.Module, state: inputs.Parallelized) -> None:
         model.loss_function = functools.partial(_loss, state, model)
     if state.mesh.sp_size > 1:
         hf_attention.use_sequence_parallel_attention(model, state)
-        if hasattr(model.config, "output_router_logits"):
-            model.register_forward_pre_hook(functools.partial(_refuse_router_logits, state), with_kwargs=True)
+    # a MoE causal LM's router logits and aux loss under sp / Megatron sequence parallelism: the
+    # serial ones over the replica's whole sequences
+    router_logits.install(model, state, is_causal_lm(model))
     generation.install(model, state)  # generate reads whole logits; refused under sp
-
-
-def _refuse_router_logits(state, model, args, kwargs):
-    """A MoE model's load-balancing loss reads every token's router logits with the padding
-    mask; under sp a rank holds its chunk of them and no mask, so the loss would be silently
-    another one: refused until it is gathered over sp."""
-    wanted = kwargs.get("output_router_logits")
-    if wanted if wanted is not None else getattr(model.config, "output_router_logits", False):
-        raise ValueError(f"output_router_logits=True under sp={state.mesh.sp_size}: the load-balancing loss of "
-                         f"{type(model).__name__} would be computed on each sp rank's chunk of the tokens, not the "
-                         f"serial one (not built yet); pass output_router_logits=False (and set "
-                         f"model.config.output_router_logits = False), or use sp=1")
 
 
 def _loss(state, model, logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index: int = -100,

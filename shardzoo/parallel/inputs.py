@@ -58,6 +58,10 @@ class Parallelized:
         self.num_targets = None  # this forward's num_targets= (the step's real targets), for the loss
         self.check_inputs = "first"  # compare the tp / sp ranks' inputs: "first" forward, "every" forward, "never"
         self.inputs_checked = False
+        # under sp, the model's forward gets this replica's whole-sequence padding mask (rows of
+        # its batch, padded rows 0) and its base model none: a MoE causal LM's load-balancing
+        # loss reads it beside the router logits gathered over sp (parallel/router_logits.py)
+        self.whole_mask_to_model = False
         layout = layout_of(mesh)
         self.input_placement = layout.activation
         self.mask_placement = layout.linear_output(layout.activation)  # the attention's batch rows
@@ -98,14 +102,18 @@ class Parallelized:
         """A gathered [padded_rows, ...] output -> this forward's [rows, ...]."""
         return t[:self.rows] if self.rows is not None and t.shape[0] == self.padded_rows else t
 
-    def shard(self, t: torch.Tensor, placement, fill=None) -> torch.Tensor:
-        """[B, S, ...] -> this rank's [b, s, ...]: padded (:meth:`pad`), batch rows of
-        ``placement`` (None, or one row broadcast over a larger batch: kept whole), then the sp
-        shard."""
+    def shard_rows(self, t: torch.Tensor, placement, fill=None) -> torch.Tensor:
+        """[B, S, ...] -> this rank's [b, S, ...]: padded (:meth:`pad`), then the batch rows of
+        ``placement`` (None, or one row broadcast over a larger batch: kept whole)."""
         if placement is not None:
             t = self.pad(t, fill)
         if placement is not None and t.shape[0] != 1:
             t = layout_of(self.mesh).shard_batch(t, placement)
+        return t
+
+    def shard(self, t: torch.Tensor, placement, fill=None) -> torch.Tensor:
+        """[B, S, ...] -> this rank's [b, s, ...]: :meth:`shard_rows`, then the sp shard."""
+        t = self.shard_rows(t, placement, fill)
         if self.mesh.sp_size > 1:
             t = shard_sequence(t, self.mesh.sp_group, 1, zigzag=self.zigzag, cu_seqlens=self.cu_seqlens)
         return t
@@ -153,6 +161,8 @@ def _split_inputs(state: Parallelized, model: nn.Module, args: tuple, kwargs: di
         local = state.shard(mask, state.mask_placement)
         state.key_padding_mask = local.bool()
         kwargs["attention_mask"] = None if state.mesh.sp_size > 1 else local
+        if state.mesh.sp_size > 1 and state.whole_mask_to_model:
+            kwargs["attention_mask"] = state.shard_rows(mask, state.mask_placement, fill=0)
     positions = kwargs.get("position_ids")
     if positions is not None:
         kwargs["position_ids"] = state.shard(positions, state.mask_placement)

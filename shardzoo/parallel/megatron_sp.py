@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shardzoo.layers.experts import is_experts
 from shardzoo.layers.linear_1d import ParallelLinear1D
 from shardzoo.layers.norm_1d import LayerNorm1D, RMSNorm1D
 from shardzoo.layers.rng_streams import ParallelDropout
@@ -73,6 +74,7 @@ def check(model: nn.Module, planned: dict, layout, enabled: bool) -> None:
     if not applies(layout, enabled):
         return
     inside = tuple(f"{name}." for names in block_lists(model) for name in names)
+    _check_moe_blocks(planned, inside, layout)
     covered = tuple(f"{n}." for n in planned)
     for name, module in model.named_modules():
         if name.startswith(inside) and name not in planned and not name.startswith(covered) \
@@ -91,6 +93,24 @@ def check(model: nn.Module, planned: dict, layout, enabled: bool) -> None:
                              f"tokens only; plan it 'column' / 'row' / 'norm', or pass sequence_parallel=False")
 
 
+def _check_moe_blocks(planned: dict, inside: tuple[str, ...], layout) -> None:
+    """A MoE block (the parent of a module with the experts contract) reads its tokens
+    flattened [T, H]: its router and experts run on this rank's chunk of them, but a column /
+    row pair beside them (a shared expert) cannot gather a flat chunk; refused by name."""
+    blocks = {name.rpartition(".")[0] for name, (module, _, _) in planned.items()
+              if name.startswith(inside) and is_experts(module)}
+    for name, (module, style, _) in planned.items():
+        parent = next((b for b in blocks if name.startswith(f"{b}.")), None)
+        if parent is None or getattr(STYLES[style], "put_on_chunks", None) is not None:
+            continue
+        raise ValueError(f"{name} ({type(module).__name__}, planned {style!r}) sits beside the experts of the MoE "
+                         f"block {parent}, which reads its tokens flattened; under Megatron sequence parallelism (on "
+                         f"by default in 1d, tp={layout.mesh.tp_size}) its router and experts run on this rank's "
+                         f"chunk of the tokens, but a {style!r} layer cannot gather a flat chunk; pass "
+                         f"sequence_parallel=False (the MoE block then runs on the whole sequence on every tp rank), "
+                         f"or use tp=1")
+
+
 def install(model: nn.Module, planned: dict, layout, enabled: bool) -> SequenceShards | None:
     """Put the built modules inside ``model``'s blocks on sequence chunks and hook the first and
     last block of each list to enter and leave the layout (module doc); None when it does not
@@ -102,9 +122,12 @@ def install(model: nn.Module, planned: dict, layout, enabled: bool) -> SequenceS
     blocks = {name for names in lists for name in names}
     inside = tuple(f"{name}." for name in blocks)
     readers, partial = set(), {}
-    for name in planned:
+    for name, (_, style, _) in planned.items():
         if name.startswith(inside):
             module = model.get_submodule(name)
+            put_on_chunks = getattr(STYLES[style], "put_on_chunks", None)
+            if put_on_chunks is not None:  # a router or experts: its gradient summed over tp
+                put_on_chunks(module, layout.mesh)
             block = next(b for b in blocks if name.startswith(f"{b}."))
             partial.setdefault(block, []).extend((module, p) for p in _on_chunks(module, shards))
             parent = name.rpartition(".")[0]

@@ -10,7 +10,7 @@ transformers' names for them are accepted too (``colwise``, ``rowwise``,
 ``replicated_with_grad_allreduce`` is a replicated module that sees a different part of the
 data on each tp rank (Qwen3's per-head q_norm), so its gradient is summed over tp; it is style
 ``replicate_sum`` here. Of transformers' ep plan, ``ep_dispatch_experts`` is style ``experts``,
-``ep_router`` (a router computing on every rank's own tokens) ``replicate``, and
+``ep_router`` (a router computing on every rank's own tokens) ``router``, and
 ``grouped_gemm`` entries, which name the experts' parameters, are what ``experts`` does to them
 (styles/__init__.py ``check_plan``).
 """
@@ -29,7 +29,7 @@ ALIASES = {
     "colwise_gather_output": "lm_head", "vocab_parallel": "vocab_embedding", "embedding_rowwise": "vocab_embedding",
     "sequence_parallel": "norm", "layernorm": "norm", "rmsnorm": "norm",
     "replicated": "replicate", "local": "replicate", "replicated_with_grad_allreduce": "replicate_sum",
-    "ep_dispatch_experts": "experts", "ep_router": "replicate",
+    "ep_dispatch_experts": "experts", "ep_router": "router",
 }
 
 

@@ -354,6 +354,7 @@ PRICERS = {
     "replicate": _replicate, "replicate_sum": _replicate_sum,
     # the planner prices no ep yet: experts are priced whole on every rank, as at ep = 1
     "experts": _replicate,
+    "router": _replicate_sum,  # on Megatron sequence chunks (1d's default) its gradient is summed over tp
 }
 
 

@@ -1,8 +1,9 @@
 """Mixture of experts split over ep by ``shardzoo.parallelize`` with the model's own ep plan: a
-tiny random Mixtral and Qwen3-MoE, run by their own transformers code with
+tiny random Mixtral, Qwen3-MoE, Qwen2-MoE (shared expert) and OLMoE, run by their own transformers code with
 ``output_router_logits=True``, equal the serial model (fp32, padding included): loss, aux loss,
 router logits, logits, the gradient norm and every weight after one SGD step, at ep 2 and 4
-with dp and ZeRO 0 / 3; and the refusals.
+with dp, sp (ring and Ulysses: the aux loss over the replica's whole sequences) and ZeRO 0 / 3;
+and the refusals.
 
 The load-balancing loss is each dp replica's own (as any per-replica loss): the serial
 reference is the cross entropy over the whole batch plus the router_aux_loss_coef times the
@@ -35,9 +36,16 @@ def tiny_moe(kind: str, seed: int = 0, router_logits: bool = True):
     if kind == "mixtral":
         cls, config = transformers.MixtralForCausalLM, transformers.MixtralConfig(
             intermediate_size=16, num_local_experts=4, **common)
-    else:  # normalized top-k
+    elif kind == "qwen3_moe":  # normalized top-k
         cls, config = transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig(
             intermediate_size=32, moe_intermediate_size=16, num_experts=4, norm_topk_prob=True, head_dim=8, **common)
+    elif kind == "qwen2_moe":  # a shared expert behind a sigmoid gate, top-k not renormalized
+        cls, config = transformers.Qwen2MoeForCausalLM, transformers.Qwen2MoeConfig(
+            intermediate_size=32, moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=4,
+            norm_topk_prob=False, **common)
+    else:  # OLMoE: q / k norms over the projections' width, top-k not renormalized
+        cls, config = transformers.OlmoeForCausalLM, transformers.OlmoeConfig(
+            intermediate_size=16, num_experts=4, norm_topk_prob=False, **common)
     torch.manual_seed(seed)
     model = cls(config).float().train()
     with torch.no_grad():
@@ -50,8 +58,9 @@ def tiny_moe(kind: str, seed: int = 0, router_logits: bool = True):
 
 
 def _aux(model, router_logits, mask):
-    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+    import sys
 
+    load_balancing_loss_func = sys.modules[type(model).__module__].load_balancing_loss_func  # the model's own
     return load_balancing_loss_func(router_logits, model.config.num_experts, model.config.num_experts_per_tok, mask)
 
 
@@ -77,22 +86,29 @@ def serial_step(model, batch, replicas: int):
                            replica_aux=aux.detach(), replica_loss=(ce + coef * aux).detach(), grad_norm=out.grad_norm)
 
 
-def moe_against_serial(kind, mesh_kwargs, zero):
+def moe_against_serial(kind, mesh_kwargs, zero, sp_mode="ring", sequence_parallel=True):
     import shardzoo
     from shardzoo.models.training import global_grad_norm
 
     batch = padded_batch(rows=4, seq=16, vocab=VOCAB)
-    router_logits = mesh_kwargs.get("sp", 1) == 1  # refused under sp (test below)
-    serial = tiny_moe(kind, router_logits=router_logits)
+    serial = tiny_moe(kind)
     exact = copy.deepcopy(serial).double()
     parallel = copy.deepcopy(serial)
     mesh = cached_mesh(**mesh_kwargs)
     replicas = mesh.dp_size
     out_s, out_x = serial_step(serial, batch, replicas), serial_step(exact, batch, replicas)
 
-    shardzoo.parallelize(parallel, mesh)
+    plan = None
+    if kind == "olmoe":  # its q / k norms span every head's width; its own plan gathers q, k, v for them
+        from shardzoo.parallel.hf_model import default_plan  # (not built: at tp = 1 they stay whole)
+
+        attention = {f"model.layers.*.self_attn.{n}": s for n, s in (
+            ("q_proj", "column"), ("k_proj", "column"), ("v_proj", "column"), ("o_proj", "row"),
+            ("q_norm", "replicate"), ("k_norm", "replicate"))}
+        plan = {**{p: s for p, s in default_plan(parallel).items() if ".self_attn." not in p}, **attention}
+    shardzoo.parallelize(parallel, mesh, plan, sp_mode=sp_mode, sequence_parallel=sequence_parallel)
     experts = [m for m in parallel.modules() if type(m).__name__ == "ExpertsEP"]
-    assert len(experts) == 2 and all(m.num_experts == 4 // mesh.ep_size for m in experts)
+    assert len(experts) == (2 if mesh.ep_size > 1 else 0) and all(m.num_experts == 4 // mesh.ep_size for m in experts)
     wrapped = shardzoo.data_parallel(parallel, mesh, zero=zero)
     rows = dp_rows(4, mesh)
     ids, mask, labels = (t[rows] for t in batch)
@@ -101,12 +117,11 @@ def moe_against_serial(kind, mesh_kwargs, zero):
     norm = global_grad_norm(wrapped, mesh)
     shardzoo.zero_optimizer(wrapped, torch.optim.SGD, lr=1.0).step()
     r = mesh.dp_rank
-    if router_logits:
-        check_router_outputs(kind, out, out_s, out_x, r, rows, ids.shape[1])
+    check_router_outputs(kind, out, out_s, out_x, r, rows, ids.shape[1])
     result = {"loss": out.loss.detach(), "logits": shardzoo.gather_logits(parallel, out.logits.detach()),
               "norm": norm, "state": shardzoo.full_state_dict(wrapped)}
     out_s.loss, out_x.loss = out_s.replica_loss[r], out_x.replica_loss[r]  # what this replica's loss is
-    return assert_step_equal(f"{kind} {mesh_kwargs} zero={zero}", result, (serial, out_s), (exact, out_x), rows,
+    return assert_step_equal(f"{kind} {mesh_kwargs} {sp_mode} zero={zero}", result, (serial, out_s), (exact, out_x), rows,
                              batch[1].bool())
 
 
@@ -120,15 +135,29 @@ def check_router_outputs(kind, out, out_s, out_x, r, rows, seq):
                                  terms=TINY_MODEL_TERMS)
 
 
-CASES = [("mixtral", dict(dp=4, ep=2), 0), ("mixtral", dict(dp=4, ep=4), 3), ("qwen3_moe", dict(dp=4, ep=4), 0),
-         ("qwen3_moe", dict(dp=4, ep=2), 3), ("mixtral", dict(dp=2, sp=2, ep=2), 0),
-         ("qwen3_moe", dict(dp=2, sp=2, ep=4), 3)]
+# under sp the aux loss and router logits are the serial ones over the replica's whole sequences
+CASES = [("mixtral", dict(dp=4, ep=2), 0, "ring"), ("mixtral", dict(dp=4, ep=4), 3, "ring"),
+         ("qwen3_moe", dict(dp=4, ep=4), 0, "ring"), ("qwen3_moe", dict(dp=4, ep=2), 3, "ring"),
+         ("mixtral", dict(dp=2, sp=2, ep=2), 0, "ring"), ("qwen3_moe", dict(dp=2, sp=2, ep=2), 3, "ulysses"),
+         ("qwen3_moe", dict(dp=2, sp=2, ep=4), 3, "ring"),
+         # 1d tp: Megatron sequence parallelism splits the tokens over tp; router and experts on the chunks
+         ("mixtral", dict(dp=2, tp=2, ep=2), 0, "ring"), ("mixtral", dict(dp=2, tp=2), 3, "ring"),
+         ("qwen2_moe", dict(dp=4, ep=2), 0, "ring"), ("olmoe", dict(dp=2, sp=2, ep=2), 3, "ring"),
+         # without Megatron sequence parallelism the MoE block runs the whole sequence on every tp rank
+         ("qwen2_moe", dict(dp=2, tp=2, ep=2), 0, "ring-no-megatron-sp")]
 
 
-@pytest.mark.parametrize("kind,mesh_kwargs,zero", CASES,
-                         ids=[f"{k}-sp{m.get('sp', 1)}-ep{m['ep']}-zero{z}" for k, m, z in CASES])
-def test_moe_model_equals_serial(kind, mesh_kwargs, zero):
-    run_on_ranks(moe_against_serial, WORLD, kind, mesh_kwargs, zero)
+@pytest.mark.parametrize("kind,mesh_kwargs,zero,sp_mode", CASES,
+                         ids=[f"{k}-sp{m.get('sp', 1)}-{s}-tp{m.get('tp', 1)}-ep{m.get('ep', 1)}-zero{z}"
+                              for k, m, z, s in CASES])
+def test_moe_model_equals_serial(kind, mesh_kwargs, zero, sp_mode):
+    sequence_parallel = not sp_mode.endswith("-no-megatron-sp")
+    run_on_ranks(moe_against_serial, WORLD, kind, mesh_kwargs, zero, sp_mode.split("-")[0], sequence_parallel)
+
+
+def test_moe_with_tp_and_sp_equals_serial():
+    """dp 2 x sp 2 x tp 2 (8 ranks) at ep 2: the router logits gathered over the tp chunks, then sp."""
+    run_on_ranks(moe_against_serial, 8, "mixtral", dict(dp=2, sp=2, tp=2, ep=2), 0, "ring", True)
 
 
 def refusals(_):
@@ -136,10 +165,10 @@ def refusals(_):
     import shardzoo
 
     messages = {}
-    cases = {"tp": (dict(dp=2, tp=2, ep=2), None),
-             "experts": (dict(dp=4, ep=4), dict(num_local_experts=6))}
-    for what, (layout, config) in cases.items():
-        model = tiny_moe("mixtral")
+    cases = {"experts": ("mixtral", dict(dp=4, ep=4), dict(num_local_experts=6)),
+             "shared_expert_on_chunks": ("qwen2_moe", dict(dp=2, tp=2, ep=2), None)}
+    for what, (kind, layout, config) in cases.items():
+        model = tiny_moe(kind)
         if config is not None:
             from transformers import MixtralConfig, MixtralForCausalLM
 
@@ -154,19 +183,28 @@ def refusals(_):
     with pytest.raises(ValueError) as err:
         shardzoo.data_parallel(model, cached_mesh(dp=4, ep=2), zero=1)
     messages["zero1"] = str(err.value)
-    model = shardzoo.parallelize(tiny_moe("mixtral"), cached_mesh(dp=2, sp=2, ep=2))
+    from transformers import MixtralForSequenceClassification
+
+    from shardzoo.parallel.hf_model import default_plan
+
+    config = tiny_moe("mixtral").config
+    config.num_labels, config.pad_token_id = 3, 0
+    classifier = MixtralForSequenceClassification(config)  # no aux loss of a causal LM to make serial
+    shardzoo.parallelize(classifier, cached_mesh(dp=2, sp=2, ep=2), {**default_plan(classifier), "score": "classifier"})
     with pytest.raises(ValueError) as err:
-        model(input_ids=torch.zeros(2, 8, dtype=torch.long))
-    messages["sp_router_logits"] = str(err.value)
+        classifier(input_ids=torch.ones(2, 8, dtype=torch.long))
+    messages["classifier_router_logits"] = str(err.value)
     return messages
 
 
 def test_refusals_name_the_value_the_rule_and_the_fix():
     m = run_on_ranks(refusals, WORLD, 0)[0]
-    assert "ep=2 with tp=2" in m["tp"] and "use tp=1, or ep=1" in m["tp"]
     assert "ep=4 does not divide the 6 experts" in m["experts"] and "divides 6" in m["experts"]
+    assert "output_router_logits=True with sp=2" in m["classifier_router_logits"]
+    assert "MixtralForSequenceClassification" in m["classifier_router_logits"]
+    shared = m["shared_expert_on_chunks"]
+    assert "model.layers.0.mlp.shared_expert.gate_proj" in shared and "sequence_parallel=False" in shared
     assert "zero=1 with ep=2" in m["zero1"] and "use zero=0, 2 or 3" in m["zero1"]
-    assert "output_router_logits=True under sp=2" in m["sp_router_logits"]
 
 
 def grid_refused(_):

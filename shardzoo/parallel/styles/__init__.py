@@ -36,6 +36,8 @@ vocab_bias         a module whose own ``bias`` [V] its forward adds to an lm_hea
 experts            a module with transformers' experts contract (gate_up_proj [E, 2I, H],
                    down_proj [E, H, I]): E / ep whole experts per rank of the ep group, the
                    routed tokens moved by the dropless all-to-all (layers/experts.py)
+router             the router of a MoE block (transformers' ``ep_router``): whole on every
+                   rank; on Megatron sequence chunks its gradient is summed over tp
 ================== ==================================================================
 
 Linear styles take an ``nn.Linear`` or transformers' ``Conv1D`` (weight stored [in, out]).
@@ -49,7 +51,7 @@ from torch import nn
 from shardzoo.parallel.kinds import is_weighted_kind
 from shardzoo.parallel.plan import ALIASES, planned_modules, unmatched
 from shardzoo.parallel.styles.base import Build, Style
-from shardzoo.parallel.styles.experts import Experts
+from shardzoo.parallel.styles.experts import Experts, Router
 from shardzoo.parallel.styles.embeddings import Embedding, PatchEmbedding, PositionEmbedding, VocabEmbedding
 from shardzoo.parallel.styles.linears import Column, Dense, HeadFusedColumn, PackedColumn, Row
 from shardzoo.parallel.styles.logits import Classifier, LMHead, VocabBias
@@ -59,7 +61,7 @@ from shardzoo.parallel.styles.whole import Dropout, FirstToken, Replicate, Repli
 STYLES: dict[str, Style] = {s.name: s for s in (
     Column(), Row(), Norm(), VocabEmbedding(), Embedding(), PositionEmbedding(), LMHead(), Replicate(),
     ReplicateSum(), PackedColumn(), HeadFusedColumn(), Dense(), FirstToken(), Dropout(), PatchEmbedding(),
-    Classifier(), VocabBias(), Experts())}
+    Classifier(), VocabBias(), Experts(), Router())}
 # transformers' style for a parameter of an experts module (its split over ep), accepted where
 # the plan makes the module 'experts' (which splits its parameters so)
 WEIGHT_STYLES = {"grouped_gemm": "experts"}
