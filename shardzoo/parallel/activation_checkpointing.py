@@ -36,6 +36,12 @@ BLOCK_LISTS = (nn.ModuleList, nn.ModuleDict)
 SHARDS = "_shardzoo_sequence_shards"  # megatron_sp.py keeps a model's SequenceShards there
 
 
+def shards_of(model: nn.Module):
+    """The SequenceShards (layers/sequence_shards.py) of a model split with Megatron sequence
+    parallelism, or None."""
+    return model.__dict__.get(SHARDS)
+
+
 def block_names(model: nn.Module) -> list[str]:
     """Qualified names of the blocks to checkpoint (module doc); raises when there are none."""
     names: list[str] = []

@@ -33,14 +33,10 @@ from shardzoo.layers.norm_1d import LayerNorm1D, RMSNorm1D
 from shardzoo.layers.rng_streams import ParallelDropout
 from shardzoo.layers.sequence_shards import SequenceShards
 from shardzoo.parallel import activation_checkpointing, pipeline_cut
+from shardzoo.parallel.activation_checkpointing import shards_of  # noqa: F401  (its public home stays here too)
 from shardzoo.parallel.styles import STYLES
 
 _ATTR = activation_checkpointing.SHARDS
-
-
-def shards_of(model: nn.Module) -> SequenceShards | None:
-    """The :class:`SequenceShards` of a model split with Megatron sequence parallelism, or None."""
-    return model.__dict__.get(_ATTR)
 
 
 def applies(layout, enabled: bool) -> bool:

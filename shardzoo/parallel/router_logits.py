@@ -30,7 +30,7 @@ from torch import nn
 
 from shardzoo.layers.experts import scale_grad
 from shardzoo.layers.sequence import gather_sequence
-from shardzoo.parallel import megatron_sp
+from shardzoo.parallel.activation_checkpointing import shards_of
 
 
 def install(model: nn.Module, state, causal_lm: bool) -> None:
@@ -38,7 +38,7 @@ def install(model: nn.Module, state, causal_lm: bool) -> None:
     ``config.output_router_logits``) router logits and load-balancing loss the serial ones
     (module doc); a MoE model that is not a causal LM over a base model is refused
     ``output_router_logits=True`` instead."""
-    shards = megatron_sp.shards_of(model)
+    shards = shards_of(model)
     if (state.mesh.sp_size == 1 and shards is None) or not hasattr(model.config, "output_router_logits"):
         return
     base = getattr(model, "base_model", None)
