@@ -28,6 +28,7 @@ from torch import nn
 
 from shardzoo.comm import copy_to, ops
 from shardzoo.layers.expert_dispatch import run_experts
+from shardzoo.layers.grad_fns import contiguous_grad, scale_grad
 from shardzoo.layers.module import ParallelModule
 from shardzoo.layers.shard_spec import ShardSpec, shard_param
 
@@ -47,36 +48,6 @@ def is_experts(module: nn.Module) -> bool:
     return layout_ok and two_i % 2 == 0 and tuple(down.shape) == (e, h, two_i // 2)
 
 
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; the gradient times ``factor`` backward."""
-
-    @staticmethod
-    def forward(ctx, x, factor):
-        ctx.factor = factor
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.factor, None
-
-
-def scale_grad(x: torch.Tensor, factor: float) -> torch.Tensor:
-    """``x`` unchanged (any shape); its gradient times ``factor`` in backward."""
-    return _ScaleGrad.apply(x, factor)
-
-
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity forward; a contiguous gradient backward (the grouped matmul's backward needs one)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.contiguous()
-
-
 def grouped_ok(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` runs these: a dtype it takes, rows of 16-byte multiples."""
     if not hasattr(torch, "_grouped_mm") or x.dtype not in _GROUPED_DTYPES or x.shape[0] == 0:
@@ -90,9 +61,9 @@ def expert_mlp(x: torch.Tensor, sizes: list[int], gate_up: torch.Tensor, down: t
     experts ``gate_up`` [n, 2I, H], ``down`` [n, H, I]: down(act(gate) * up) -> [R, H]."""
     if grouped_ok(x, gate_up, down):
         offsets = torch.cumsum(torch.tensor(sizes, device=x.device), 0).to(torch.int32)
-        h = _ContiguousGrad.apply(torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=offsets))
+        h = contiguous_grad(torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=offsets))
         gate, up = h.chunk(2, dim=-1)
-        return _ContiguousGrad.apply(torch._grouped_mm(act(gate) * up, down.transpose(-2, -1), offs=offsets))
+        return contiguous_grad(torch._grouped_mm(act(gate) * up, down.transpose(-2, -1), offs=offsets))
     outs = []
     for e, rows in enumerate(x.split(sizes)):
         gate, up = F.linear(rows, gate_up[e]).chunk(2, dim=-1)
@@ -158,9 +129,9 @@ class ExpertsEP(ParallelModule):
             gate_up, down = copy_to(gate_up, self.mesh.tp_group), copy_to(down, self.mesh.tp_group)
 
         def compute(rows: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-            rows = _ScaleGrad.apply(rows, float(ep))  # the tokens' gradient unscaled ...
+            rows = scale_grad(rows, float(ep))  # the tokens' gradient unscaled ...
             out = expert_mlp(rows, sizes, gate_up, down, self.act_fn)
-            return _ScaleGrad.apply(out, 1.0 / ep)  # ... the experts' by 1/ep (module doc)
+            return scale_grad(out, 1.0 / ep)  # ... the experts' by 1/ep (module doc)
 
         return run_experts(hidden, top_k_index, top_k_weights, self.n_experts, self.mesh.group("ep"), compute,
                            capacity)

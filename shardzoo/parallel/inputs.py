@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from shardzoo.layers import batch_loss, replicas
+from shardzoo.layers.grad_fns import scale_grad
 from shardzoo.layers.packing import cu_seqlens_from_position_ids
 from shardzoo.layers.sequence import gather_sequence, shard_positions, shard_sequence
 from shardzoo.layers.shard_spec import unwrap_ddp
@@ -227,17 +228,6 @@ def _ids(state: Parallelized, ids: torch.Tensor) -> torch.Tensor:
     return state.shard(ids, state.input_placement)
 
 
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; backward multiplies the gradient by ``factor``."""
-
-    @staticmethod
-    def forward(ctx, x, factor: float):
-        ctx.factor = factor
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.factor, None
 
 
 def shard_activations(state: Parallelized, x: torch.Tensor) -> torch.Tensor:
@@ -250,7 +240,7 @@ def shard_activations(state: Parallelized, x: torch.Tensor) -> torch.Tensor:
     layout = layout_of(state.mesh)
     x = layout.shard_hidden(x, state.input_placement)
     if state.mesh.sp_size > 1:
-        x = shard_sequence(_ScaleGrad.apply(x, 1.0 / state.mesh.sp_size), state.mesh.sp_group, 1,
+        x = shard_sequence(scale_grad(x, 1.0 / state.mesh.sp_size), state.mesh.sp_group, 1,
                            zigzag=state.zigzag)
     return x
 
@@ -346,7 +336,7 @@ def gather_output(model: nn.Module, y: torch.Tensor) -> torch.Tensor:
     full = layout_of(state.mesh).gather_hidden(y, state.input_placement)
     if state.mesh.sp_size == 1:
         return full
-    full = _ScaleGrad.apply(full, float(state.mesh.sp_size))
+    full = scale_grad(full, float(state.mesh.sp_size))
     return gather_sequence(full, state.mesh.sp_group, 1, zigzag=state.zigzag)
 
 

@@ -31,6 +31,7 @@ from torch import nn
 from shardzoo.comm.mesh import default_device
 from shardzoo.layers import batch_loss
 from shardzoo.layers.dp_shard import local_tensor
+from shardzoo.layers.grad_fns import contiguous_grad
 from shardzoo.parallel import inputs, megatron_sp, pipeline_cut
 from shardzoo.parallel.data_parallel import info_of
 
@@ -70,9 +71,9 @@ class StageView(nn.Module):
             kwargs["input_ids"] = x
         elif cut.through_embedding:  # a model of one's own: its token embedding's place returns x
             kwargs["input_ids"] = input_ids
-            cut.incoming = _ContiguousGrad.apply(x)
+            cut.incoming = contiguous_grad(x)
         else:
-            kwargs.update(input_ids=input_ids, inputs_embeds=_ContiguousGrad.apply(x))
+            kwargs.update(input_ids=input_ids, inputs_embeds=contiguous_grad(x))
         cut.active = self.stage if len(cut.held) > 1 else None
         try:
             out = self.__dict__["model"](**{k: v for k, v in kwargs.items() if v is not None})
@@ -107,19 +108,6 @@ def step_loss(losses: list[torch.Tensor], mesh, last_pp_rank: int) -> torch.Tens
     return loss
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity; the gradient sent back to the previous stage is made contiguous (torch's stage
-    receives it into a buffer with the strides this rank's gradient has)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.contiguous()
-
-
 class Pipeline:
     """A cut model under a torch pipeline schedule (module doc); made by :func:`pipeline`."""
 
@@ -135,11 +123,13 @@ class Pipeline:
             shards.partial_grads.merged = False  # weight gradients computed group by group (partial_grads.py)
         info = info_of(model)
         # what torch's stage calls for each view: the view, or its DDP engine (zero 0 / 1). Under a
-        # split backward DDP's reducer misses the weight pass, so the step averages over dp itself;
-        # FSDP2 (zero 2 / 3) accumulates whole gradients and reduce-scatters them after the step
-        split = schedule in _SPLIT_BACKWARD and info is not None and not info.noop
-        self.average_after = info if split and info.zero <= 1 else None
-        self.fsdp_after = model if split and info.zero >= 2 else None
+        # split backward DDP's reducer misses the weight pass, so the step averages over dp itself.
+        # FSDP2 (zero 2 / 3) accumulates whole gradients over the micro-batches and reduce-scatters
+        # them once, after the schedule (as DDP reduces once, in the last micro-batch)
+        sharded = info is not None and not info.noop
+        self.split = schedule in _SPLIT_BACKWARD
+        self.average_after = info if sharded and self.split and info.zero <= 1 else None
+        self.fsdp_after = model if sharded and info.zero >= 2 else None
         self.engines = [view if self.average_after else _ddp(view, info) for view in self.views]
         device = default_device(mesh)
         stages = [PipelineStage(engine, view.stage, self.cut.n_stages, device, group=mesh.pp_group)
@@ -173,7 +163,7 @@ class Pipeline:
                                      "position_ids": position_ids}.items() if v is not None}
         args = (input_ids,) if self.cut.holds_first else ()
         losses: list[torch.Tensor] = []
-        resharding = _fsdp_hold(self.fsdp_after) if self.fsdp_after is not None else None
+        resharding = _fsdp_hold(self.fsdp_after, gathered=self.split) if self.fsdp_after is not None else None
         self.schedule.step(*args, target=target if self.cut.holds_last else None, losses=losses,
                            return_outputs=False, **kwargs)
         if self.fsdp_after is not None:
@@ -270,15 +260,21 @@ def release_gathered(root, resharding: list) -> None:
         group.post_forward_mesh_info = info
 
 
-def _fsdp_hold(root) -> list:
-    """Before a split-backward step: every FSDP2 unit keeps its whole parameters and gradients
-    until the step's end (:func:`hold_gathered`). Returns each unit's resharding."""
-    _fsdp_sync(root, False)
+def _fsdp_hold(root, gathered: bool) -> list | None:
+    """Before a pipelined step: every FSDP2 unit adds each micro-batch's gradients to whole ones
+    instead of reduce-scattering them; with ``gathered`` (a split backward) it also keeps its
+    parameters gathered until the step's end (:func:`hold_gathered`). Returns each unit's
+    resharding then, else None."""
+    root.set_requires_gradient_sync(False)
+    root.set_is_last_backward(False)
+    if not gathered:
+        return None
+    root.set_reshard_after_backward(False)
     return hold_gathered(root)
 
 
-def _fsdp_reduce(root, resharding: list) -> None:
-    """After a split-backward step: reduce-scatter every unit's whole gradients and reshard its
+def _fsdp_reduce(root, resharding: list | None) -> None:
+    """After a pipelined step: reduce-scatter every unit's whole gradients and reshard its
     parameters, as FSDP2's post-backward does after an ordinary backward (torch's pipeline stage
     does the same for a stage that is itself an FSDP module), and restore each unit's resharding."""
     from torch.distributed.fsdp import fully_shard
@@ -289,7 +285,8 @@ def _fsdp_reduce(root, resharding: list) -> None:
         for group in unit._fsdp_param_groups:
             group.post_backward()
     state._root_post_backward_final_callback()
-    release_gathered(root, resharding)
+    if resharding is not None:
+        release_gathered(root, resharding)
 
 
 def _same_rank_ends(cut: pipeline_cut.StageCut) -> bool:

@@ -28,7 +28,7 @@ import functools
 import torch
 from torch import nn
 
-from shardzoo.layers.experts import scale_grad
+from shardzoo.layers.grad_fns import scale_grad
 from shardzoo.layers.sequence import gather_sequence
 from shardzoo.parallel.activation_checkpointing import shards_of
 

@@ -60,7 +60,8 @@ def stage_memory(cost: StageCost, *, stage: int, pp: int, micro_batches: int, ch
     p = cost.params * param_bytes
     g_last = cost.last.params * param_bytes
     params = p // n if zero == 3 else p
-    grads = p // n if zero >= 2 else p
+    # a pipeline adds its micro-batches' gradients to whole ones and reduce-scatters once, at the end
+    grads = p // n if zero >= 2 and pp == 1 else p
     optimizer = ADAM_MOMENTS * p // (n if zero >= 1 else 1)
     if zero <= 1:
         buffers = p if n > 1 else 0  # DDP (stages 0 and 1) copies gradients into its buckets

@@ -19,7 +19,8 @@ import torch
 
 from shardzoo.testing import assert_close_conditioned, cached_mesh, run_on_ranks
 from shardzoo.testing.dtypes import TINY_MODEL_TERMS
-from tests.support.hf_parallel import dp_rows, padded_batch
+from support.hf_parallel import dp_rows, padded_batch
+from support.moe_init import decided_routing
 
 WORLD, VOCAB, EXPERTS = 4, 96, 4
 
@@ -36,13 +37,7 @@ def tiny_mixtral(seed: int = 0):
                                         experts_implementation="eager")
     torch.manual_seed(seed)
     model = transformers.MixtralForCausalLM(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 1.0)
-            elif "experts" in name:
-                p.normal_(0.0, 0.1)
-    return model
+    return decided_routing(model)
 
 
 def _recording_reads(weights_cls, seen: list):

@@ -19,7 +19,8 @@ import torch
 
 from shardzoo.testing import assert_close_conditioned, cached_mesh, run_on_ranks
 from shardzoo.testing.dtypes import TINY_MODEL_TERMS
-from tests.support.hf_parallel import assert_step_equal, dp_rows, padded_batch
+from support.hf_parallel import assert_step_equal, dp_rows, padded_batch
+from support.moe_init import decided_routing
 
 WORLD, VOCAB = 4, 96
 
@@ -48,13 +49,7 @@ def tiny_moe(kind: str, seed: int = 0, router_logits: bool = True):
             intermediate_size=16, num_experts=4, norm_topk_prob=False, **common)
     torch.manual_seed(seed)
     model = cls(config).float().train()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 1.0)
-            elif "experts" in name:
-                p.normal_(0.0, 0.1)
-    return model
+    return decided_routing(model)
 
 
 def _aux(model, router_logits, mask):

@@ -10,6 +10,7 @@ from torch import nn
 
 from shardzoo.testing import assert_close_conditioned, cached_mesh, run_on_ranks
 from shardzoo.testing.dtypes import TINY_MODEL_TERMS
+from support.moe_init import decided_routing
 
 WORLD, VOCAB, HIDDEN, ROWS, SEQ = 4, 48, 16, 4, 8
 PLAN = {"embed": "vocab_embedding", "norms.*": "norm", "norm": "norm", "head": "column",
@@ -39,13 +40,7 @@ class TinyMoE(nn.Module):
 def tiny_model() -> TinyMoE:
     torch.manual_seed(0)
     model = TinyMoE()
-    with torch.no_grad():  # routers drawn wide: no top-2 near tie that rounding could flip
-        for name, p in model.named_parameters():
-            if name.endswith("router.weight"):
-                p.normal_(0.0, 1.0)
-            elif "experts" in name:
-                p.normal_(0.0, 0.3)
-    return model
+    return decided_routing(model, "router.weight", expert_std=0.3)
 
 
 def step(model, ids, targets):
