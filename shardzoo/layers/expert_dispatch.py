@@ -74,12 +74,13 @@ def dispatch(hidden: torch.Tensor, top_k_index: torch.Tensor, n_experts: int, gr
         counts = counts.clamp(max=capacity)
     tokens = torch.div(order, k, rounding_mode="floor")
     recv_counts = ops.all_to_all(counts, group, 0, 0).view(ep, n_local)  # [source, local expert]
-    send = counts.view(ep, n_local).sum(1).tolist()
-    recv = recv_counts.sum(1).tolist()
+    # the split sizes the uneven all-to-all and the grouped matmul need, read in one host sync
+    sizes = torch.cat([counts.view(ep, n_local).sum(1), recv_counts.sum(1), recv_counts.sum(0)]).tolist()
+    send, recv, per_expert = sizes[:ep], sizes[ep:2 * ep], sizes[2 * ep:]
     received = collectives.all_to_all_v(hidden[tokens], group, send, recv)
     local = torch.arange(n_local, device=hidden.device).repeat(ep).repeat_interleave(recv_counts.reshape(-1))
     perm = torch.argsort(local, stable=True)
-    route = Route(group, order, tokens, keep, send, recv, perm, recv_counts.sum(0).tolist())
+    route = Route(group, order, tokens, keep, send, recv, perm, per_expert)
     return received[perm], route
 
 

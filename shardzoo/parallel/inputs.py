@@ -336,8 +336,16 @@ def gather_output(model: nn.Module, y: torch.Tensor) -> torch.Tensor:
     full = layout_of(state.mesh).gather_hidden(y, state.input_placement)
     if state.mesh.sp_size == 1:
         return full
-    full = scale_grad(full, float(state.mesh.sp_size))
-    return gather_sequence(full, state.mesh.sp_group, 1, zigzag=state.zigzag)
+    return gather_over_sp(state, full)
+
+
+def gather_over_sp(state: Parallelized, x: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
+    """This sp rank's [b, s, ...] (dim 1: its tokens of the sequence, as the input hook split
+    them) -> the replica's [b, S, ...] on every sp rank (differentiable). Its gradient is handed
+    back sp times larger, so that ``backward()``'s average over sp (sp_grads.py) gives every
+    parameter its serial gradient from a loss every sp rank computes alike."""
+    x = scale_grad(x, float(state.mesh.sp_size))
+    return gather_sequence(x, state.mesh.sp_group, 1, zigzag=state.zigzag, cu_seqlens=cu_seqlens)
 
 
 def gather_logits(model: nn.Module, logits: torch.Tensor) -> torch.Tensor:

@@ -28,9 +28,8 @@ import functools
 import torch
 from torch import nn
 
-from shardzoo.layers.grad_fns import scale_grad
-from shardzoo.layers.sequence import gather_sequence
 from shardzoo.parallel.activation_checkpointing import shards_of
+from shardzoo.parallel.inputs import gather_over_sp
 
 
 def install(model: nn.Module, state, causal_lm: bool) -> None:
@@ -77,7 +76,6 @@ def gather_router_logits(state, shards, local: torch.Tensor, b: int, s: int) -> 
     """One layer's router logits of this rank's chunk, [b*c, E] (rows: batch row, then position
     in the chunk; c = s, or s's Megatron chunk under ``shards``), of the [b, s] tokens this sp
     rank holds -> the replica's whole sequences' [b*S, E] in the serial order, on every rank."""
-    mesh = state.mesh
     chunk = shards.padded(s) // shards.parts if shards is not None else s
     if local.shape[0] != b * chunk:
         raise ValueError(f"router logits of {local.shape[0]} rows for {b} x {chunk} tokens: shardzoo gathers a "
@@ -85,8 +83,7 @@ def gather_router_logits(state, shards, local: torch.Tensor, b: int, s: int) -> 
     x = local.reshape(b, chunk, -1)
     if shards is not None:
         x = shards.join(x)  # backward: this tp rank's chunk of the gradient
-    x = scale_grad(x, float(mesh.sp_size))  # see the module doc
-    full = gather_sequence(x, mesh.sp_group, 1, zigzag=state.zigzag, cu_seqlens=state.cu_seqlens)
+    full = gather_over_sp(state, x, state.cu_seqlens)  # the gradient sp times larger: see the module doc
     return full.reshape(-1, full.shape[-1])
 
 
