@@ -5,12 +5,14 @@
 (paths.py: no path or symlink leaves the directory), the index is checked field by field, every
 header is checked to safetensors' rules (st_header.py), and the index must list exactly the
 tensors each file holds. Data is then read by slices from memory-mapped files
-(``safe_open(...).get_slice``).
+(``safe_open(...).get_slice``), or, for whole rows in the file's dtype, straight into the
+destination tensor (``read_rows_into``).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 from safetensors import safe_open
@@ -19,6 +21,7 @@ from shardzoo.checkpoint.errors import CheckpointError
 from shardzoo.checkpoint.jsontypes import load_json_file, obj, string
 from shardzoo.checkpoint.paths import resolve_in, show
 from shardzoo.checkpoint.reading import safetensors_call
+from shardzoo.checkpoint.safetensors_io import ST_DTYPES
 from shardzoo.checkpoint.st_header import entries, read_header
 from shardzoo.checkpoint.tensors import Box
 
@@ -70,12 +73,13 @@ class HFWeights:
                 f"AutoModel.from_pretrained(d).save_pretrained(out)")
         self.entries: dict[str, tuple[str, tuple[int, ...], str]] = {}
         self.sources: dict[str, object] = {}
+        self._data_at: dict[str, int] = {}  # key -> where its bytes start in its file
         for file in files:
             path = resolve_in(self.hf_dir, file, source=f"{index}, weight_map" if weight_map else source)
             if not os.path.isfile(path):
                 raise CheckpointError(f"{INDEX_FILE} in {self.hf_dir} names {path}, which is missing; download or copy "
                                       f"every shard the index lists")
-            header, _ = read_header(path)
+            header, data_start = read_header(path)
             for key, info in entries(header).items():
                 if weight_map is not None and weight_map.get(key) != file:
                     raise CheckpointError(f"{path} holds tensor {show(key)}, which {index} does not map to this file; "
@@ -84,6 +88,7 @@ class HFWeights:
                     raise CheckpointError(f"{path} and {self.entries[key][0]} both hold tensor {show(key)}; the weight "
                                           f"files do not belong together. Download them again")
                 self.entries[key] = (file, tuple(info["shape"]), info["dtype"])
+                self._data_at[key] = data_start + info["data_offsets"][0]
         if weight_map is not None and len(weight_map) != len(self.entries):
             lost = next(k for k in weight_map if k not in self.entries)
             raise CheckpointError(f"{index} maps tensor {show(lost)} to {show(weight_map[lost])}, which does not hold it; "
@@ -105,6 +110,36 @@ class HFWeights:
         # whole load would make every rank's memory peak the size of the file.
         path = self.path(key)
         return safetensors_call(path, safe_open, path, framework="pt", device="cpu")
+
+    def read_rows_into(self, key: str, box: Box, out: torch.Tensor) -> bool:
+        """Read box ``box`` of tensor ``key`` straight from the file into ``out`` when the box is
+        whole rows (a contiguous byte range) and ``out`` a contiguous CPU tensor of the file's
+        dtype; return False, reading nothing, otherwise. Plain reads leave no file pages mapped
+        in this process and need no staging copy, so a rank's memory holds only ``out``."""
+        file, shape, st_dtype = self.entries[key]
+        offsets, box_shape = box
+        if (sys.byteorder != "little" or not shape or out.device.type != "cpu" or not out.is_contiguous()
+                or ST_DTYPES.get(out.dtype) != st_dtype or tuple(out.shape) != tuple(box_shape)
+                or any(offsets[1:]) or tuple(box_shape[1:]) != tuple(shape[1:])):
+            return False
+        try:
+            buffer = memoryview(out.view(-1).view(torch.uint8).numpy())
+        except (RuntimeError, TypeError):  # torch built without numpy
+            return False
+        row_bytes = buffer.nbytes // box_shape[0] if box_shape[0] else 0
+        path = self.path(key)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                f.seek(self._data_at[key] + offsets[0] * row_bytes)
+                done = 0
+                while done < buffer.nbytes:
+                    n = f.readinto(buffer[done:])
+                    if not n:
+                        raise CheckpointError(f"{path} became shorter while it was read; another program is writing it")
+                    done += n
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot read {key} ({e.strerror or type(e).__name__})") from None
+        return True
 
     def read(self, key: str, box: Box, transposed: bool = False, row=None) -> torch.Tensor:
         """Region ``box`` (offsets, shape) of the tensor that checkpoint tensor ``key`` becomes

@@ -138,11 +138,16 @@ _CHUNK_BYTES = 4 << 20  # the most file pages one read keeps mapped while it is 
 
 
 def _copy_in_chunks(weights: HFWeights, lt, box, out: torch.Tensor) -> None:
-    """Copy box ``box`` of ``lt``'s global tensor into ``out`` a block of leading-dim rows at a
-    time, each from its own read. A read returns a view of a fresh memory map of the file, whose
+    """Copy box ``box`` of ``lt``'s global tensor into ``out``: straight from the file where the
+    box is whole rows in ``out``'s dtype (``HFWeights.read_rows_into``), else a block of
+    leading-dim rows at a time, each from its own read. A read returns a view of a fresh memory map of the file, whose
     pages count in this rank's memory until the view is dropped; one read of the whole box would
     hold as many file pages as the rank's piece of its largest tensor (an embedding) on top of
     the piece itself."""
+    source = _source(weights, lt.name)
+    plain = lt.spec is None or not lt.spec.serial_shape
+    if plain and isinstance(source, str) and weights.read_rows_into(source, box, out):
+        return
     offsets, shape = box
     row_bytes = out[0].numel() * out.element_size() if out.dim() else 0
     if not shape or row_bytes * shape[0] <= _CHUNK_BYTES:

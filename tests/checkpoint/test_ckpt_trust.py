@@ -288,3 +288,26 @@ def test_crafted_shard_fails_the_same_on_every_rank(tmp_path):
     edit_index(ckpt, lambda index: index["files"].update({"/etc/passwd": {"bytes": 8}}))
     messages = run("1d_tp2", load_error, ckpt)
     assert len(set(messages)) == 1 and "is an absolute path" in messages[0], messages
+
+
+def test_hf_rows_are_read_straight_into_the_parameter_or_not_at_all(tmp_path):
+    """The whole-rows read fills ``out`` with exactly the file's rows; any other box or dtype
+    reads nothing (the caller then copies through a mapped read); a file cut short while the
+    rows are read is named."""
+    weights = {"a": torch.arange(60, dtype=torch.float32).reshape(6, 10), "b": torch.ones(3, dtype=torch.bfloat16)}
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    hf = HFWeights(str(tmp_path))
+    out = torch.full((3, 10), -1.0)
+    assert hf.read_rows_into("a", ((2, 0), (3, 10)), out)
+    assert torch.equal(out, weights["a"][2:5])
+    b = torch.zeros(2, dtype=torch.bfloat16)
+    assert hf.read_rows_into("b", ((1,), (2,)), b) and torch.equal(b, weights["b"][1:])
+    untouched = torch.full((3, 4), -1.0)
+    assert not hf.read_rows_into("a", ((2, 3), (3, 4)), untouched)  # part of each row: not one byte range
+    assert not hf.read_rows_into("a", ((2, 0), (3, 10)), torch.zeros(3, 10, dtype=torch.bfloat16))  # a cast
+    assert not hf.read_rows_into("a", ((0, 0), (6, 10)), torch.zeros(10, 6).t())  # not contiguous
+    assert torch.equal(untouched, torch.full((3, 4), -1.0))
+    path = tmp_path / "model.safetensors"
+    os.truncate(path, os.path.getsize(path) - 100)
+    with pytest.raises(CheckpointError, match="became shorter while it was read"):
+        hf.read_rows_into("a", ((0, 0), (6, 10)), torch.zeros(6, 10))
