@@ -153,7 +153,9 @@ CASES = [("mixtral", dict(dp=4, ep=2), 0, "ring"), ("mixtral", dict(dp=4, ep=4),
          ("mixtral", dict(dp=4, ep=2), 1, "ring"), ("qwen3_moe", dict(dp=2, sp=2, ep=2), 1, "ulysses"),
          # 1d tp: Megatron sequence parallelism splits the tokens over tp; router and experts on the chunks
          ("mixtral", dict(dp=2, tp=2, ep=2), 0, "ring"), ("mixtral", dict(dp=2, tp=2), 3, "ring"),
-         ("qwen2_moe", dict(dp=4, ep=2), 0, "ring"), ("olmoe", dict(dp=2, sp=2, ep=2), 3, "ring"),
+         ("qwen2_moe", dict(dp=4, ep=2), 0, "ring"),
+         # the shared expert on the MoE block's flat chunk, its gate on the same tokens
+         ("qwen2_moe", dict(dp=2, tp=2, ep=2), 1, "ring"), ("olmoe", dict(dp=2, sp=2, ep=2), 3, "ring"),
          # without Megatron sequence parallelism the MoE block runs the whole sequence on every tp rank
          ("qwen2_moe", dict(dp=2, tp=2, ep=2), 0, "ring-no-megatron-sp")]
 
@@ -176,9 +178,13 @@ def refusals(_):
     import shardzoo
 
     messages = {}
-    cases = {"experts": ("mixtral", dict(dp=4, ep=4), dict(num_local_experts=6)),
-             "shared_expert_on_chunks": ("qwen2_moe", dict(dp=2, tp=2, ep=2), None)}
-    for what, (kind, layout, config) in cases.items():
+    from shardzoo.parallel.hf_model import default_plan
+
+    cases = {"experts": ("mixtral", dict(dp=4, ep=4), dict(num_local_experts=6), None),
+             # a layer directly in the MoE block would read its flat chunk of the tokens
+             "dense_gate_on_chunks": ("qwen2_moe", dict(dp=2, tp=2, ep=2), None,
+                                      {"model.layers.*.mlp.shared_expert_gate": "dense"})}
+    for what, (kind, layout, config, entries) in cases.items():
         model = tiny_moe(kind)
         if config is not None:
             from transformers import MixtralConfig, MixtralForCausalLM
@@ -186,13 +192,12 @@ def refusals(_):
             model = MixtralForCausalLM(MixtralConfig(**{**model.config.to_dict(), **config}))
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         mesh = cached_mesh(**layout)
+        plan = None if entries is None else {**default_plan(model), **entries}
         with pytest.raises(ValueError) as err:
-            shardzoo.parallelize(model, mesh)
+            shardzoo.parallelize(model, mesh, plan)
         messages[what] = str(err.value)
         assert all(torch.equal(before[n], p) for n, p in model.named_parameters()), what
     from transformers import MixtralForSequenceClassification
-
-    from shardzoo.parallel.hf_model import default_plan
 
     config = tiny_moe("mixtral").config
     config.num_labels, config.pad_token_id = 3, 0
@@ -209,8 +214,8 @@ def test_refusals_name_the_value_the_rule_and_the_fix():
     assert "ep=4 does not divide the 6 experts" in m["experts"] and "divides 6" in m["experts"]
     assert "output_router_logits=True with sp=2" in m["classifier_router_logits"]
     assert "MixtralForSequenceClassification" in m["classifier_router_logits"]
-    shared = m["shared_expert_on_chunks"]
-    assert "model.layers.0.mlp.shared_expert.gate_proj" in shared and "sequence_parallel=False" in shared
+    gate = m["dense_gate_on_chunks"]
+    assert "model.layers.0.mlp.shared_expert_gate" in gate and "'router'" in gate and "sequence_parallel=False" in gate
 
 
 def grid_refused(_):
