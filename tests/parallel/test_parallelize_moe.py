@@ -1,5 +1,5 @@
-"""Mixture of experts split over ep by ``shardzoo.parallelize`` with the model's own ep plan: a
-tiny random Mixtral, Qwen3-MoE, Qwen2-MoE (shared expert) and OLMoE, run by their own transformers code with
+"""Mixture of experts split over ep by ``shardzoo.parallelize`` with the model's own plan
+(``plan=None``, completed): a tiny random Mixtral, Qwen3-MoE, Qwen2-MoE (shared expert) and OLMoE, run by their own transformers code with
 ``output_router_logits=True``, equal the serial model (fp32, padding included): loss, aux loss,
 router logits, logits, the gradient norm and every weight after one SGD step, at ep 2 and 4
 with dp, sp (ring and Ulysses: the aux loss over the replica's whole sequences) and ZeRO 0, 1
@@ -93,15 +93,7 @@ def moe_against_serial(kind, mesh_kwargs, zero, sp_mode="ring", sequence_paralle
     replicas = mesh.dp_size
     out_s, out_x = serial_step(serial, batch, replicas), serial_step(exact, batch, replicas)
 
-    plan = None
-    if kind == "olmoe":  # its q / k norms span every head's width; its own plan gathers q, k, v for them
-        from shardzoo.parallel.hf_model import default_plan  # (not built: at tp = 1 they stay whole)
-
-        attention = {f"model.layers.*.self_attn.{n}": s for n, s in (
-            ("q_proj", "column"), ("k_proj", "column"), ("v_proj", "column"), ("o_proj", "row"),
-            ("q_norm", "replicate"), ("k_norm", "replicate"))}
-        plan = {**{p: s for p, s in default_plan(parallel).items() if ".self_attn." not in p}, **attention}
-    shardzoo.parallelize(parallel, mesh, plan, sp_mode=sp_mode, sequence_parallel=sequence_parallel)
+    shardzoo.parallelize(parallel, mesh, sp_mode=sp_mode, sequence_parallel=sequence_parallel)  # the model's own plan
     experts = [m for m in parallel.modules() if type(m).__name__ == "ExpertsEP"]
     assert len(experts) == (2 if mesh.ep_size > 1 else 0) and all(m.num_experts == 4 // mesh.ep_size for m in experts)
     held = sum(p.numel() for n, p in parallel.named_parameters() if ".experts." in n)
@@ -155,7 +147,9 @@ CASES = [("mixtral", dict(dp=4, ep=2), 0, "ring"), ("mixtral", dict(dp=4, ep=4),
          ("mixtral", dict(dp=2, tp=2, ep=2), 0, "ring"), ("mixtral", dict(dp=2, tp=2), 3, "ring"),
          ("qwen2_moe", dict(dp=4, ep=2), 0, "ring"),
          # the shared expert on the MoE block's flat chunk, its gate on the same tokens
-         ("qwen2_moe", dict(dp=2, tp=2, ep=2), 1, "ring"), ("olmoe", dict(dp=2, sp=2, ep=2), 3, "ring"),
+         ("qwen2_moe", dict(dp=2, tp=2, ep=2), 1, "ring"),
+         # OLMoE's q / k norms over every head: at tp 2 over the split width of q / k, statistics all-reduced
+         ("olmoe", dict(dp=2, sp=2, ep=2), 3, "ring"), ("olmoe", dict(dp=2, tp=2, ep=2), 0, "ring"),
          # without Megatron sequence parallelism the MoE block runs the whole sequence on every tp rank
          ("qwen2_moe", dict(dp=2, tp=2, ep=2), 0, "ring-no-megatron-sp")]
 
