@@ -19,7 +19,9 @@ of the layout drops first (exact).
 Inside a block every planned module must be one that runs on a chunk: a column, row, norm
 (its weight gradient, computed on this rank's tokens only, is summed over tp by backward) or
 dropout (the chunk of the whole activation's mask), or a module holding no weights; a module
-of another style holding weights there is refused by name.
+of another style holding weights there is refused by name. A MoE block flattens its chunk to
+``[b * s/p, H]``: its router and experts run on that, and a module of its own beside them (a
+shared expert) gets it back as ``[b, s/p, H]`` for its column / row pair (``_FlatTokens``).
 """
 
 from __future__ import annotations
