@@ -10,7 +10,8 @@ FSDP2 (a DTensor parameter): the state is a DTensor placed like the parameter an
 the same rows (layers/dp_shard.py). ``ZeroRedundancyOptimizer`` keeps each parameter's state
 on one rank of its group: that rank saves it, and a load fills only the parameters a rank
 owns; an optimizer made of several (``zero_parts``: ZeRO 1 with experts, whose state is
-partitioned over edp) is read part by part. The class recorded is the inner optimizer's, so checkpoints move between ZeRO stages.
+partitioned over edp) is read part by part. The class recorded is the inner optimizer's, so
+checkpoints move between ZeRO stages.
 """
 
 from __future__ import annotations

@@ -122,8 +122,8 @@ def _check_moe_blocks(planned: dict, inside: tuple[str, ...], layout) -> None:
         raise ValueError(f"{name} ({type(module).__name__}, planned {style!r}) sits directly in the MoE block "
                          f"{parent}, which reads its tokens flattened; under Megatron sequence parallelism (on by "
                          f"default in 1d, tp={layout.mesh.tp_size}) the block's router and experts run on this rank's "
-                         f"chunk of the tokens, and a {style!r} layer here would read that flat chunk. Plan a gate onto "
-                         f"one output 'router' (whole, on the chunk), hold a dense MLP in a module of its own (as "
+                         f"chunk of the tokens, and a {style!r} layer here would read that flat chunk. Plan a gate "
+                         f"onto one output 'router' (whole, on the chunk), hold a dense MLP in a module of its own (as "
                          f"Qwen2-MoE's shared_expert), or pass sequence_parallel=False")
 
 
@@ -154,7 +154,8 @@ def install(model: nn.Module, planned: dict, layout, enabled: bool) -> SequenceS
     for name in sorted(readers):  # gather where the attention / MLP code reads its input's shape
         model.get_submodule(name).register_forward_pre_hook(_Gather(shards), with_kwargs=True)
     inside = tuple(f"{name}." for name in blocks)
-    mlps = {f"{block}.{name[len(block) + 1:].split('.')[0]}" for name, block in _beside_experts(planned, inside).items()}
+    beside = _beside_experts(planned, inside)
+    mlps = {f"{block}.{name[len(block) + 1:].split('.')[0]}" for name, block in beside.items()}
     for name in sorted(mlps):  # a shared expert reads the MoE block's flat chunk (before its gather)
         hooks = _FlatTokens(shards)
         model.get_submodule(name).register_forward_pre_hook(hooks.before, with_kwargs=True, prepend=True)

@@ -1,9 +1,10 @@
 """Mixture of experts split over ep by ``shardzoo.parallelize`` with the model's own plan
-(``plan=None``, completed): a tiny random Mixtral, Qwen3-MoE, Qwen2-MoE (shared expert) and OLMoE, run by their own transformers code with
-``output_router_logits=True``, equal the serial model (fp32, padding included): loss, aux loss,
-router logits, logits, the gradient norm and every weight after one SGD step, at ep 2 and 4
-with dp, sp (ring and Ulysses: the aux loss over the replica's whole sequences) and ZeRO 0, 1
-and 3, each rank holding 1/ep of the expert parameters; and the refusals.
+(``plan=None``, completed): a tiny random Mixtral, Qwen3-MoE, Qwen2-MoE (shared expert) and
+OLMoE, run by their own transformers code with ``output_router_logits=True``, equal the serial
+model (fp32, padding included): loss, aux loss, router logits, logits, the gradient norm and
+every weight after one SGD step, at ep 2 and 4 with dp, sp (ring and Ulysses: the aux loss over
+the replica's whole sequences), 1d tp (Megatron sequence parallelism) and ZeRO 0, 1 and 3, each
+rank holding 1/ep of the expert parameters; and the refusals.
 
 The load-balancing loss is each dp replica's own (as any per-replica loss): the serial
 reference is the cross entropy over the whole batch plus the router_aux_loss_coef times the
