@@ -9,7 +9,9 @@ plain numbers go into the index. Hyperparameters are saved per param group.
 FSDP2 (a DTensor parameter): the state is a DTensor placed like the parameter and is saved as
 the same rows (layers/dp_shard.py). ``ZeroRedundancyOptimizer`` keeps each parameter's state
 on one rank of its group: that rank saves it, and a load fills only the parameters a rank
-owns. The class recorded is the inner optimizer's, so checkpoints move between ZeRO stages.
+owns; an optimizer made of several (``zero_parts``: ZeRO 1 with experts, whose state is
+partitioned over edp) is read part by part. The class recorded is the inner optimizer's, so
+checkpoints move between ZeRO stages.
 """
 
 from __future__ import annotations
@@ -26,27 +28,43 @@ from shardzoo.layers.dp_shard import group_axes, like_param, local_tensor
 from shardzoo.layers.shard_spec import tied_copies, unwrap_ddp
 
 
-def _is_zero(optimizer) -> bool:
+def _zero_parts(optimizer) -> list:
+    """The ZeroRedundancyOptimizers keeping ``optimizer``'s state: itself, or the ``zero_parts``
+    of an optimizer made of several (ZeRO 1 with expert parallelism: the dense parameters'
+    partitioned over dp (x sp), the experts' over edp); [] for any other optimizer."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    return isinstance(optimizer, ZeroRedundancyOptimizer)
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        return [optimizer]
+    return list(getattr(optimizer, "zero_parts", None) or [])
 
 
 def _state_of(optimizer) -> dict:
     """Per-parameter state this rank holds (ZeroRedundancyOptimizer: its partition's)."""
-    return optimizer.optim.state if _is_zero(optimizer) else optimizer.state
+    parts = _zero_parts(optimizer)
+    if not parts:
+        return optimizer.state
+    return {p: s for part in parts for p, s in part.optim.state.items()}
 
 
 def _class_name(optimizer) -> str:
-    return type(optimizer.optim if _is_zero(optimizer) else optimizer).__name__
+    parts = _zero_parts(optimizer)
+    return type(parts[0].optim if parts else optimizer).__name__
 
 
-def _held_over(optimizer, mesh) -> tuple[str, ...]:
-    """Mesh axes over which a ZeroRedundancyOptimizer partitions the state (else none)."""
-    if not _is_zero(optimizer) or mesh is None:
+def _parts_by_param(optimizer) -> dict:
+    """{id(parameter): the ZeroRedundancyOptimizer partitioning its state}."""
+    return {id(p): part for part in _zero_parts(optimizer) for g in part.param_groups for p in g["params"]}
+
+
+def _held_over(part, owner: LocalTensor) -> tuple[str, ...]:
+    """Mesh axes over which ZeroRedundancyOptimizer ``part`` (None: none) partitions the state of
+    parameter ``owner``: dp / sp, or edp for a tensor split over ep."""
+    if part is None or owner.mesh is None:
         return ()
+    experts = owner.spec is not None and "ep" in owner.spec.partitioned_over
     try:
-        return group_axes(optimizer.process_group, mesh)
+        return group_axes(part.process_group, owner.mesh, experts)
     except ValueError as e:
         raise CheckpointError(f"ZeroRedundancyOptimizer: {e}; build it over the model's dp (x sp) group "
                               f"(shardzoo.zero_optimizer)") from e
@@ -92,9 +110,10 @@ def optimizer_tensors(model: nn.Module, optimizer, model_tensors: list[LocalTens
     values: dict[str, dict] = {}
     shaped_names: dict[str, bool] = {}
     state = _state_of(optimizer)
+    parts = _parts_by_param(optimizer)
     for p, name in zip(params, flat_names):
         owner = by_name[name]
-        held = _held_over(optimizer, owner.mesh)
+        held = _held_over(parts.get(id(p)), owner)
         for key, v in state.get(p, {}).items():
             if isinstance(v, torch.Tensor):
                 tname = f"{name}/{key}"
@@ -147,8 +166,8 @@ def load_optimizer(model: nn.Module, optimizer, saved: dict, model_tensors: list
     copies = tied_copies(unwrap_ddp(model))
     params = {copies.get(n, n): p for n, p in unwrap_ddp(model).named_parameters()}
     owned = None  # ZeroRedundancyOptimizer: only this rank's partition is read
-    if _is_zero(optimizer):
-        owned = {id(p) for g in optimizer.optim.param_groups for p in g["params"]}
+    if _zero_parts(optimizer):
+        owned = {id(p) for part in _zero_parts(optimizer) for g in part.optim.param_groups for p in g["params"]}
     group_names = _param_names(model, optimizer)
     if len(group_names) > len(saved["param_groups"]):
         raise CheckpointError(f"the optimizer has {len(group_names)} param groups; the checkpoint has "

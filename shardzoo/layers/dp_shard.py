@@ -57,13 +57,15 @@ def mesh_axes(device_mesh, mesh) -> tuple[tuple[str, ...], ...]:
     return tuple(out)
 
 
-def group_axes(group, mesh) -> tuple[str, ...]:
-    """The ParallelMesh axes (among dp, sp) whose group is ``group``."""
+def group_axes(group, mesh, experts: bool = False) -> tuple[str, ...]:
+    """The ParallelMesh axes (among dp, sp; ``experts``: of tensors split over ep, edp) whose
+    group is ``group``."""
     ranks = dist.get_process_group_ranks(group)
-    for axes in (("dp",), ("sp",), ("dp", "sp")):
+    for axes in ((("edp",),) if experts else (("dp",), ("sp",), ("dp", "sp"))):
         if mesh.ranks(*axes) == ranks:
             return axes
-    raise ShardSpecError(f"process group of ranks {ranks} is not the dp, sp or dp x sp group of {mesh!r}")
+    which = "edp group (the experts' replicas)" if experts else "dp, sp or dp x sp group"
+    raise ShardSpecError(f"process group of ranks {ranks} is not the {which} of {mesh!r}")
 
 
 def rank_piece(t: torch.Tensor, spec: ShardSpec | None, mesh, who: str = "tensor"

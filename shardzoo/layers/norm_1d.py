@@ -7,6 +7,9 @@ chunk ``[b, s/p, h]``, so each rank's parameter gradient covers only its tokens:
 the parameters through ``comm.copy_to`` (identity), whose backward all-reduces the gradient
 over tp, so after ``backward()`` every rank holds the full, identical gradient (what
 Megatron's separate "all-reduce sequence-parallel grads" step does, kept inside autograd).
+
+:class:`ColumnLayerNorm1D` / :class:`ColumnRMSNorm1D` normalise a column layer's output over
+its whole width, which is split over tp (a norm over all heads, OLMoE's q / k norms).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from shardzoo.layers.common_1d import (
     tp_sum_grad,
 )
 from shardzoo.layers.module import ParallelModule
+from shardzoo.layers.norm_2d import GridLayerNorm, GridRMSNorm
 
 
 def _shape(normalized_shape) -> tuple[int, ...]:
@@ -128,3 +132,21 @@ class RMSNorm1D(_Norm1D):
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}, sequence_parallel={self.sequence_parallel}"
+
+
+class ColumnLayerNorm1D(GridLayerNorm):
+    """LayerNorm over the whole width W of a 1D column layer's output, which is split over tp
+    (a norm over every head of a projection): x [..., W/p] -> same, the mean and variance
+    all-reduced over tp (norm_2d.py); weight / bias this rank's block [W/p] of the columns its
+    input holds, so their gradients are whole on each rank."""
+
+    mode = "1d"
+
+
+class ColumnRMSNorm1D(GridRMSNorm):
+    """RMSNorm over the whole width W of a 1D column layer's output, which is split over tp
+    (OLMoE's q_norm / k_norm over every head): x [..., W/p] -> same, the mean of squares
+    all-reduced over tp (norm_2d.py); weight this rank's block [W/p] of the columns its input
+    holds, so its gradient is whole on each rank."""
+
+    mode = "1d"

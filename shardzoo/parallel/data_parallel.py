@@ -21,8 +21,10 @@ names and methods (``model.loss``, ``model.shard_input``), whose calls now run t
 
 With expert parallelism (``ParallelMesh(ep=E)``) the experts' parameters (layers/experts.py)
 are different on the ranks of an ep group, so they stay out of the dp x sp engine: their
-gradients are averaged over the expert data parallel group edp by their own layer (zero 0),
-or FSDP2 shards them over edp as their own units (zero 2 / 3); zero 1 is refused.
+gradients are averaged over the expert data parallel group edp by their own layer (zero 0 /
+1; for zero 1 ``zero_optimizer`` partitions their optimizer state over edp, the rest over dp
+(x sp): parallel/expert_zero.py), or FSDP2 shards them over edp as their own units (zero 2 /
+3). Every stage composes with ep.
 
 The tensor-parallel parameters are plain local tensors, so FSDP2 shards each rank's piece
 along its dim 0 over the dp axes; the ShardSpec on the owning module still describes the
@@ -172,10 +174,6 @@ def _check_experts(model: nn.Module, mesh, zero: int, units) -> None:
     """Refuse what expert parallelism does not compose with, before anything is wrapped."""
     if not any(isinstance(m, ExpertsEP) for m in model.modules()):
         return
-    if zero == 1:
-        raise ValueError(f"zero=1 with ep={mesh.ep_size}: ZeroRedundancyOptimizer over dp x sp would broadcast one "
-                         f"rank's experts over ranks holding other experts; use zero=0, 2 or 3 (FSDP2 shards the "
-                         f"experts over the expert data parallel group)")
     if zero >= 2 and units is not None:
         raise ValueError(f"units= with ep={mesh.ep_size}: the experts are FSDP2 units of their own over edp; leave "
                          f"units out")
@@ -244,7 +242,8 @@ def data_parallel(model: nn.Module, mesh, zero: int = 0, *, mixed_precision: str
             ``mesh`` (not yet wrapped). mesh: its ParallelMesh.
         zero: 0 DDP; 1 DDP, build the optimizer with :func:`shardzoo.zero_optimizer`
             (ZeroRedundancyOptimizer); 2 FSDP2 without resharding after forward; 3 FSDP2 per
-            block, then the root.
+            block, then the root. Each composes with expert parallelism (``ParallelMesh(ep=)``):
+            the experts are averaged, and sharded for zero >= 1, over the edp group.
         mixed_precision: "bf16" (zero >= 2): FSDP2 computes in bf16 and keeps fp32 master
             weights, optimizer state and gradient reduction.
         offload: (zero >= 2, GPUs) FSDP2's CPUOffloadPolicy: sharded parameters, gradients and

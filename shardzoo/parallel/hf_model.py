@@ -69,8 +69,9 @@ def _shipped(model: nn.Module) -> dict[str, str]:
 def default_plan(model: nn.Module) -> dict[str, str] | None:
     """A transformers model's own plan (the instance's ``tp_plan``, else the config's
     ``base_model_tp_plan`` and the class's ``_tp_plan``) with its ``base_model_ep_plan`` (a MoE
-    model's experts: style 'experts'), completed with the token embedding, the output head and
-    every norm over the hidden size. None for a model without one."""
+    model's experts: style 'experts'), completed with the token embedding, the output head,
+    every norm over the hidden size and every norm over a whole projection's output
+    ('column_norm', :func:`_full_width_norms`). None for a model without one."""
     if not is_transformers_model(model):
         return None
     plan = dict(getattr(model, "tp_plan", None) or {})
@@ -81,6 +82,7 @@ def default_plan(model: nn.Module) -> dict[str, str] | None:
         plan = _shipped(model)
     if not plan:
         return None
+    plan.update(_full_width_norms(model, plan))
     # the experts of a MoE model: its ep plan's entries take the experts' modules from the tp plan
     ep_plan = dict(getattr(model.config, "base_model_ep_plan", None) or {})
     if ep_plan:
@@ -96,6 +98,35 @@ def default_plan(model: nn.Module) -> dict[str, str] | None:
         ep_plan.update({p: "router" for p in _router_patterns(model) if style_of({**plan, **ep_plan}, p) is None})
         ep_plan.update({p: s for p, s in _shared_expert_entries(model).items() if style_of({**plan, **ep_plan}, p) is None})
     return complete_plan(model, {**plan, **ep_plan})
+
+
+# transformers' styles that gather a column layer's output for a norm over its whole width, and
+# split the gathered attention output again: what a norm over the split width replaces
+_GATHERED = {"colwise_gather_output": "column", "rowwise_split_input": "row"}
+
+
+def _full_width_norms(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """Plan entries for the norms over the whole output of the projection they are named after
+    (OLMoE's ``q_norm`` / ``k_norm`` over every head of ``q_proj`` / ``k_proj``): 'column_norm'
+    (split over tp with that output, statistics all-reduced), and for the projections beside
+    them that the model's plan gathers for such a norm (``colwise_gather_output``, then
+    ``rowwise_split_input``), 'column' / 'row', so the attention stays split over its heads.
+    Block indices as '*'; a per-head norm (Qwen3's) is left to the plan."""
+    entries: dict[str, str] = {}
+    for name, module in model.named_modules():
+        parent, _, leaf = name.rpartition(".")
+        weight = getattr(module, "weight", None)
+        if not is_norm(module) or not leaf.endswith("_norm") or weight is None or weight.dim() != 1:
+            continue
+        holder = model.get_submodule(parent) if parent else model
+        proj = getattr(holder, leaf[:-len("_norm")] + "_proj", None)
+        if not isinstance(proj, nn.Linear) or proj.out_features != weight.shape[0]:
+            continue
+        entries[_wild(name)] = "column_norm"
+        siblings = [f"{parent}.{child}" for child, _ in holder.named_children()]
+        entries.update({p: _GATHERED[s] for p, s in plan.items()
+                        if s in _GATHERED and any(matches(p, n) for n in siblings)})
+    return entries
 
 
 def _shared_expert_entries(model: nn.Module) -> dict[str, str]:

@@ -19,7 +19,9 @@ of the layout drops first (exact).
 Inside a block every planned module must be one that runs on a chunk: a column, row, norm
 (its weight gradient, computed on this rank's tokens only, is summed over tp by backward) or
 dropout (the chunk of the whole activation's mask), or a module holding no weights; a module
-of another style holding weights there is refused by name.
+of another style holding weights there is refused by name. A MoE block flattens its chunk to
+``[b * s/p, H]``: its router and experts run on that, and a module of its own beside them (a
+shared expert) gets it back as ``[b, s/p, H]`` for its column / row pair (``_FlatTokens``).
 """
 
 from __future__ import annotations
@@ -89,22 +91,40 @@ def check(model: nn.Module, planned: dict, layout, enabled: bool) -> None:
                              f"tokens only; plan it 'column' / 'row' / 'norm', or pass sequence_parallel=False")
 
 
+def _moe_blocks(planned: dict, inside: tuple[str, ...]) -> set[str]:
+    """The MoE blocks (parents of a module with the experts contract) inside the model's blocks."""
+    return {name.rpartition(".")[0] for name, (module, _, _) in planned.items()
+            if name.startswith(inside) and is_experts(module)}
+
+
+def _beside_experts(planned: dict, inside: tuple[str, ...]) -> dict[str, str]:
+    """{planned name: its MoE block} of the planned modules in a MoE block other than its
+    router and experts (styles whose layer runs on the block's flat chunk: ``put_on_chunks``)."""
+    blocks = _moe_blocks(planned, inside)
+    out = {}
+    for name, (_, style, _) in planned.items():
+        parent = next((b for b in blocks if name.startswith(f"{b}.")), None)
+        if parent is not None and getattr(STYLES[style], "put_on_chunks", None) is None:
+            out[name] = parent
+    return out
+
+
 def _check_moe_blocks(planned: dict, inside: tuple[str, ...], layout) -> None:
     """A MoE block (the parent of a module with the experts contract) reads its tokens
-    flattened [T, H]: its router and experts run on this rank's chunk of them, but a column /
-    row pair beside them (a shared expert) cannot gather a flat chunk; refused by name."""
-    blocks = {name.rpartition(".")[0] for name, (module, _, _) in planned.items()
-              if name.startswith(inside) and is_experts(module)}
-    for name, (module, style, _) in planned.items():
-        parent = next((b for b in blocks if name.startswith(f"{b}.")), None)
-        if parent is None or getattr(STYLES[style], "put_on_chunks", None) is not None:
+    flattened [T, H]: its router and experts run on this rank's chunk of them, and a module of
+    its own beside them (a shared expert: a column / row pair) gets them as [b, s/p, H]
+    (``_FlatTokens``); a layer planned directly in the block would read the flat chunk:
+    refused by name."""
+    for name, parent in _beside_experts(planned, inside).items():
+        if name.rpartition(".")[0] != parent:
             continue
-        raise ValueError(f"{name} ({type(module).__name__}, planned {style!r}) sits beside the experts of the MoE "
-                         f"block {parent}, which reads its tokens flattened; under Megatron sequence parallelism (on "
-                         f"by default in 1d, tp={layout.mesh.tp_size}) its router and experts run on this rank's "
-                         f"chunk of the tokens, but a {style!r} layer cannot gather a flat chunk; pass "
-                         f"sequence_parallel=False (the MoE block then runs on the whole sequence on every tp rank), "
-                         f"or use tp=1")
+        module, style, _ = planned[name]
+        raise ValueError(f"{name} ({type(module).__name__}, planned {style!r}) sits directly in the MoE block "
+                         f"{parent}, which reads its tokens flattened; under Megatron sequence parallelism (on by "
+                         f"default in 1d, tp={layout.mesh.tp_size}) the block's router and experts run on this rank's "
+                         f"chunk of the tokens, and a {style!r} layer here would read that flat chunk. Plan a gate "
+                         f"onto one output 'router' (whole, on the chunk), hold a dense MLP in a module of its own (as "
+                         f"Qwen2-MoE's shared_expert), or pass sequence_parallel=False")
 
 
 def install(model: nn.Module, planned: dict, layout, enabled: bool) -> SequenceShards | None:
@@ -133,6 +153,13 @@ def install(model: nn.Module, planned: dict, layout, enabled: bool) -> SequenceS
         shards.partial_grads.hook_block(model.get_submodule(block), members)
     for name in sorted(readers):  # gather where the attention / MLP code reads its input's shape
         model.get_submodule(name).register_forward_pre_hook(_Gather(shards), with_kwargs=True)
+    inside = tuple(f"{name}." for name in blocks)
+    beside = _beside_experts(planned, inside)
+    mlps = {f"{block}.{name[len(block) + 1:].split('.')[0]}" for name, block in beside.items()}
+    for name in sorted(mlps):  # a shared expert reads the MoE block's flat chunk (before its gather)
+        hooks = _FlatTokens(shards)
+        model.get_submodule(name).register_forward_pre_hook(hooks.before, with_kwargs=True, prepend=True)
+        model.get_submodule(name).register_forward_hook(hooks.after)
     for names in lists:
         model.get_submodule(names[0]).register_forward_pre_hook(_Enter(shards), with_kwargs=True)
         model.get_submodule(names[-1]).register_forward_hook(_Leave(shards))
@@ -178,6 +205,37 @@ class _Gather:
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
         shards = self.shards
         return _first_input(module, args, kwargs, lambda x: shards.gather(x) if shards.holds_chunk(x) else x)
+
+
+class _FlatTokens:
+    """Hooks of a module beside the experts of a MoE block (Qwen2-MoE's shared expert), which
+    the block calls on its tokens flattened, this rank's chunk [b * s_pad/p, H]: the module
+    gets them as [b, s_pad/p, H], the chunk its column / row pair gathers and reduce-scatters,
+    and the block gets the output flattened back, in the order of its tokens (the order of a
+    gate's output on the same flat chunk)."""
+
+    def __init__(self, shards: SequenceShards):
+        self.shards = shards
+        self.flat: list[bool] = []  # per call in flight: whether its input came flat
+
+    def before(self, module: nn.Module, args: tuple, kwargs: dict):
+        def unflatten(x: torch.Tensor) -> torch.Tensor:
+            self.flat.append(x.dim() == 2)
+            if x.dim() != 2:
+                return x
+            rows = self.shards.padded(self.shards._length()) // self.shards.parts
+            if x.shape[0] % rows != 0:
+                raise ValueError(f"{type(module).__name__} got {x.shape[0]} flat tokens beside the experts of a MoE "
+                                 f"block, not rows of this rank's chunk of {rows} positions; the block must flatten "
+                                 f"its input [b, s/tp, H]: pass sequence_parallel=False")
+            return x.view(x.shape[0] // rows, rows, x.shape[-1])
+
+        return _first_input(module, args, kwargs, unflatten)
+
+    def after(self, module: nn.Module, args: tuple, output):
+        if self.flat.pop() and torch.is_tensor(output):
+            return output.reshape(-1, output.shape[-1])
+        return output
 
 
 class _Enter:

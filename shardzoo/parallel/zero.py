@@ -3,8 +3,10 @@
 ``zero_optimizer(model, torch.optim.AdamW, lr=...)`` is the optimizer to build after
 ``data_parallel``: for zero=1 a ``ZeroRedundancyOptimizer`` over the dp (x sp) group (each
 rank keeps the state of about 1/N_d of the parameters, whole parameters, and broadcasts its
-updated ones after the step); otherwise the plain optimizer, whose state FSDP2's DTensor
-parameters already shard (zero >= 2) or which DDP replicates (zero=0).
+updated ones after the step); with expert parallelism one optimizer over two of them, the
+experts' state partitioned over the expert data parallel group edp (expert_zero.py);
+otherwise the plain optimizer, whose state FSDP2's DTensor parameters already shard
+(zero >= 2) or which DDP replicates (zero=0).
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import contextlib
 import torch
 from torch import nn
 
+from shardzoo.layers.experts import ExpertsEP
 from shardzoo.parallel.data_parallel import ddp_of, info_of
+from shardzoo.parallel.expert_zero import ExpertZeroOptimizer
 
 
 def _models(models) -> list[nn.Module]:
@@ -25,8 +29,10 @@ def zero_optimizer(models: nn.Module | list[nn.Module], optimizer_class=torch.op
     """The optimizer over the parameters of ``models`` (a model or this rank's pipeline
     stages, each passed through :func:`shardzoo.data_parallel`) for their ZeRO stage:
     ``ZeroRedundancyOptimizer(params, optimizer_class, process_group=<dp x sp>, **defaults)``
-    for zero=1, ``optimizer_class(params, **defaults)`` otherwise. Raises when the models
-    were not wrapped, or were wrapped with different stages or meshes."""
+    for zero=1 (with experts split over ep: an :class:`ExpertZeroOptimizer`, the experts'
+    state partitioned over edp, the rest over dp x sp; one object with the plain optimizer's
+    ``param_groups``), ``optimizer_class(params, **defaults)`` otherwise. Raises when the
+    models were not wrapped, or were wrapped with different stages or meshes."""
     infos = [info_of(m) for m in _models(models)]
     if any(i is None for i in infos):
         raise ValueError("zero_optimizer needs models passed through shardzoo.data_parallel(model, mesh, zero=...) "
@@ -39,6 +45,9 @@ def zero_optimizer(models: nn.Module | list[nn.Module], optimizer_class=torch.op
         return optimizer_class(params, **defaults)
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
+    experts = {id(p) for m in _models(models) for e in m.modules() if isinstance(e, ExpertsEP) for p in e.parameters()}
+    if experts:  # the same only over edp: partitioned there (expert_zero.py)
+        return ExpertZeroOptimizer(params, optimizer_class, info.group, info.mesh.group("edp"), experts, **defaults)
     return ZeroRedundancyOptimizer(params, optimizer_class, process_group=info.group, **defaults)
 
 

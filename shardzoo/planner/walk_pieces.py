@@ -350,6 +350,7 @@ PRICERS = {
     "column": _column, "packed_column": _column, "head_fused_column": _column, "row": _row, "dense": _dense,
     "classifier": _classifier, "first_token": _first_token, "vocab_bias": _vocab_bias,
     "patch_embedding": _patch_embedding, "norm": _norm, "vocab_embedding": _vocab_embedding,
+    "column_norm": _norm,  # priced as a norm over the whole width (its split over tp not yet)
     "embedding": _embedding, "position_embedding": _embedding, "lm_head": _lm_head, "dropout": _dropout,
     "replicate": _replicate, "replicate_sum": _replicate_sum,
     # the planner prices no ep yet: experts are priced whole on every rank, as at ep = 1

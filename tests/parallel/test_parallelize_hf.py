@@ -1,5 +1,6 @@
 """transformers causal LMs (Llama with grouped-query attention, Qwen2 with tied embeddings and
-q / k / v biases, Mistral, GPT-2 with Conv1D weights and q|k|v packed in c_attn) run by their own code after ``shardzoo.parallelize``: loss, logits
+q / k / v biases, Mistral, OLMo2 with q / k norms over every head, GPT-2 with Conv1D weights and
+q|k|v packed in c_attn) run by their own code after ``shardzoo.parallelize``: loss, logits
 and every parameter after one optimizer step equal the serial transformers model in fp32, with
 padding, in every layout, with sequence parallelism and with ZeRO 1, 2 and 3 on dp."""
 
@@ -27,6 +28,9 @@ CASES = {
     "gpt2-1d-tp4": ("gpt2", dict(tp=4), 4, "ring", 0),
     "gpt2-3d": ("gpt2", dict(tp=8, tp_mode="3d"), 8, "ring", 0),
     "gpt2-2d-sp2": ("gpt2", dict(tp=4, tp_mode="2d", sp=2), 8, "ring", 0),
+    # its own plan gathers q, k, v for the norms; completed, they are 'column_norm' over the split width
+    "olmo2-1d-dp2-tp2": ("olmo2", dict(dp=2, tp=2), 4, "ring", 0),
+    "olmo2-2d": ("olmo2", dict(tp=4, tp_mode="2d"), 4, "ring", 0),
     "llama-1d-tp4-bf16": ("llama", dict(tp=4), 4, "ring", 0, torch.bfloat16),
     "qwen2-2d-bf16": ("qwen2", dict(tp=4, tp_mode="2d"), 4, "ring", 0, torch.bfloat16),
 }

@@ -1,9 +1,10 @@
-"""Mixture of experts split over ep by ``shardzoo.parallelize`` with the model's own ep plan: a
-tiny random Mixtral, Qwen3-MoE, Qwen2-MoE (shared expert) and OLMoE, run by their own transformers code with
-``output_router_logits=True``, equal the serial model (fp32, padding included): loss, aux loss,
-router logits, logits, the gradient norm and every weight after one SGD step, at ep 2 and 4
-with dp, sp (ring and Ulysses: the aux loss over the replica's whole sequences) and ZeRO 0 / 3;
-and the refusals.
+"""Mixture of experts split over ep by ``shardzoo.parallelize`` with the model's own plan
+(``plan=None``, completed): a tiny random Mixtral, Qwen3-MoE, Qwen2-MoE (shared expert) and
+OLMoE, run by their own transformers code with ``output_router_logits=True``, equal the serial
+model (fp32, padding included): loss, aux loss, router logits, logits, the gradient norm and
+every weight after one SGD step, at ep 2 and 4 with dp, sp (ring and Ulysses: the aux loss over
+the replica's whole sequences), 1d tp (Megatron sequence parallelism) and ZeRO 0, 1 and 3, each
+rank holding 1/ep of the expert parameters; and the refusals.
 
 The load-balancing loss is each dp replica's own (as any per-replica loss): the serial
 reference is the cross entropy over the whole batch plus the router_aux_loss_coef times the
@@ -93,24 +94,21 @@ def moe_against_serial(kind, mesh_kwargs, zero, sp_mode="ring", sequence_paralle
     replicas = mesh.dp_size
     out_s, out_x = serial_step(serial, batch, replicas), serial_step(exact, batch, replicas)
 
-    plan = None
-    if kind == "olmoe":  # its q / k norms span every head's width; its own plan gathers q, k, v for them
-        from shardzoo.parallel.hf_model import default_plan  # (not built: at tp = 1 they stay whole)
-
-        attention = {f"model.layers.*.self_attn.{n}": s for n, s in (
-            ("q_proj", "column"), ("k_proj", "column"), ("v_proj", "column"), ("o_proj", "row"),
-            ("q_norm", "replicate"), ("k_norm", "replicate"))}
-        plan = {**{p: s for p, s in default_plan(parallel).items() if ".self_attn." not in p}, **attention}
-    shardzoo.parallelize(parallel, mesh, plan, sp_mode=sp_mode, sequence_parallel=sequence_parallel)
+    shardzoo.parallelize(parallel, mesh, sp_mode=sp_mode, sequence_parallel=sequence_parallel)  # the model's own plan
     experts = [m for m in parallel.modules() if type(m).__name__ == "ExpertsEP"]
     assert len(experts) == (2 if mesh.ep_size > 1 else 0) and all(m.num_experts == 4 // mesh.ep_size for m in experts)
+    held = sum(p.numel() for n, p in parallel.named_parameters() if ".experts." in n)
+    assert held * mesh.ep_size == sum(p.numel() for n, p in serial.named_parameters() if ".experts." in n)
     wrapped = shardzoo.data_parallel(parallel, mesh, zero=zero)
     rows = dp_rows(4, mesh)
     ids, mask, labels = (t[rows] for t in batch)
     out = wrapped(input_ids=ids, attention_mask=mask, labels=labels)
     out.loss.backward()
     norm = global_grad_norm(wrapped, mesh)
-    shardzoo.zero_optimizer(wrapped, torch.optim.SGD, lr=1.0).step()
+    optimizer = shardzoo.zero_optimizer(wrapped, torch.optim.SGD, lr=1.0)
+    optimizer.step()
+    if zero == 1:
+        scheduled_step_moves_nothing(optimizer, list(wrapped.parameters()))
     r = mesh.dp_rank
     check_router_outputs(kind, out, out_s, out_x, r, rows, ids.shape[1])
     result = {"loss": out.loss.detach(), "logits": shardzoo.gather_logits(parallel, out.logits.detach()),
@@ -118,6 +116,15 @@ def moe_against_serial(kind, mesh_kwargs, zero, sp_mode="ring", sequence_paralle
     out_s.loss, out_x.loss = out_s.replica_loss[r], out_x.replica_loss[r]  # what this replica's loss is
     return assert_step_equal(f"{kind} {mesh_kwargs} {sp_mode} zero={zero}", result, (serial, out_s), (exact, out_x), rows,
                              batch[1].bool())
+
+
+def scheduled_step_moves_nothing(optimizer, params):
+    """The ZeRO 1 optimizer is one torch optimizer with one param group of every parameter: an
+    LR scheduler setting lr 0 reaches both parts, so a second step leaves the weights alone."""
+    assert isinstance(optimizer, torch.optim.Optimizer) and len(optimizer.param_groups) == 1
+    assert {id(p) for p in optimizer.param_groups[0]["params"]} == {id(p) for p in params}
+    torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.0)
+    optimizer.step()  # the gradients are still there
 
 
 def check_router_outputs(kind, out, out_s, out_x, r, rows, seq):
@@ -135,9 +142,15 @@ CASES = [("mixtral", dict(dp=4, ep=2), 0, "ring"), ("mixtral", dict(dp=4, ep=4),
          ("qwen3_moe", dict(dp=4, ep=4), 0, "ring"), ("qwen3_moe", dict(dp=4, ep=2), 3, "ring"),
          ("mixtral", dict(dp=2, sp=2, ep=2), 0, "ring"), ("qwen3_moe", dict(dp=2, sp=2, ep=2), 3, "ulysses"),
          ("qwen3_moe", dict(dp=2, sp=2, ep=4), 3, "ring"),
+         # ZeRO 1: the experts' optimizer state partitioned over edp, the rest over dp (x sp)
+         ("mixtral", dict(dp=4, ep=2), 1, "ring"), ("qwen3_moe", dict(dp=2, sp=2, ep=2), 1, "ulysses"),
          # 1d tp: Megatron sequence parallelism splits the tokens over tp; router and experts on the chunks
          ("mixtral", dict(dp=2, tp=2, ep=2), 0, "ring"), ("mixtral", dict(dp=2, tp=2), 3, "ring"),
-         ("qwen2_moe", dict(dp=4, ep=2), 0, "ring"), ("olmoe", dict(dp=2, sp=2, ep=2), 3, "ring"),
+         ("qwen2_moe", dict(dp=4, ep=2), 0, "ring"),
+         # the shared expert on the MoE block's flat chunk, its gate on the same tokens
+         ("qwen2_moe", dict(dp=2, tp=2, ep=2), 1, "ring"),
+         # OLMoE's q / k norms over every head: at tp 2 over the split width of q / k, statistics all-reduced
+         ("olmoe", dict(dp=2, sp=2, ep=2), 3, "ring"), ("olmoe", dict(dp=2, tp=2, ep=2), 0, "ring"),
          # without Megatron sequence parallelism the MoE block runs the whole sequence on every tp rank
          ("qwen2_moe", dict(dp=2, tp=2, ep=2), 0, "ring-no-megatron-sp")]
 
@@ -160,9 +173,13 @@ def refusals(_):
     import shardzoo
 
     messages = {}
-    cases = {"experts": ("mixtral", dict(dp=4, ep=4), dict(num_local_experts=6)),
-             "shared_expert_on_chunks": ("qwen2_moe", dict(dp=2, tp=2, ep=2), None)}
-    for what, (kind, layout, config) in cases.items():
+    from shardzoo.parallel.hf_model import default_plan
+
+    cases = {"experts": ("mixtral", dict(dp=4, ep=4), dict(num_local_experts=6), None),
+             # a layer directly in the MoE block would read its flat chunk of the tokens
+             "dense_gate_on_chunks": ("qwen2_moe", dict(dp=2, tp=2, ep=2), None,
+                                      {"model.layers.*.mlp.shared_expert_gate": "dense"})}
+    for what, (kind, layout, config, entries) in cases.items():
         model = tiny_moe(kind)
         if config is not None:
             from transformers import MixtralConfig, MixtralForCausalLM
@@ -170,17 +187,12 @@ def refusals(_):
             model = MixtralForCausalLM(MixtralConfig(**{**model.config.to_dict(), **config}))
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         mesh = cached_mesh(**layout)
+        plan = None if entries is None else {**default_plan(model), **entries}
         with pytest.raises(ValueError) as err:
-            shardzoo.parallelize(model, mesh)
+            shardzoo.parallelize(model, mesh, plan)
         messages[what] = str(err.value)
         assert all(torch.equal(before[n], p) for n, p in model.named_parameters()), what
-    model = shardzoo.parallelize(tiny_moe("mixtral"), cached_mesh(dp=4, ep=2))
-    with pytest.raises(ValueError) as err:
-        shardzoo.data_parallel(model, cached_mesh(dp=4, ep=2), zero=1)
-    messages["zero1"] = str(err.value)
     from transformers import MixtralForSequenceClassification
-
-    from shardzoo.parallel.hf_model import default_plan
 
     config = tiny_moe("mixtral").config
     config.num_labels, config.pad_token_id = 3, 0
@@ -197,9 +209,8 @@ def test_refusals_name_the_value_the_rule_and_the_fix():
     assert "ep=4 does not divide the 6 experts" in m["experts"] and "divides 6" in m["experts"]
     assert "output_router_logits=True with sp=2" in m["classifier_router_logits"]
     assert "MixtralForSequenceClassification" in m["classifier_router_logits"]
-    shared = m["shared_expert_on_chunks"]
-    assert "model.layers.0.mlp.shared_expert.gate_proj" in shared and "sequence_parallel=False" in shared
-    assert "zero=1 with ep=2" in m["zero1"] and "use zero=0, 2 or 3" in m["zero1"]
+    gate = m["dense_gate_on_chunks"]
+    assert "model.layers.0.mlp.shared_expert_gate" in gate and "'router'" in gate and "sequence_parallel=False" in gate
 
 
 def grid_refused(_):

@@ -236,3 +236,25 @@ def test_ulysses_heads_sp_does_not_divide_are_refused_by_parallelize():
     message = run_on_ranks(_ulysses_heads_refusal, 2)[0]
     for word in ("model.layers.0.self_attn", "3 q heads", "sp=2", "sp_mode='ring'", "(e.g. 4)"):
         assert word in message, f"{word!r} missing from: {message}"
+
+
+def _column_norm_kv_refusal():
+    import shardzoo
+    from support.hf_parallel import tiny_causal_lm
+
+    model = tiny_causal_lm("olmo2", hidden_size=32, num_attention_heads=4, num_key_value_heads=1)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError) as err:
+        shardzoo.parallelize(model, cached_mesh(tp=2))
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    return str(err.value)
+
+
+def test_norm_over_kv_heads_the_layout_repeats_is_refused():
+    """OLMo2's k_norm spans every kv head: with 1 kv head over tp=2 the layout repeats it, and a
+    norm over the split width would count it twice; refused before any weight moves."""
+    pytest.importorskip("transformers", reason="builds a transformers OLMo2")
+    message = run_on_ranks(_column_norm_kv_refusal, 2)[0]
+    for word in ("model.layers.0.self_attn.k_norm", "column_norm", "1 kv heads", "2 head parts"):
+        assert word in message, f"{word!r} missing from: {message}"

@@ -37,10 +37,12 @@ def _config(kind: str, **overrides):
         return transformers.GPT2LMHeadModel, transformers.GPT2Config(**{
             **dict(n_embd=64, n_layer=2, n_head=8, vocab_size=VOCAB, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
                    attn_pdrop=0.0, bos_token_id=None, eos_token_id=None, attn_implementation="sdpa"), **overrides})
+    if kind == "olmo2":  # q / k norms over every head's width
+        return transformers.Olmo2ForCausalLM, transformers.Olmo2Config(**{**common, **overrides})
     if kind == "mistral":
         return transformers.MistralForCausalLM, transformers.MistralConfig(**{**common, "sliding_window": 32,
                                                                                  **overrides})
-    raise ValueError(f"unknown tiny model {kind!r}; one of llama, qwen2, qwen3, mistral, gpt2")
+    raise ValueError(f"unknown tiny model {kind!r}; one of llama, qwen2, qwen3, olmo2, mistral, gpt2")
 
 
 def tiny_causal_lm(kind: str, seed: int = 0, **overrides):

@@ -5,6 +5,9 @@
 column             first of a pair (nn.Linear): output features split over the head axis
 row                second of a pair: input features split, output in the block's placement
 norm               LayerNorm / RMSNorm over the hidden size, in the layout's split
+column_norm        LayerNorm / RMSNorm over the whole output of a column layer (OLMoE's
+                   q_norm / k_norm over every head), split like that output (1d: over
+                   tp), its statistics all-reduced over the split
 vocab_embedding    token table split along the vocabulary (and the hidden in the grids)
 embedding          small table (positions) whose output follows the activation placement
 position_embedding an nn.Embedding indexed by token positions 0..S-1 computed from the
@@ -55,11 +58,11 @@ from shardzoo.parallel.styles.experts import Experts, Router
 from shardzoo.parallel.styles.embeddings import Embedding, PatchEmbedding, PositionEmbedding, VocabEmbedding
 from shardzoo.parallel.styles.linears import Column, Dense, HeadFusedColumn, PackedColumn, Row
 from shardzoo.parallel.styles.logits import Classifier, LMHead, VocabBias
-from shardzoo.parallel.styles.norms import Norm
+from shardzoo.parallel.styles.norms import ColumnNorm, Norm
 from shardzoo.parallel.styles.whole import Dropout, FirstToken, Replicate, ReplicateSum
 
 STYLES: dict[str, Style] = {s.name: s for s in (
-    Column(), Row(), Norm(), VocabEmbedding(), Embedding(), PositionEmbedding(), LMHead(), Replicate(),
+    Column(), Row(), Norm(), ColumnNorm(), VocabEmbedding(), Embedding(), PositionEmbedding(), LMHead(), Replicate(),
     ReplicateSum(), PackedColumn(), HeadFusedColumn(), Dense(), FirstToken(), Dropout(), PatchEmbedding(),
     Classifier(), VocabBias(), Experts(), Router())}
 # transformers' style for a parameter of an experts module (its split over ep), accepted where

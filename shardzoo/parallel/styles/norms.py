@@ -1,5 +1,7 @@
 """The 'norm' style: a LayerNorm or RMSNorm over the hidden size (torch's, or a model's own class
-of that name computing the plain formula), in the layout's split: [b, s, H_l] -> same.
+of that name computing the plain formula), in the layout's split: [b, s, H_l] -> same. The
+'column_norm' style: such a norm over the whole width of a column layer's output (OLMoE's
+q_norm / k_norm over every head), split like that output (1d: over tp, [b, s, W/p] -> same).
 
 A model's own norm class is replaced by the plain torch norm of its weights, after checking on
 a random input that the two compute the same (``_check_plain``), so a norm of another formula
@@ -13,7 +15,7 @@ import copy
 import torch
 from torch import nn
 
-from shardzoo.layers.norm_1d import LayerNorm1D, RMSNorm1D
+from shardzoo.layers.norm_1d import ColumnLayerNorm1D, ColumnRMSNorm1D, LayerNorm1D, RMSNorm1D
 from shardzoo.layers.norm_2d import LayerNorm2D, RMSNorm2D
 from shardzoo.layers.norm_2p5d import LayerNorm2p5D, RMSNorm2p5D
 from shardzoo.layers.norm_3d import LayerNorm3D, RMSNorm3D
@@ -41,6 +43,34 @@ class Norm(Style):
         cls, options = (self.layers if isinstance(plain, nn.LayerNorm) else self.rms_layers)[ctx.mode]
         device = plain.weight.device if plain.weight is not None else None
         return cls.from_serial(plain, ctx.mesh, device=device, **options(ctx))
+
+
+def _column_output(ctx: Build) -> dict:
+    """A norm reading a column layer's output takes that output's placement (3D swaps two axes)."""
+    return {"placement": ctx.layout.linear_output(ctx.layout.activation)}
+
+
+class ColumnNorm(Norm):
+    """A norm over a column layer's whole output width, split like that output (module doc): in
+    1d over tp, its statistics all-reduced over tp; in the grid layouts the grid norm in the
+    column output's placement."""
+
+    name = "column_norm"
+    on_sequence_chunks = True  # it reads a column layer's output, whose every token it holds: exact in a block
+    layers = {"1d": Layer(ColumnLayerNorm1D), "2d": Layer(LayerNorm2D, _column_output),
+              "2.5d": Layer(LayerNorm2p5D, _column_output), "3d": Layer(LayerNorm3D, _column_output)}
+    rms_layers = {"1d": Layer(ColumnRMSNorm1D), "2d": Layer(RMSNorm2D, _column_output),
+                  "2.5d": Layer(RMSNorm2p5D, _column_output), "3d": Layer(RMSNorm3D, _column_output)}
+
+    def build(self, module: nn.Module, ctx: Build) -> nn.Module:
+        owner = ctx.attention.get(ctx.name.rpartition(".")[0])
+        width = getattr(module, "weight", None)
+        if owner is not None and owner.replicated_kv and width is not None \
+                and width.shape[0] == owner.kv_heads * owner.head_dim:
+            raise ValueError(f"{ctx.name}: a 'column_norm' over the {owner.kv_heads} kv heads of {owner.name}, which "
+                             f"the layout repeats over its {owner.parts} head parts (kv heads < parts), would see "
+                             f"repeated heads; use a tp whose head parts divide the {owner.kv_heads} kv heads")
+        return super().build(module, ctx)
 
 
 def _check_plain(name: str, module: nn.Module) -> None:
