@@ -7,6 +7,8 @@ serial model runs the same code. The autograd wrappers in ``collectives.py`` cal
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -132,7 +134,7 @@ def all_to_all_uneven(x: torch.Tensor, group, send_splits: list[int], recv_split
                          f"summing to the {x.shape[0]} rows of x; got send {send_splits}, receive {recv_splits}")
     x = x.contiguous()
     out = x.new_empty((sum(recv_splits),) + tuple(x.shape[1:]))
-    row_bytes = x[0].numel() * x.element_size() if x.dim() > 1 else x.element_size()
+    row_bytes = math.prod(x.shape[1:]) * x.element_size()  # x may hold no rows (no token for this rank)
     record("all_to_all_v", row_bytes * (sum(send_splits) - send_splits[group_rank(group)]), p)
     dist.all_to_all_single(out, x, output_split_sizes=list(recv_splits), input_split_sizes=list(send_splits),
                            group=group)

@@ -12,8 +12,9 @@ aligned, else with a loop over the local experts.
 Gradients: every rank's loss carries the factor R = dp*sp of the global-mean loss
 (layers/batch_loss.py), and an expert's gradient gathers the tokens of the ep ranks, so the
 expert weights' gradient is scaled by 1/ep in the graph (the tokens' gradients are not) and
-then averaged over the edp group: by a hook on the gradient here, or by FSDP2 over edp when
-``data_parallel`` shards the experts (``reduced_by_fsdp``). The result is the serial gradient
+then averaged over the edp group: by a hook on the gradient here, by FSDP2 over edp when
+``data_parallel`` shards the experts (``reduced_by_fsdp``), or once per step by a pipeline
+after its schedule (``reduced_per_step``). The result is the serial gradient
 of the whole batch, as for every other parameter after ``data_parallel``.
 """
 
@@ -93,6 +94,7 @@ class ExpertsEP(ParallelModule):
         self.mesh, self.n_experts, self.capacity_factor = mesh, n_experts, capacity_factor
         self.act_fn = serial.act_fn
         self.reduced_by_fsdp = False  # data_parallel sets it when FSDP2 averages over edp
+        self.reduced_per_step = False  # a pipeline sets it: it averages over edp once, after its schedule
         self.sum_over_tp = False  # set when its tokens are this tp rank's sequence chunk (styles/experts.py)
         for name in ("gate_up_proj", "down_proj"):
             full = getattr(serial, name)
@@ -108,7 +110,7 @@ class ExpertsEP(ParallelModule):
     def _average_over_edp(self) -> None:
         """Hook each expert parameter's gradient to be averaged over edp (once per object)."""
         group, size = self.mesh.group("edp"), self.mesh.size("edp")
-        if size == 1 or self.reduced_by_fsdp:
+        if size == 1 or self.reduced_by_fsdp or self.reduced_per_step:
             return
         for p in (self.gate_up_proj, self.down_proj):
             seen = self._hooked.get(id(p))

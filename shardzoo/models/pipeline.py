@@ -33,7 +33,8 @@ from shardzoo.models.meta import materialize, seeded_normal_piece
 from shardzoo.models.pretrained import config_from_dir, load_pretrained
 from shardzoo.models.spec import spec_of
 from shardzoo.parallel.data_parallel import ddp_of
-from shardzoo.parallel.pipelined import check_step, step_loss, sum_tied_grad, tied_group
+from shardzoo.parallel.pipeline_grads import sum_tied_grad, tied_group
+from shardzoo.parallel.pipelined import check_step, step_loss
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev")
 _SPLIT_BACKWARD = ("zero_bubble", "zbv", "dualpipev")  # input and weight gradients computed apart
@@ -231,7 +232,7 @@ def _split_step(stages: list[nn.Module]):
     from torch.distributed.fsdp import FSDPModule
 
     from shardzoo.parallel.data_parallel import info_of
-    from shardzoo.parallel.pipelined import average_over_dp, hold_gathered, release_gathered
+    from shardzoo.parallel.pipeline_grads import average_over_dp, hold_gathered, release_gathered
 
     held = [(s, hold_gathered(s)) for s in stages if isinstance(s, FSDPModule)]
     try:

@@ -14,7 +14,11 @@ forward), the last one leaves it (the chunks are all-gathered), so the embedding
 norm and the head see the replicated activation as without sequence parallelism, and whatever
 the model does outside its blocks (position tables, poolers, ``logits_to_keep``) is unchanged.
 A sequence length tp does not divide is padded with zero rows at the end, which every way out
-of the layout drops first (exact).
+of the layout drops first (exact). A model cut into pipeline stages (pipeline_cut.py) stays in
+the layout across the stage boundaries, as Megatron's does: each stage's blocks are a list of
+their own, the first stage enters and the last leaves, and the stages in between send and
+take this rank's chunk (the model's code around their blocks runs on a stand-in of the whole
+shape; pipelined.py).
 
 Inside a block every planned module must be one that runs on a chunk: a column, row, norm
 (its weight gradient, computed on this rank's tokens only, is summed over tp by backward) or
@@ -29,6 +33,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shardzoo.layers.common_1d import SEQ_DIM
 from shardzoo.layers.experts import is_experts
 from shardzoo.layers.linear_1d import ParallelLinear1D
 from shardzoo.layers.norm_1d import LayerNorm1D, RMSNorm1D
@@ -160,14 +165,30 @@ def install(model: nn.Module, planned: dict, layout, enabled: bool) -> SequenceS
         hooks = _FlatTokens(shards)
         model.get_submodule(name).register_forward_pre_hook(hooks.before, with_kwargs=True, prepend=True)
         model.get_submodule(name).register_forward_hook(hooks.after)
+    cut = pipeline_cut.cut_of(model)
     for names in lists:
-        model.get_submodule(names[0]).register_forward_pre_hook(_Enter(shards), with_kwargs=True)
-        model.get_submodule(names[-1]).register_forward_hook(_Leave(shards))
+        receives, sends = _stage_ends(cut, names)
+        model.get_submodule(names[0]).register_forward_pre_hook(_Enter(shards, cut if receives else None),
+                                                                with_kwargs=True)
+        model.get_submodule(names[-1]).register_forward_hook(_Leave(shards, cut if sends else None))
+    if cut is not None:
+        cut.chunked = True
     base = getattr(model, "base_model", None)
     for module in {id(m): m for m in (base, model) if isinstance(m, nn.Module)}.values():  # inner first
         module.register_forward_hook(_JoinHiddenStates(shards))
     model.__dict__[_ATTR] = shards
     return shards
+
+
+def _stage_ends(cut, names: list[str]) -> tuple[bool, bool]:
+    """(whether this run of blocks receives its input from a pipeline stage before it, whether
+    it sends its output to one after it): a run of the cut blocks of a stage other than the
+    first / last."""
+    parent, _, index = names[0].rpartition(".")
+    if cut is None or parent != cut.blocks:
+        return False, False
+    stage = cut.stage_of_block(int(index))
+    return stage > 0, stage < cut.n_stages - 1
 
 
 def _on_chunks(module: nn.Module, shards: SequenceShards) -> list[str]:
@@ -239,26 +260,44 @@ class _FlatTokens:
 
 
 class _Enter:
-    """Forward pre-hook of a list's first block: its hidden states [b, s, H] -> this rank's chunk."""
+    """Forward pre-hook of a list's first block: its hidden states [b, s, H] -> this rank's
+    chunk. The first block of a pipeline stage after the first is given a stand-in of that
+    shape instead (pipelined.py): it takes the chunk the stage received (``cut.chunk_in``)."""
 
-    def __init__(self, shards: SequenceShards):
-        self.shards = shards
+    def __init__(self, shards: SequenceShards, cut=None):
+        self.shards, self.cut = shards, cut
 
     def __call__(self, block: nn.Module, args: tuple, kwargs: dict):
-        return _first_input(block, args, kwargs, self.shards.split)
+        if self.cut is None or self.cut.chunk_in is None:
+            return _first_input(block, args, kwargs, self.shards.split)
+        return _first_input(block, args, kwargs, self._received)
+
+    def _received(self, stand_in: torch.Tensor) -> torch.Tensor:
+        self.shards.length = stand_in.shape[SEQ_DIM]  # this forward's sequence, as split() records it
+        chunk, self.cut.chunk_in = self.cut.chunk_in, None
+        return chunk
 
 
 class _Leave:
     """Forward hook of a list's last block: its output chunk (or the first item of its output
-    tuple) -> [b, s, H] on every tp rank."""
+    tuple) -> [b, s, H] on every tp rank. The last block of a pipeline stage before the last
+    keeps the chunk as the stage's output (``cut.chunk_out``, what pipelined.py sends) and
+    gives the model's remaining code (placeholders there) a zero stand-in of the whole shape."""
 
-    def __init__(self, shards: SequenceShards):
-        self.shards = shards
+    def __init__(self, shards: SequenceShards, cut=None):
+        self.shards, self.cut = shards, cut
 
     def __call__(self, block: nn.Module, args: tuple, output):
+        leave = self._send if self.cut is not None and self.cut.sending else self.shards.join
         if isinstance(output, (tuple, list)):
-            return type(output)((self.shards.join(output[0]), *output[1:]))
-        return self.shards.join(output)
+            return type(output)((leave(output[0]), *output[1:]))
+        return leave(output)
+
+    def _send(self, chunk: torch.Tensor) -> torch.Tensor:
+        self.cut.chunk_out = chunk
+        shape = list(chunk.shape)
+        shape[SEQ_DIM] = self.shards.length
+        return chunk.detach().new_zeros(()).expand(shape)
 
 
 class _JoinHiddenStates:

@@ -92,6 +92,14 @@ class StageCut:
     # (transformers models take it as inputs_embeds): the activation received, while a stage runs
     through_embedding: bool = False
     incoming: torch.Tensor | None = None
+    # Megatron sequence parallelism (megatron_sp.py): the stages send this tp rank's sequence
+    # chunk. While a stage runs (pipelined.py), ``chunk_in`` is the chunk it received (its first
+    # block takes it in place of the stand-in the model's code ran on), and with ``sending`` its
+    # last block leaves its chunk in ``chunk_out`` (the stage's output, not what the model returns)
+    chunked: bool = False
+    chunk_in: torch.Tensor | None = None
+    sending: bool = False
+    chunk_out: torch.Tensor | None = None
 
     @property
     def n_stages(self) -> int:

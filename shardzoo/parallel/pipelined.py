@@ -6,11 +6,16 @@ Each stage this rank holds is a :class:`StageView`: a module whose forward calls
 itself (its hooks split the inputs; its own code runs), the first stage with ``input_ids``, a
 later one with the activation it received as ``inputs_embeds`` (the ids go along only to size
 the batch); a model of one's own, whose forward takes ids only, gets that activation from its
-token embedding's place (``pipeline_cut.Received``). The padding mask and position ids travel to every stage as keyword arguments,
-which torch's schedules split into micro-batches for every stage alike. The view holds the
-stage's modules as its submodules, so torch's stage sees that stage's parameters only (the
-zero-bubble schedules split each backward by them), and a ZeRO 0 / 1 model gets one DDP engine
-per view, which torch's stages drive (no reduction until the last micro-batch).
+token embedding's place (``pipeline_cut.Received``). Under Megatron sequence parallelism the
+stages send this tp rank's chunk of the sequence: the model's code runs on a stand-in of the
+whole shape, which the stage's first block exchanges for the chunk received, and the last
+block's chunk is the stage's output (megatron_sp.py). The padding mask and position ids travel
+to every stage as keyword arguments, which torch's schedules split into micro-batches for every
+stage alike. The view holds the stage's modules as its submodules, so torch's stage sees that
+stage's parameters only (the zero-bubble schedules split each backward by them), and a ZeRO 0 /
+1 model gets one DDP engine per view, which torch's stages drive (no reduction until the last
+micro-batch). Experts split over ep stay out of that DDP and are averaged over edp once per
+step, after the schedule (pipeline_grads.py); a MoE model's load-balancing loss is refused.
 
 The loss of a micro-batch is its share of the step's global token mean: the step counts the real
 targets of the whole step first (labels shifted over the whole sequence, summed over dp), every
@@ -21,19 +26,17 @@ from the last stage to every rank of the pp group.
 
 from __future__ import annotations
 
-import itertools
-import weakref
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from shardzoo.comm.mesh import default_device
 from shardzoo.layers import batch_loss
-from shardzoo.layers.dp_shard import local_tensor
 from shardzoo.layers.grad_fns import contiguous_grad
 from shardzoo.parallel import inputs, megatron_sp, pipeline_cut
 from shardzoo.parallel.data_parallel import info_of
+from shardzoo.parallel.pipeline_grads import (average_experts, average_over_dp, experts_of, fsdp_hold, fsdp_reduce,
+                                              sum_tied_grad, tied_group)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
 _SPLIT_BACKWARD = ("zero_bubble", "zbv", "dualpipev")  # input and weight gradients computed apart
@@ -51,14 +54,16 @@ def _schedule_class(name: str):
 class StageView(nn.Module):
     """One pipeline stage of a cut model: ``forward(x, input_ids=None, attention_mask=None,
     position_ids=None)`` with ``x`` this dp replica's ids [b, S] on the first stage or the
-    previous stage's output (this rank's block of the activation) on a later one; returns this
-    rank's logits block on the last stage, its block of the hidden states [b, s, h] otherwise."""
+    previous stage's output on a later one; returns this rank's logits block on the last stage,
+    its block of the hidden states otherwise: [b, s, h], or under Megatron sequence parallelism
+    this tp rank's chunk of the sequence [b, ceil(s / tp), h] (megatron_sp.py)."""
 
     def __init__(self, model: nn.Module, cut: pipeline_cut.StageCut, stage: int):
         super().__init__()
         self.stage, self.first, self.last = stage, stage == 0, stage == cut.n_stages - 1
         self.__dict__["model"] = model  # not a submodule: the view's parameters are its stage's only
         self.__dict__["cut"] = cut
+        self.sp = model.__dict__["_shardzoo_parallel"].mesh.sp_size
         held = [f"{cut.blocks}.{i}" for i in cut.bounds(stage)]
         held += cut.before if self.first else []
         held += cut.after if self.last else []
@@ -67,23 +72,47 @@ class StageView(nn.Module):
     def forward(self, x, input_ids=None, attention_mask=None, position_ids=None):
         cut = self.__dict__["cut"]
         kwargs = {"attention_mask": attention_mask, "position_ids": position_ids}
+        if not self.first:
+            x = contiguous_grad(x)
+            if cut.chunked:  # the model's code runs on a stand-in; the first block takes the chunk
+                cut.chunk_in, x = x, self._stand_in(x, input_ids)
         if self.first:
             kwargs["input_ids"] = x
         elif cut.through_embedding:  # a model of one's own: its token embedding's place returns x
             kwargs["input_ids"] = input_ids
-            cut.incoming = contiguous_grad(x)
+            cut.incoming = x
         else:
-            kwargs.update(input_ids=input_ids, inputs_embeds=contiguous_grad(x))
+            kwargs.update(input_ids=input_ids, inputs_embeds=x)
         cut.active = self.stage if len(cut.held) > 1 else None
+        cut.sending = cut.chunked and not self.last
         try:
             out = self.__dict__["model"](**{k: v for k, v in kwargs.items() if v is not None})
+            if cut.sending:
+                out = cut.chunk_out
         finally:
-            cut.active, cut.incoming = None, None
+            cut.active, cut.incoming, cut.chunk_in, cut.sending, cut.chunk_out = None, None, None, False, None
         out = out.logits if hasattr(out, "logits") else out
         out = out.contiguous()  # torch's stage receives into buffers of these strides
         # a view (an identity placeholder's, a sliced head input) cannot be detached in place,
         # which the zero-bubble schedules do to free a stage's output
         return out.clone() if out._base is not None else out
+
+    def _stand_in(self, chunk: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """Zeros of the activation's whole shape [b, s, h] (s: this sp rank's share of the
+        sequence), expanded from one element: what the model's code before the blocks reads
+        (shapes, dtype) in place of the chunk."""
+        return chunk.detach().new_zeros(()).expand(chunk.shape[0], input_ids.shape[-1] // self.sp, chunk.shape[-1])
+
+
+def refuse_router_logits(model: nn.Module) -> None:
+    """A MoE model whose config asks for its load-balancing loss is refused (docs/design.md,
+    "Pipelines carry Megatron's sequence chunks, and MoE models without the aux loss")."""
+    if getattr(getattr(model, "config", None), "output_router_logits", False):
+        raise ValueError(f"{type(model).__name__} has config.output_router_logits=True, but a pipeline's loss is the "
+                         f"cross entropy alone: the load-balancing loss multiplies two means over the tokens of "
+                         f"every MoE layer and every row of the batch, so it splits neither into the stages (each "
+                         f"holds some layers) nor into the micro-batches (1F1B runs a backward before the last "
+                         f"forward); set model.config.output_router_logits = False to train without it, or use pp=1")
 
 
 def check_step(input_ids: torch.Tensor, labels, n_microbatches: int) -> int:
@@ -131,6 +160,10 @@ class Pipeline:
         self.average_after = info if sharded and self.split and info.zero <= 1 else None
         self.fsdp_after = model if sharded and info.zero >= 2 else None
         self.engines = [view if self.average_after else _ddp(view, info) for view in self.views]
+        # experts split over ep that FSDP2 does not reduce: averaged over edp once, after the schedule
+        self.experts = [m for m in experts_of(self.views) if not m.reduced_by_fsdp]
+        for module in self.experts:
+            module.reduced_per_step = True
         device = default_device(mesh)
         stages = [PipelineStage(engine, view.stage, self.cut.n_stages, device, group=mesh.pp_group)
                   for engine, view in zip(self.engines, self.views)]
@@ -154,6 +187,7 @@ class Pipeline:
         rank of the replica) in ``n_microbatches`` micro-batches. Returns the step's loss, the
         global token mean over dp x sp (the serial ``out.loss`` of the whole batch), on every
         rank; the gradients are left in the parameters, as after ``loss.backward()``."""
+        refuse_router_logits(self.model)
         rows = check_step(input_ids, labels, self.n_microbatches)
         if position_ids is not None and position_ids.shape[0] != rows:
             position_ids = position_ids.expand(rows, -1)  # one row for all: torch splits every kwarg by rows
@@ -163,14 +197,15 @@ class Pipeline:
                                      "position_ids": position_ids}.items() if v is not None}
         args = (input_ids,) if self.cut.holds_first else ()
         losses: list[torch.Tensor] = []
-        resharding = _fsdp_hold(self.fsdp_after, gathered=self.split) if self.fsdp_after is not None else None
+        resharding = fsdp_hold(self.fsdp_after, gathered=self.split) if self.fsdp_after is not None else None
         self.schedule.step(*args, target=target if self.cut.holds_last else None, losses=losses,
                            return_outputs=False, **kwargs)
         if self.fsdp_after is not None:
-            _fsdp_reduce(self.fsdp_after, resharding)
+            fsdp_reduce(self.fsdp_after, resharding)
         self._sync_tied()
         if self.average_after is not None:
             average_over_dp(self.views, self.average_after)
+        average_experts(self.experts, self.mesh)
         return step_loss(losses, self.mesh, self.last_pp_rank)
 
     def _sync_tied(self) -> None:
@@ -182,123 +217,21 @@ class Pipeline:
         sum_tied_grad(getattr(table, "weight", None), self.mesh)
 
 
-_tied_groups: "weakref.WeakKeyDictionary[object, object]" = weakref.WeakKeyDictionary()
-
-
-def tied_group(mesh):
-    """The group of this rank's first and last pipeline stages (same dp / sp / tp coordinate);
-    created once per mesh, collectively on every rank."""
-    if mesh not in _tied_groups:
-        grid = mesh.device_mesh.mesh  # [dp, pp, sp, *tp]
-        mine = None
-        others = [range(s) for d, s in enumerate(grid.shape) if d != 1]
-        for idx in itertools.product(*others):
-            line = grid[(idx[0], slice(None)) + tuple(idx[1:])].tolist()
-            ranks = sorted({line[0], line[-1]})
-            group = dist.new_group(ranks) if len(ranks) > 1 else None
-            if dist.get_rank() in ranks:
-                mine = group
-                mesh.adopt_group(group)
-        _tied_groups[mesh] = mine
-    return _tied_groups[mesh]
-
-
-def sum_tied_grad(param, mesh) -> None:
-    """Sum ``param``'s gradient (a tied table's, or its copy's) between this rank's first and last
-    pipeline stage (:func:`tied_group`); FSDP2's sharded gradient by its local rows, which both
-    stages hold alike."""
-    if param is not None and param.grad is not None:
-        dist.all_reduce(local_tensor(param.grad), group=tied_group(mesh))
-
-
-@torch.no_grad()
-def average_over_dp(views: list[nn.Module], info) -> None:
-    """Average the gradients of ``views`` (stage views, or a family's stages) over the group of
-    ``info`` (a DataParallelInfo), one all-reduce per dtype (what DDP does in the last
-    micro-batch's backward under the other schedules)."""
-    grads = [p.grad for v in views for p in v.parameters() if p.grad is not None]
-    size = info.mesh.size(*info.axes)
-    for dtype in {g.dtype for g in grads}:
-        same = [g for g in grads if g.dtype == dtype]
-        flat = torch.cat([g.reshape(-1) for g in same])
-        dist.all_reduce(flat, group=info.group)
-        flat.div_(size)
-        for g, piece in zip(same, flat.split([g.numel() for g in same])):
-            g.copy_(piece.view_as(g))
-
-
-def _fsdp_sync(root, on: bool) -> None:
-    """FSDP2's gradient reduction and resharding after backward, on or off for every unit
-    under ``root`` (off: each micro-batch's weight pass adds to whole gradients)."""
-    root.set_requires_gradient_sync(on)
-    root.set_reshard_after_backward(on)
-    root.set_is_last_backward(on)
-
-
-def _fsdp_groups(root) -> list:
-    from torch.distributed.fsdp import FSDPModule, fully_shard
-
-    groups = [fully_shard.state(m)._fsdp_param_group for m in root.modules() if isinstance(m, FSDPModule)]
-    return [g for g in groups if g is not None]
-
-
-def hold_gathered(root) -> list:
-    """Every FSDP2 unit under ``root`` keeps its parameters gathered from its first forward
-    until :func:`release_gathered`: a split backward's weight pass finds the parameters the
-    forward used only while they stay gathered (ZeRO 3 runs as ZeRO 2 within the step). Returns
-    each unit's resharding, for :func:`release_gathered`."""
-    groups = _fsdp_groups(root)
-    resharding = [g.post_forward_mesh_info for g in groups]
-    root.set_reshard_after_forward(False)
-    return resharding
-
-
-def release_gathered(root, resharding: list) -> None:
-    """Each FSDP2 unit under ``root`` reshards after forward again as it did before
-    :func:`hold_gathered`."""
-    for group, info in zip(_fsdp_groups(root), resharding):
-        group.post_forward_mesh_info = info
-
-
-def _fsdp_hold(root, gathered: bool) -> list | None:
-    """Before a pipelined step: every FSDP2 unit adds each micro-batch's gradients to whole ones
-    instead of reduce-scattering them; with ``gathered`` (a split backward) it also keeps its
-    parameters gathered until the step's end (:func:`hold_gathered`). Returns each unit's
-    resharding then, else None."""
-    root.set_requires_gradient_sync(False)
-    root.set_is_last_backward(False)
-    if not gathered:
-        return None
-    root.set_reshard_after_backward(False)
-    return hold_gathered(root)
-
-
-def _fsdp_reduce(root, resharding: list | None) -> None:
-    """After a pipelined step: reduce-scatter every unit's whole gradients and reshard its
-    parameters, as FSDP2's post-backward does after an ordinary backward (torch's pipeline stage
-    does the same for a stage that is itself an FSDP module), and restore each unit's resharding."""
-    from torch.distributed.fsdp import fully_shard
-
-    _fsdp_sync(root, True)
-    state = fully_shard.state(root)
-    for unit in state._state_ctx.all_states:
-        for group in unit._fsdp_param_groups:
-            group.post_backward()
-    state._root_post_backward_final_callback()
-    if resharding is not None:
-        release_gathered(root, resharding)
-
-
 def _same_rank_ends(cut: pipeline_cut.StageCut) -> bool:
     return cut.rank_of(0) == cut.rank_of(cut.n_stages - 1)
 
 
 def _ddp(view: StageView, info):
-    """The engine torch's stage drives for ``view``: a DDP over the dp group for zero 0 / 1."""
+    """The engine torch's stage drives for ``view``: a DDP over the dp group for zero 0 / 1,
+    the experts split over ep left out (they differ over dp; the step averages them over edp)."""
     if info is None or info.noop or info.zero >= 2:
         return view
     from torch.nn.parallel import DistributedDataParallel
 
+    experts = {id(p) for m in experts_of([view]) for p in m.parameters()}
+    if experts:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            view, [n for n, p in view.named_parameters() if id(p) in experts])
     return DistributedDataParallel(view, process_group=info.group, find_unused_parameters=True)
 
 
@@ -322,6 +255,7 @@ def pipeline(model: nn.Module, mesh, *, n_microbatches: int = 4, schedule: str =
     if cut is None:
         raise ValueError(f"shardzoo.pipeline runs a model parallelize cut into stages; {type(model).__name__} was not "
                          f"(parallelize it on a mesh with pp > 1, got pp={mesh.pp_size})")
+    refuse_router_logits(model)
     if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
         raise ValueError(f"n_microbatches={n_microbatches!r} must be an int >= 1")
     if n_microbatches < mesh.pp_size:

@@ -1,6 +1,6 @@
 """Expert parallelism at the layer: dispatch then combine is the identity (values, gradients and
 bytes), and ExpertsEP equals transformers' own experts module on every rank's tokens, forward
-and backward, at ep 2 and 4."""
+and backward, at ep 2 and 4, also where a rank's experts receive no row at all."""
 
 import copy
 from fractions import Fraction
@@ -115,6 +115,28 @@ def experts_against_serial(layout, n_experts, dtype):
 def test_experts_ep_equals_transformers_experts(layout, dtype):
     grouped = run_on_ranks(experts_against_serial, WORLD, layout, 8, dtype)
     assert all(grouped) == (dtype == torch.float32)  # fp32: one grouped matmul; fp64: the loop
+
+
+def rank_without_rows(_):
+    """Every token of every rank routed to the experts of ep rank 0: ep rank 1 receives no row,
+    sends and receives empty exchanges, and the outputs still equal the serial module's."""
+    mesh = cached_mesh(dp=4, ep=2)
+    serial = _tiny_experts(4, torch.float32)
+    layer = ExpertsEP.from_serial(copy.deepcopy(serial), mesh)
+    x, _, weights = routing(mesh.rank("dp", "sp"), 4)
+    index = torch.tensor([[0, 1]]).expand(x.shape[0], -1)
+    out = layer(x, index, weights)
+    out.sum().backward()
+    expected = serial(x, index, weights)
+    twin = copy.deepcopy(serial).double()(x.double(), index, weights.double())
+    assert_close_conditioned(out.detach(), expected.detach(), twin.detach(), "experts output, a rank with no row",
+                             terms=model_terms(hidden=HIDDEN, layers=1, seq=1, tokens=x.shape[0] * TOP_K, ffn=FFN))
+    return [p.grad is None or not p.grad.any() for p in layer.parameters()]
+
+
+def test_a_rank_whose_experts_receive_no_row_exchanges_nothing():
+    unused = run_on_ranks(rank_without_rows, WORLD, 0)
+    assert [all(u) for u in unused] == [False, True, False, True]  # ep rank 1's experts got no token
 
 
 def refuse_ep_not_dividing_experts(_):

@@ -2,8 +2,10 @@
 ``shardzoo.pipeline`` under every schedule, through their own code: the step's loss on every
 rank and every weight after one optimizer step equal the serial model (fp32, padding included),
 with 1d (Megatron sequence parallelism on), 2d, sp, dp with ZeRO 1 and 3, uneven stages,
-activation checkpointing and bf16 (against the serial bf16 model); each rank holds only its
-stage's parameters. Dropout draws its masks in a pipeline and checkpointing replays them."""
+activation checkpointing and bf16 (against the serial bf16 model), and MoE models with their
+experts split over ep (ZeRO 0 and 3); each rank holds only its stage's parameters. Dropout draws
+its masks in a pipeline and checkpointing replays them. Under Megatron sequence parallelism a
+stage sends this tp rank's chunk of the sequence."""
 
 import functools
 
@@ -36,6 +38,11 @@ CASES = {
     "llama-pp2-dp2-zero2-zero-bubble": ("llama", dict(pp=2, dp=2), 4, 4, "zero_bubble", 2,
                                         dict(zero=2, virtual_stages=2)),
     "llama-pp2-1d-tp2-bf16-1f1b": ("llama", dict(pp=2, tp=2), 4, 2, "1f1b", 2, dict(dtype=torch.bfloat16)),
+    # experts split over ep = dp: the stage's DDP (zero 0) leaves them out, FSDP2 (zero 3) shards them over edp
+    "mixtral-pp2-dp2-ep2-zero0-1f1b": ("mixtral", dict(pp=2, dp=2, ep=2), 4, 2, "1f1b", 2, dict(zero=0)),
+    "qwen3moe-pp2-dp2-ep2-zero3-1f1b": ("qwen3_moe", dict(pp=2, dp=2, ep=2), 4, 2, "1f1b", 2, dict(zero=3)),
+    "mixtral-pp2-dp2-ep2-zero0-zero-bubble": ("mixtral", dict(pp=2, dp=2, ep=2), 4, 4, "zero_bubble", 2,
+                                              dict(zero=0, virtual_stages=2)),
 }
 
 
@@ -90,3 +97,12 @@ def test_a_module_of_ones_own_is_pipelined_by_its_pp_plan(mesh_kwargs, world, sc
     from support.user_model import check_user_model_pipeline
 
     run_on_ranks(functools.partial(check_user_model_pipeline, **options), world, mesh_kwargs, schedule, layers)
+
+
+@pytest.mark.parametrize("seq", [16, 15], ids=["seq16", "seq15-padded"])
+def test_megatron_sp_stages_send_their_sequence_chunk(seq):
+    """pp=2 x 1d tp=2: each stage boundary carries this tp rank's chunk of the sequence,
+    ceil(seq / tp) rows, not the whole activation; the loss equals serial."""
+    from support.hf_pipeline import check_chunk_sends
+
+    run_on_ranks(check_chunk_sends, 4, seq, 2)

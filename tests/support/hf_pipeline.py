@@ -1,20 +1,34 @@
-"""Tiny transformers causal LMs cut into pipeline stages by ``shardzoo.parallelize(...,
-stages=...)`` and run by ``shardzoo.pipeline``, checked against the serial transformers model:
-the step's loss on every rank, and every parameter this rank holds after one SGD step; each rank
-holds its stage's parameters only, and the ranks together hold every one."""
+"""Tiny transformers causal LMs (dense, and MoE with experts split over ep) cut into pipeline
+stages by ``shardzoo.parallelize(..., stages=...)`` and run by ``shardzoo.pipeline``, checked
+against the serial transformers model: the step's loss on every rank, and every parameter this
+rank holds after one SGD step; each rank holds its stage's parameters only, and the ranks
+together hold every one. Under Megatron sequence parallelism the bytes a stage sends are this tp
+rank's chunk of the activation."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
+import torch.distributed as dist
 
 from shardzoo.testing.asserts import assert_close_conditioned
 from shardzoo.testing.dtypes import TINY_MODEL_TERMS, rms_of
 from shardzoo.testing.pools import cached_mesh
 from support.hf_parallel import _step, dp_rows, padded_batch, tiny_causal_lm
+from support.moe_init import tiny_moe
 
 LAYERS = {"gpt2": "n_layer"}  # the config field of the block count, where it is not num_hidden_layers
+MOE = ("mixtral", "qwen3_moe")  # tiny MoE models (support/moe_init.py), their aux loss off (a pipeline refuses it)
+
+
+def tiny_model(kind: str, layers: int):
+    """A tiny transformers causal LM ``kind`` with ``layers`` blocks: a dense one
+    (support/hf_parallel.py) or a MoE one with decided routing and no aux loss."""
+    if kind in MOE:
+        return tiny_moe(kind, router_logits=False, layers=layers)
+    return tiny_causal_lm(kind, **{LAYERS.get(kind, "num_hidden_layers"): layers})
 
 
 def expected_names(serial, blocks: str, held_blocks: set[int], first: bool, last: bool, tied: bool) -> set[str]:
@@ -56,8 +70,7 @@ def check_pipeline(kind: str, mesh_kwargs: dict, layers: int, schedule: str, n_m
     import shardzoo
 
     batch = padded_batch()
-    overrides = {LAYERS.get(kind, "num_hidden_layers"): layers}
-    serial = tiny_causal_lm(kind, **overrides)
+    serial = tiny_model(kind, layers)
     exact = copy.deepcopy(serial).double()
     serial = serial.to(dtype)
     parallel = copy.deepcopy(serial)
@@ -125,6 +138,9 @@ def check_refusals() -> None:
     refused(r"exactly one nn.ModuleList", lambda: shardzoo.parallelize(NoBlocks(), mesh, plan={"a": "column", "b": "row"}))
     refused(r"has no pipeline plan", lambda: shardzoo.parallelize(nn.Sequential(nn.Linear(4, 4)), mesh,
                                                                    plan={"0": "column"}))
+    moe = shardzoo.parallelize(tiny_moe("mixtral", router_logits=True), mesh)
+    refused(r"MixtralForCausalLM has config.output_router_logits=True.*output_router_logits = False",
+            lambda: shardzoo.pipeline(moe, mesh, n_microbatches=2))
 
     shardzoo.parallelize(model, mesh)
     refused(r"schedule='interleaved' is not one of", lambda: shardzoo.pipeline(model, mesh, schedule="interleaved"))
@@ -234,3 +250,54 @@ def check_pipeline_dropout() -> None:
     for name, grad in grads.items():
         # the recompute replays the same kernels on the same inputs and masks: bitwise
         torch.testing.assert_close(replayed_grads[name], grad, rtol=0, atol=0, msg=f"{name} under checkpointing")
+
+
+@contextlib.contextmanager
+def pipeline_sends(pp_group, sent: list[int]):
+    """Append to ``sent`` the bytes of each tensor torch pipelining sends on ``pp_group`` inside
+    the block: its stages build a ``dist.P2POp(dist.isend, ...)`` for each send, so a subclass
+    in its place sees every one."""
+    original = dist.P2POp
+
+    class Counting(original):
+        def __init__(self, op, tensor, *args, **kwargs):
+            super().__init__(op, tensor, *args, **kwargs)
+            if op is dist.isend and self.group is pp_group:
+                sent.append(tensor.numel() * tensor.element_size())
+
+    dist.P2POp = Counting
+    try:
+        yield
+    finally:
+        dist.P2POp = original
+
+
+def check_chunk_sends(seq: int, n_microbatches: int) -> int:
+    """On every rank of pp=2 x 1d tp=2 (Megatron sequence parallelism on): a Llama of 2 blocks,
+    one per stage, under 1F1B with a padded batch of ``seq`` tokens a row (tp need not divide
+    it); a step after the first (which also sends torch's warm-up scalars) equals the serial
+    loss, and each rank sends, per micro-batch, one tensor of this tp rank's chunk of the
+    activation, [rows, ceil(seq / tp), hidden] (the first stage its output, the last its input
+    gradient): 1/tp of the whole activation. Returns the bytes this rank sent."""
+    import shardzoo
+
+    batch = padded_batch(seq=seq)
+    serial = tiny_causal_lm("llama")
+    exact = copy.deepcopy(serial).double()
+    out_s, out_x = _step(serial, batch), _step(exact, batch)
+    mesh = cached_mesh(pp=2, tp=2)
+    model = shardzoo.parallelize(tiny_causal_lm("llama"), mesh)
+    pipe = shardzoo.pipeline(model, mesh, n_microbatches=n_microbatches, schedule="1f1b")
+    step = dict(input_ids=batch[0], attention_mask=batch[1], labels=batch[2])
+    pipe.step(**step)
+    model.zero_grad()
+    sent: list[int] = []
+    with pipeline_sends(mesh.pp_group, sent):
+        loss = pipe.step(**step)
+    assert_close_conditioned(loss, out_s.loss.detach(), out_x.loss.detach(), "llama loss, chunks sent",
+                             terms=TINY_MODEL_TERMS)
+    rows, hidden, tp = batch[0].shape[0] // n_microbatches, serial.config.hidden_size, mesh.tp_size
+    chunk = rows * -(-seq // tp) * hidden * 4  # fp32
+    assert sent == [chunk] * n_microbatches, f"sent {sent}, want {n_microbatches} chunks of {chunk} bytes " \
+                                             f"(the whole activation: {rows * seq * hidden * 4})"
+    return sum(sent)
