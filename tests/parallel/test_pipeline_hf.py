@@ -38,11 +38,11 @@ CASES = {
     "llama-pp2-dp2-zero2-zero-bubble": ("llama", dict(pp=2, dp=2), 4, 4, "zero_bubble", 2,
                                         dict(zero=2, virtual_stages=2)),
     "llama-pp2-1d-tp2-bf16-1f1b": ("llama", dict(pp=2, tp=2), 4, 2, "1f1b", 2, dict(dtype=torch.bfloat16)),
-    # experts split over ep = dp: the stage's DDP (zero 0) leaves them out, FSDP2 (zero 3) shards them over edp
+    # experts split over ep = dp: the stage's DDP (zero 0 / 1) leaves them out, FSDP2 (zero 3) shards them over edp
     "mixtral-pp2-dp2-ep2-zero0-1f1b": ("mixtral", dict(pp=2, dp=2, ep=2), 4, 2, "1f1b", 2, dict(zero=0)),
     "qwen3moe-pp2-dp2-ep2-zero3-1f1b": ("qwen3_moe", dict(pp=2, dp=2, ep=2), 4, 2, "1f1b", 2, dict(zero=3)),
-    "mixtral-pp2-dp2-ep2-zero0-zero-bubble": ("mixtral", dict(pp=2, dp=2, ep=2), 4, 4, "zero_bubble", 2,
-                                              dict(zero=0, virtual_stages=2)),
+    "mixtral-pp2-dp2-ep2-zero1-zero-bubble": ("mixtral", dict(pp=2, dp=2, ep=2), 4, 4, "zero_bubble", 2,
+                                              dict(zero=1, virtual_stages=2)),
 }
 
 
