@@ -70,7 +70,7 @@ NAMES = [SHARDZOO, HF_EP, CONTROL]
 # the ratio of each row: (numerator, denominator)
 RATIO_OF = {SHARDZOO: (SHARDZOO, HF_EP), HF_EP: (HF_EP, HF_EP), CONTROL: (CONTROL, SHARDZOO)}
 SHORT = {SHARDZOO: "shardzoo", HF_EP: "transformers", CONTROL: "control"}
-QUICK = dict(hidden=64, intermediate=64, heads=4, kv_heads=2, vocab=256, seq=64, steps=1, layouts=["2/2"])
+QUICK = dict(hidden=64, intermediate=64, heads=4, kv_heads=2, vocab=256, seq=64, steps=1)
 
 
 def mixtral_config(cfg: dict):
