@@ -109,6 +109,7 @@ class Impl:
     def __init__(self, model, opt):
         self.model, self.opt = model, opt
         self.counts: list[torch.Tensor] = []
+        self.itemsize = 0  # of the experts' rows (shardzoo)
 
     def step(self, ids, mask) -> float:
         self.counts.clear()
@@ -131,9 +132,12 @@ def _build(name: str, path: str, mesh, cfg: dict) -> Impl:
         return Impl(model, torch.optim.AdamW(model.parameters(), lr=cfg["lr"]))
     model = transformers.MixtralForCausalLM.from_pretrained(path)
     shardzoo.parallelize(model, mesh)
+    from shardzoo.layers.experts import ExpertsEP
+
     impl = Impl(None, None)
     for module in model.modules():
-        if type(module).__name__ == "ExpertsEP":
+        if isinstance(module, ExpertsEP):  # the routing of each step, for the bytes formula
+            impl.itemsize = module.gate_up_proj.element_size()
             module.register_forward_pre_hook(
                 lambda m, args: impl.counts.append(torch.bincount(args[1].reshape(-1), minlength=m.n_experts)))
     wrapped = shardzoo.data_parallel(model, mesh, zero=cfg["zero"])  # the model itself, wrapped in place
@@ -252,7 +256,7 @@ def run(cfg: dict, path: str, ep: int) -> list[dict]:
             if impl.counts:  # shardzoo: the last step's dispatch bytes, counted and by the formula
                 got = counted[name]
                 dispatch = got.get("all_to_all", Fraction(0)) + got.get("all_to_all_v", Fraction(0))
-                formula = dispatch_formula(impl.counts, mesh, cfg["hidden"], 4)
+                formula = dispatch_formula(impl.counts, mesh, cfg["hidden"], impl.itemsize)
                 row["dispatch_bytes"] = _gather([float(dispatch), float(formula), float(sum(got.values()))])
             try:
                 peak = tracked_peak(impl, ids, mask)
@@ -333,13 +337,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--quick", action="store_true", help="smoke sizes (" + ", ".join(
-        f"{k} {v}" for k, v in QUICK.items()) + "; other options still apply); prints the table, writes no results")
+        f"{k} {v}" for k, v in QUICK.items()) + "; options given beside it win); prints the table, writes no results")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a new temporary one)")
     args = ap.parse_args()
-    if args.quick:
-        for k, v in QUICK.items():  # where the command line left the default
-            if getattr(args, k) == ap.get_default(k):
-                setattr(args, k, v)
+    if args.quick:  # the smoke sizes as defaults: options given on the command line still win
+        ap.set_defaults(**QUICK)
+        args = ap.parse_args()
     layouts = [tuple(int(x) for x in s.split("/")) for s in args.layouts]
     for world, ep in layouts:
         if world % ep or args.experts % ep or args.batch % world:
