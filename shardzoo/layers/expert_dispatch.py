@@ -34,14 +34,13 @@ from shardzoo.comm import collectives, ops
 
 @dataclass
 class Route:
-    """Where the pairs of one dispatch went: ``order`` sorts the T*K pairs by expert, ``tokens``
-    the token of each sorted pair (sent ones), ``keep`` the sorted pairs sent (None: all),
+    """Where the pairs of one dispatch went: ``order`` sorts the T*K pairs by expert (the sent
+    ones: each pair's (token, k) slot), ``keep`` the sorted pairs sent (None: all),
     ``send`` / ``recv`` the rows per member, ``perm`` the received rows in local expert order and
     ``sizes`` the rows per local expert; ``group`` the ep group."""
 
     group: object
     order: torch.Tensor
-    tokens: torch.Tensor
     keep: torch.Tensor | None
     send: list[int]
     recv: list[int]
@@ -72,15 +71,14 @@ def dispatch(hidden: torch.Tensor, top_k_index: torch.Tensor, n_experts: int, gr
         keep = _within_capacity(sorted_experts, counts, capacity)
         order, sorted_experts = order[keep], sorted_experts[keep]
         counts = counts.clamp(max=capacity)
-    tokens = torch.div(order, k, rounding_mode="floor")
     recv_counts = ops.all_to_all(counts, group, 0, 0).view(ep, n_local)  # [source, local expert]
     # the split sizes the uneven all-to-all and the grouped matmul need, read in one host sync
     sizes = torch.cat([counts.view(ep, n_local).sum(1), recv_counts.sum(1), recv_counts.sum(0)]).tolist()
     send, recv, per_expert = sizes[:ep], sizes[ep:2 * ep], sizes[2 * ep:]
-    received = collectives.all_to_all_v(hidden[tokens], group, send, recv)
+    received = collectives.all_to_all_v(hidden[torch.div(order, k, rounding_mode="floor")], group, send, recv)
     local = torch.arange(n_local, device=hidden.device).repeat(ep).repeat_interleave(recv_counts.reshape(-1))
     perm = torch.argsort(local, stable=True)
-    route = Route(group, order, tokens, keep, send, recv, perm, per_expert)
+    route = Route(group, order, keep, send, recv, perm, per_expert)
     return received[perm], route
 
 
@@ -91,9 +89,13 @@ def combine(expert_out: torch.Tensor, route: Route, top_k_weights: torch.Tensor,
     inverse = torch.empty_like(route.perm)
     inverse[route.perm] = torch.arange(route.perm.numel(), device=route.perm.device)
     back = collectives.all_to_all_v(expert_out[inverse], route.group, route.recv, route.send)
-    weights = top_k_weights.reshape(-1)[route.order]
-    out = torch.zeros(n_tokens, expert_out.shape[-1], dtype=dtype, device=expert_out.device)
-    return out.index_add(0, route.tokens, (back * weights[:, None]).to(dtype))
+    # each pair's row to its (token, k) slot, then the weighted sum over k: autograd keeps one
+    # [T*K, H] tensor (for the weights' gradient), where an index_add would keep its source too
+    k, width = top_k_weights.shape[-1], expert_out.shape[-1]
+    alloc = torch.empty if route.keep is None else torch.zeros  # pairs over capacity add zero
+    pairs = alloc(n_tokens * k, width, dtype=back.dtype, device=back.device)
+    pairs[route.order] = back
+    return (pairs.view(n_tokens, k, width) * top_k_weights.unsqueeze(-1)).sum(1).to(dtype)
 
 
 def run_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, n_experts: int,

@@ -65,6 +65,32 @@ def test_dispatch_then_combine_is_the_identity(layout):
     assert sum(away) > 0  # tokens did cross ranks
 
 
+def capacity_round_trip(layout, n_experts, capacity):
+    """With ``capacity`` each rank sends each expert its first ``capacity`` pairs (token order);
+    the others add zero to the output and get no gradient."""
+    mesh = cached_mesh(**layout)
+    x, index, _ = routing(mesh.rank(), n_experts)
+    x.requires_grad_(True)
+    weights = torch.tensor([0.75, 0.25]).expand(x.shape[0], TOP_K).clone().requires_grad_(True)  # sums exact
+    g = torch.randint(-3, 4, x.shape, generator=torch.Generator().manual_seed(mesh.rank())).float()
+    out = run_experts(x, index, weights, n_experts, mesh.group("ep"), lambda rows, sizes: rows, capacity=capacity)
+    (out * g).sum().backward()
+    place = torch.zeros_like(index)  # each pair's place among this rank's pairs to its expert
+    for e in range(n_experts):
+        hit = (index.reshape(-1) == e).nonzero().squeeze(1)
+        place.view(-1)[hit] = torch.arange(hit.numel())
+    kept = (place < capacity).float()
+    assert torch.equal(out, (weights.detach() * kept).sum(-1, keepdim=True) * x.detach())
+    assert torch.equal(x.grad, (weights.detach() * kept).sum(-1, keepdim=True) * g)
+    assert torch.equal(weights.grad, (g * x.detach()).sum(-1, keepdim=True) * kept)
+    return int((kept == 0).sum())
+
+
+def test_capacity_drops_the_pairs_over_it():
+    dropped = run_on_ranks(capacity_round_trip, WORLD, dict(dp=4, ep=4), 4, 2)
+    assert sum(dropped) > 0  # some pairs were over capacity
+
+
 def _tiny_experts(n_experts: int, dtype):
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
