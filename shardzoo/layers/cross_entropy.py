@@ -65,7 +65,7 @@ def _partials(x: torch.Tensor, target: torch.Tensor, vocab_start: int):
         return torch.full_like(zeros, -float("inf")), zeros, zeros, zeros
     x = x.to(stat)
     row_max = x.amax(-1)
-    sum_exp = torch.exp(x - row_max[:, None]).sum(-1)
+    sum_exp = (x - row_max[:, None]).exp_().sum(-1)  # in place: one [N, V] temporary, not two
     local = target - vocab_start
     here = (target >= 0) & (local >= 0) & (local < x.shape[1])
     picked = x.gather(1, local.clamp(0, x.shape[1] - 1)[:, None]).squeeze(1)
@@ -79,13 +79,16 @@ def _grad(x, target, vocab_start, lse, grad_row, label_smoothing, vocab_size):
                                   vocab_size)
     if x.shape[1] == 0:
         return torch.zeros_like(x)
-    grad = torch.exp(x.to(lse.dtype) - lse[:, None]) - label_smoothing / vocab_size
+    # every step in place on the one new [N, V] tensor: the logits' size once, as log_softmax's backward
+    grad = (x.to(lse.dtype) - lse[:, None]).exp_()
+    if label_smoothing:
+        grad.sub_(label_smoothing / vocab_size)
     local = target - vocab_start
     here = (target >= 0) & (local >= 0) & (local < x.shape[1])
     rows = torch.nonzero(here).squeeze(1)
     grad[rows, local[rows]] -= 1.0 - label_smoothing
-    grad = grad * grad_row[:, None]
-    return torch.where((target >= 0)[:, None], grad, torch.zeros_like(grad)).to(x.dtype)
+    grad.mul_(grad_row[:, None]).masked_fill_((target < 0)[:, None], 0.0)
+    return grad.to(x.dtype)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
