@@ -143,3 +143,41 @@ def test_moe_candidates_list_ep_and_refuse_what_data_parallel_refuses():
         price(tiny_mixtral(meta=True), WORLD, ROWS, SEQ, "dp=4,ep=2", zero=1)
     with pytest.raises(ValueError, match="tp_mode='1d'"):
         price(tiny_mixtral(meta=True), WORLD, ROWS, SEQ, "dp=1,tp=4,tp_mode=2d")
+
+
+class _MoEBlockModel(torch.nn.Module):
+    """A module of one's own holding shardzoo's MoEBlock (4 experts of inner width 8, top 2)."""
+
+    def __init__(self):
+        from shardzoo.models import MoEBlock
+
+        super().__init__()
+        self.embed = torch.nn.Embedding(48, 16)
+        self.blocks = torch.nn.ModuleList(torch.nn.ModuleDict({"norm": torch.nn.LayerNorm(16),
+                                                               "moe": MoEBlock(16, 8, n_experts=4, top_k=2)})
+                                          for _ in range(2))
+        self.head = torch.nn.Linear(16, 48, bias=False)
+
+    def forward(self, ids):
+        x = self.embed(ids)  # [b, s, H]
+        for block in self.blocks:
+            x = x + block["moe"](block["norm"](x))
+        return self.head(x)  # [b, s, V]
+
+
+def test_a_moe_block_of_ones_own_is_priced_with_ep():
+    from shardzoo.planner.walked import walked_model
+
+    plan_entries = {"embed": "vocab_embedding", "blocks.*.norm": "norm", "head": "lm_head",
+                    "blocks.*.moe.experts": "experts", "blocks.*.moe.router": "router"}
+    with torch.device("meta"):
+        shape = walked_model(_MoEBlockModel(), plan_entries)
+    assert shape.n_experts == 4 and [s.top_k for s in shape.walk.block if s.style == "experts"] == [2]
+    problem = Problem(shape, WORLD, ROWS, SEQ)
+    experts = 2 * 3 * 4 * 8 * 16  # two layers of E I H gate|up and down elements
+    for ep in (1, 2, 4):
+        [cost] = Pricer(problem, HARDWARE["a100"]).stages(Candidate(4, 1, 1, 1, "1d", 1, ep=ep))
+        assert cost.params == shape.parameters - experts + experts // ep
+        assert cost.edp_params == (experts // ep if ep > 1 else 0)
+        tokens = ROWS // 4 * SEQ
+        assert cost.work[0] == 2 * (6 * tokens * 2 * 16 * 8 + 2 * tokens * 16 * 4) + 2 * tokens * 16 * 48
