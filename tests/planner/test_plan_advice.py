@@ -199,3 +199,39 @@ def test_run_lines_of_every_schedule_name_it_and_a_zbv_pick_runs():
                        "schedule": {"interleaved": "interleaved_1f1b"}.get(name, name)}
     losses = run_on_ranks(exec_walked_lines, 4, run_lines(planned, picks["zbv"]), config)
     assert len(set(losses[:2])) == 1 and 0 < losses[0] < 10  # every rank of a replica: its step's global mean
+
+
+def exec_family_lines(lines: list[str], hf_dir: str):
+    """On a pool rank: a family's run lines (but the launch command and the autocast hint)
+    executed, then one pipeline step and the optimizer step; the step's loss."""
+    from shardzoo.models import GPT2, GPT2Config
+    from shardzoo.testing import cached_mesh
+
+    proxy = type("Shardzoo", (), {"__getattr__": lambda self, n: getattr(shardzoo, n),
+                                  "ParallelMesh": staticmethod(lambda **kw: cached_mesh(**kw))})()
+    ns = dict(torch=torch, shardzoo=proxy, GPT2=GPT2, config=GPT2Config.from_json(hf_dir))
+    ids = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0))
+    for line in lines[:-1]:
+        if line.startswith("loss = "):
+            ns["ids"] = ids.chunk(ns["mesh"].dp_size)[ns["mesh"].dp_rank]
+        if not line.startswith("with autocast"):
+            exec(line, ns)
+    ns["optimizer"].step()
+    return float(ns["loss"])
+
+
+def test_family_run_lines_of_a_v_schedule_run(tmp_path):
+    """A family's pick under DualPipeV: this rank's two stages of the V built as a list, each
+    through data_parallel, run by shardzoo.pipeline."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=64, n_positions=64)).save_pretrained(tmp_path)
+    planned = shardzoo.plan(str(tmp_path), 4, 80, 8, 16, hardware="a100", tp_modes=("1d",), checkpointing=(False,))
+    assert all(c.micro_batches >= 4 for c in planned if c.schedule == "dualpipev")  # torch's: one per stage
+    cand = next(c for c in planned if c.layout["pp"] == 2 and c.layout["dp"] == 2 and c.schedule == "dualpipev"
+                and c.zero == 0)
+    lines = run_lines(planned, cand)
+    assert lines[1] == "stages = [(mesh.pp_rank, 2 * mesh.pp_size), (2 * mesh.pp_size - 1 - mesh.pp_rank, 2 * mesh.pp_size)]"
+    losses = run_on_ranks(exec_family_lines, 4, lines, str(tmp_path))
+    assert losses[0] == losses[1] and 0 < losses[0] < 10  # the replica's step's global mean on each of its ranks
