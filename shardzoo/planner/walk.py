@@ -78,6 +78,16 @@ class Walk:
                 and not STYLES[st].on_sequence_chunks and next(m.parameters(), None) is not None]
 
     @cached_property
+    def beside_experts(self) -> list[str]:
+        """Planned modules of a MoE block (the parent of an experts module) other than its
+        router and experts, such as a shared expert's column / row pair: the block reads its
+        tokens flattened, so under Megatron sequence parallelism they cannot gather a chunk and
+        parallelize refuses them (parallel/megatron_sp.py)."""
+        parents = {n.rpartition(".")[0] for n, _ in self.experts}
+        return [n for n, (_, st, _) in self.planned.items()
+                if any(n.startswith(f"{p}.") for p in parents) and getattr(STYLES[st], "put_on_chunks", None) is None]
+
+    @cached_property
     def experts(self) -> list[tuple[str, nn.Module]]:
         """(name, module) of every module planned 'experts'."""
         return [(n, m) for n, (m, st, _) in self.planned.items() if st == "experts"]

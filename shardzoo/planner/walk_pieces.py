@@ -79,6 +79,10 @@ def check_walk(shape, costs, b: Batch) -> None:
         raise Illegal(f"{name} holds weights the plan does not cover, and the {mode} layout splits the activations "
                       f"it reads (parallelize refuses it); plan it")
     if b.chunks > 1:
+        if walk.beside_experts:
+            raise Illegal(f"{walk.beside_experts[0]} sits beside the experts of a MoE block, which reads its tokens "
+                          f"flattened; under Megatron sequence parallelism (1d, tp={tp}) parallelize refuses it; "
+                          f"price with sequence_parallel=False, or tp=1")
         misfits = [n for n, _ in walk.held.get("block", [])] or walk.off_chunks
         if misfits:
             raise Illegal(f"{misfits[0]} holds weights inside a block that cannot run on a sequence chunk, which "

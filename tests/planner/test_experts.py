@@ -181,3 +181,22 @@ def test_a_moe_block_of_ones_own_is_priced_with_ep():
         assert cost.edp_params == (experts // ep if ep > 1 else 0)
         tokens = ROWS // 4 * SEQ
         assert cost.work[0] == 2 * (6 * tokens * 2 * 16 * 8 + 2 * tokens * 16 * 4) + 2 * tokens * 16 * 48
+
+
+def test_a_shared_expert_is_priced_as_parallelize_builds_it():
+    """Qwen2-MoE's shared expert (a column / row pair beside the experts) cannot run on the
+    MoE block's flattened chunk: under Megatron sequence parallelism tp > 1 is pruned naming it,
+    as parallelize refuses it; with sequence_parallel=False it is split over tp."""
+    import transformers
+
+    config = transformers.Qwen2MoeConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, vocab_size=96, max_position_embeddings=64,
+                                         intermediate_size=32, moe_intermediate_size=16,
+                                         shared_expert_intermediate_size=24, num_experts=4, num_experts_per_tok=2)
+    with torch.device("meta"):
+        model = transformers.Qwen2MoeForCausalLM(config)
+    planned = plan(model, WORLD, 80, ROWS, SEQ, hardware="a100", tp_modes=("1d",))
+    assert {c.layout["tp"] for c in planned} == {1}
+    assert any("shared_expert.gate_proj sits beside the experts" in p.reason for p in planned.pruned)
+    whole = plan(model, WORLD, 80, ROWS, SEQ, hardware="a100", tp_modes=("1d",), sequence_parallel=False)
+    assert {(c.layout["tp"], c.layout.get("ep", 1)) for c in whole} >= {(2, 2), (4, 1)}
