@@ -52,11 +52,14 @@ def run_lines(plan, cand) -> list[str]:
     the model's config (its config class's ``from_json(DIR)``)."""
     lay, m, zero = cand.layout, cand.micro_batches, cand.zero
     depth = f", tp_depth={lay['tp_depth']}" if TP_GRIDS[lay["tp_mode"]].has_depth else ""
+    ep = f", ep={lay['ep']}" if lay.get("ep", 1) > 1 else ""
     mesh = (f"mesh = shardzoo.ParallelMesh(dp={lay['dp']}, pp={lay['pp']}, sp={lay['sp']}, tp={lay['tp']}, "
-            f"tp_mode=\"{lay['tp_mode']}\"{depth})")
+            f"tp_mode=\"{lay['tp_mode']}\"{depth}{ep})")
     builder = plan.problem.shape.builder
     if builder is None:
         return parallelize_lines(plan, cand, mesh)
+    if lay["pp"] > 1 and cand.virtual_stages > 1:
+        return family_chunk_lines(plan, cand, mesh)
     extra = ""
     if lay["pp"] > 1:
         extra += ", stage=(mesh.pp_rank, mesh.pp_size)"
@@ -73,7 +76,7 @@ def run_lines(plan, cand) -> list[str]:
         lines.append("optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)")
     if lay["pp"] > 1:
         lines.append(f"schedule = build_schedule([(mesh.pp_rank, {trained})], mesh, n_microbatches={m}, "
-                     f"schedule=\"{plan.pricer.schedule}\", loss_fn=model.loss)")
+                     f"schedule=\"{cand.schedule}\", loss_fn=model.loss)")
     if plan.problem.e == 2:
         lines.append("with autocast(): ...  # bf16 autocast, fp32 weights (shardzoo.models.training.autocast)")
     lines.append(torchrun_command(plan, lay["dp"] * lay["pp"] * lay["sp"] * lay["tp"]))
@@ -93,7 +96,8 @@ def parallelize_lines(plan, cand, mesh: str) -> list[str]:
         v = getattr(cand, "virtual_stages", 1)
         base, left = divmod(shape.layers, lay["pp"] * v)
         counts = [base + (s < left) for s in range(lay["pp"] * v)]
-        extra = f", stages={counts}" + (f", virtual_stages={v}" if v > 1 else "") + extra
+        placed = ", placement=\"v\"" if cand.schedule in V_PLACED else ""
+        extra = f", stages={counts}" + (f", virtual_stages={v}{placed}" if v > 1 else "") + extra
     lines = [mesh, build, f"model = shardzoo.parallelize(model, mesh{given}{extra}, "
                           f"checkpointing={cand.activation_checkpointing})"]
     trained = "model"
@@ -106,11 +110,41 @@ def parallelize_lines(plan, cand, mesh: str) -> list[str]:
     call = f"{trained}(input_ids=ids, labels=ids).loss" if shape.walk.transformers else \
         f"shardzoo.lm_loss(model, {trained}(ids), ids)"
     if lay["pp"] > 1:
-        schedule = SCHEDULES[plan.pricer.schedule][0]  # shardzoo.pipeline's name
+        schedule = SCHEDULES[cand.schedule][0]  # shardzoo.pipeline's name
         lines.append(f"pipe = shardzoo.pipeline({trained}, mesh, n_microbatches={cand.micro_batches}, "
                      f"schedule=\"{schedule}\")")
         call = "pipe.step(input_ids=ids, labels=ids)"
     lines.append(f"loss = {call}  # ids: this dp replica's [rows, seq] tokens, whole on every tp / sp rank")
+    if plan.problem.e == 2:
+        lines.append("with autocast(): ...  # bf16 autocast, fp32 weights (shardzoo.models.training.autocast)")
+    lines.append(torchrun_command(plan, lay["dp"] * lay["pp"] * lay["sp"] * lay["tp"]))
+    return lines
+
+
+V_PLACED = ("zbv", "dualpipev")  # two stages per rank in a V: pp_rank and 2 pp - 1 - pp_rank
+
+
+def family_chunk_lines(plan, cand, mesh: str) -> list[str]:
+    """The lines of a family's pipeline of several stages per rank (docs/models.md): this rank's
+    stages built one by one, each through ``data_parallel``, run by ``shardzoo.pipeline``."""
+    lay, builder, v = cand.layout, plan.problem.shape.builder, cand.virtual_stages
+    n = f"{v} * mesh.pp_size"
+    stages = (f"[(mesh.pp_rank, {n}), ({n} - 1 - mesh.pp_rank, {n})]" if cand.schedule in V_PLACED
+              else f"[(mesh.pp_rank + i * mesh.pp_size, {n}) for i in range({v})]")
+    extra = f", sp_mode=\"{plan.problem.sp_mode}\"" if lay["sp"] > 1 and plan.problem.sp_mode != "ring" else ""
+    lines = [mesh, f"stages = {stages}",
+             f"models = [{builder.__name__}(config, mesh=mesh, stage=stage{extra}, "
+             f"checkpointing={cand.activation_checkpointing}) for stage in stages]"]
+    trained = "models"
+    if lay["dp"] * lay["sp"] > 1:
+        trained = "wrapped"
+        lines.append(f"wrapped = [shardzoo.data_parallel(m, mesh, zero={cand.zero}) for m in models]")
+        lines.append("optimizer = shardzoo.zero_optimizer(wrapped, torch.optim.AdamW, lr=1e-4)")
+    else:
+        lines.append("optimizer = torch.optim.AdamW([p for m in models for p in m.parameters()], lr=1e-4)")
+    lines.append(f"pipe = shardzoo.pipeline({trained}, mesh, n_microbatches={cand.micro_batches}, "
+                 f"schedule=\"{SCHEDULES[cand.schedule][0]}\")")
+    lines.append("loss = pipe.step(input_ids=ids, labels=ids)  # ids: this dp replica's [rows, seq] tokens")
     if plan.problem.e == 2:
         lines.append("with autocast(): ...  # bf16 autocast, fp32 weights (shardzoo.models.training.autocast)")
     lines.append(torchrun_command(plan, lay["dp"] * lay["pp"] * lay["sp"] * lay["tp"]))

@@ -21,10 +21,12 @@ from shardzoo.planner.evaluate import Candidate, Pricer
 from shardzoo.planner.calibration import calibrate
 from shardzoo.planner.hardware import GIB, Hardware
 from shardzoo.planner.presets import CALIBRATED, HARDWARE, load_model
+from shardzoo.planner.schedules import ALIASES, ENUMERATED, SCHEDULES, chunk_rule
 from shardzoo.planner.time import step_seconds
 
 CANDIDATE_KEYS = ("layout", "micro_batches", "activation_checkpointing", "zero", "param_bytes_per_rank",
-                  "peak_bytes_per_rank", "comm_bytes_per_rank_per_step", "step_seconds", "tokens_per_second", "fits")
+                  "peak_bytes_per_rank", "comm_bytes_per_rank_per_step", "step_seconds", "tokens_per_second", "fits",
+                  "schedule", "virtual_stages")
 DTYPES = {"fp32": (4, 4), "bf16": (2, 4)}  # (activation bytes, parameter bytes): bf16 is autocast, fp32 weights
 
 
@@ -43,6 +45,8 @@ class PricedCandidate:
     step_seconds: float
     tokens_per_second: float
     fits: bool
+    schedule: str = "1f1b"  # the pipeline schedule (schedules.SCHEDULES; pp = 1: "1f1b", unused)
+    virtual_stages: int = 1  # model chunks per pipeline rank
 
     def to_json(self) -> dict:
         out = {k: getattr(self, k) for k in CANDIDATE_KEYS}
@@ -53,8 +57,12 @@ class PricedCandidate:
     def describe(self) -> str:
         lay = self.layout
         depth = f" d={lay['tp_depth']}" if TP_GRIDS[lay["tp_mode"]].has_depth else ""
-        return (f"dp={lay['dp']} pp={lay['pp']} sp={lay['sp']} tp={lay['tp']} {lay['tp_mode']}{depth}, "
-                f"{self.micro_batches} micro-batch{'es' if self.micro_batches > 1 else ''}, "
+        ep = f" ep={lay['ep']}" if lay.get("ep", 1) > 1 else ""
+        sched = ""
+        if lay["pp"] > 1:
+            sched = f" {self.schedule}" + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else "")
+        return (f"dp={lay['dp']} pp={lay['pp']} sp={lay['sp']} tp={lay['tp']} {lay['tp_mode']}{depth}{ep}, "
+                f"{self.micro_batches} micro-batch{'es' if self.micro_batches > 1 else ''}{sched}, "
                 f"checkpointing {'on' if self.activation_checkpointing else 'off'}, zero={self.zero}")
 
 
@@ -109,7 +117,7 @@ def resolve_hardware(hardware: str | Hardware, nodes: int | None, devices_per_no
     return hw
 
 
-def _check_inputs(world, device_memory_gib, global_batch, seq, shape, sp_mode, schedule, dtype):
+def _check_inputs(world, device_memory_gib, global_batch, seq, shape, sp_mode, dtype):
     for name, value in (("world", world), ("global_batch", global_batch), ("seq", seq)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive integer")
@@ -120,10 +128,27 @@ def _check_inputs(world, device_memory_gib, global_batch, seq, shape, sp_mode, s
                          f"plan a sequence of at most {shape.max_seq} tokens")
     if sp_mode not in ("ring", "ulysses"):
         raise ValueError(f"sp_mode={sp_mode!r} is not 'ring' or 'ulysses'")
-    if schedule not in ("1f1b", "gpipe"):
-        raise ValueError(f"schedule={schedule!r} is not '1f1b' or 'gpipe'")
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not one of {sorted(DTYPES)}")
+
+
+def tried_schedules(schedule: str | None, hw: Hardware) -> tuple[tuple[str, int], ...]:
+    """The (schedule, virtual_stages) pairs ``plan`` tries for pp > 1: ``schedule`` alone (a
+    schedule of several chunks per rank at 2), or with None every one of ENUMERATED where the
+    host model prices them (accelerator presets), 1F1B elsewhere."""
+    from shardzoo.planner.host import DedicatedDevices
+
+    dedicated = type(hw.host) is DedicatedDevices
+    if schedule is None:
+        return ENUMERATED if dedicated else (("1f1b", 1),)
+    name = ALIASES.get(schedule, schedule)
+    if name not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is not one of {sorted(SCHEDULES)} (or 'interleaved_1f1b')")
+    v = SCHEDULES[name][1] or 2
+    if v > 1 and not dedicated:
+        raise ValueError(f"schedule={schedule!r} (virtual_stages={v}) is priced on accelerator presets only, not on "
+                         f"{hw.name!r}; use schedule='1f1b'")
+    return ((name, v),)
 
 
 def price_candidate(pricer: Pricer, candidate: Candidate, costs, checkpointing, zeros,
@@ -134,11 +159,11 @@ def price_candidate(pricer: Pricer, candidate: Candidate, costs, checkpointing, 
     out = []
     for (ckpt, zero), reports in pricer.price(candidate, checkpointing, zeros, costs).items():
         peak = max(r.memory.peak for r in reports)
-        seconds = step_seconds(candidate, reports, pricer.hw.host, pricer.schedule)
+        seconds = step_seconds(candidate, reports, pricer.hw.host, candidate.schedule)
         cand = PricedCandidate(candidate.mesh_kwargs(), candidate.micro_batches, ckpt, zero,
                                max(r.param_bytes for r in reports), peak,
                                max(reports, key=lambda r: r.comm_scaled).comm_bytes, seconds, tokens / seconds,
-                               peak <= memory_bytes)
+                               peak <= memory_bytes, candidate.schedule, candidate.virtual_stages)
         cand.reports = reports
         out.append(cand)
     return out
@@ -146,40 +171,53 @@ def price_candidate(pricer: Pricer, candidate: Candidate, costs, checkpointing, 
 
 def plan(model, world: int, device_memory_gib: float, global_batch: int, seq: int, hardware="h100",
          nodes: int | None = None, devices_per_node: int | None = None, top: int | None = None, *,
-         sp_mode: str = "ring", schedule: str = "1f1b", dtype: str | None = None, zero_stages=ZERO_STAGES,
+         sp_mode: str = "ring", schedule: str | None = None, dtype: str | None = None, zero_stages=ZERO_STAGES,
          tp_modes=TP_MODES, checkpointing=(False, True), recalibrate: bool = False, attention: str = "flash",
          sequence_parallel: bool = True) -> Plan:
     """Every legal layout of ``model`` (a preset name, a Hugging Face directory, a ModelShape, or
     an ``nn.Module`` that ``shardzoo.parallelize`` splits, with its default plan and pp = 1;
     ``walked.walked_model(module, plan)`` for another plan), priced from its modules and plan, on ``world``
     devices of ``device_memory_gib`` GiB each, for a global batch of ``global_batch``
-    sequences of ``seq`` tokens, priced on ``hardware``; the ``top`` best (all by default).
+    sequences of ``seq`` tokens, priced on ``hardware``; the ``top`` best (all by default). A model
+    with experts is tried at every ep (a divisor of dp x sp that divides its expert count).
 
     ``dtype``: "bf16" (autocast, fp32 weights; default on accelerator presets) or "fp32"
     (default on "cpu" / "calibrate": the host model's ``default_dtype``). ``sp_mode``: attention over sp; ``schedule``: the
-    pipeline schedule ("1f1b" or "gpipe"); ``attention``: the attention kernel priced (``price``);
+    pipeline schedule of pp > 1 candidates, one of ``schedules.SCHEDULES`` (those of several chunks per rank at
+    2 chunks), or None: every schedule of ``schedules.ENUMERATED`` on accelerator presets, 1F1B on a CPU host;
+    ``attention``: the attention kernel priced (``price``);
     ``sequence_parallel``: Megatron sequence parallelism in 1d with tp > 1 and pp = 1, as
     ``parallelize`` and the families build by default (False: as built with it off)."""
     shape = load_model(model)
     hw = resolve_hardware(hardware, nodes, devices_per_node, world, recalibrate)
     dtype = dtype or hw.host.default_dtype
-    _check_inputs(world, device_memory_gib, global_batch, seq, shape, sp_mode, schedule, dtype)
+    _check_inputs(world, device_memory_gib, global_batch, seq, shape, sp_mode, dtype)
+    schedules = tried_schedules(schedule, hw)
     if attention not in ATTENTION_KERNELS:
         raise ValueError(f"attention={attention!r} is not one of {ATTENTION_KERNELS}")
     e, ep = DTYPES[dtype]
     problem = Problem(shape, world, global_batch, seq, sp_mode, e, ep, hw.host.dropout_mask_bytes(e), attention,
                       sequence_parallel)
     memory_bytes = int(device_memory_gib * GIB)
-    pricer = Pricer(problem, hw, schedule)
+    pricer = Pricer(problem, hw)
     pruned: list[Pruned] = []
     out: list[PricedCandidate] = []
-    for candidate in candidates(problem, tp_modes, pruned):
-        try:
-            costs = pricer.distinct_stages(candidate)
-        except Illegal as err:
-            pruned.append(Pruned(str(candidate), str(err)))
+    shared, costs = None, None
+    for candidate in candidates(problem, tp_modes, pruned, schedules):
+        # the schedules of one layout come one after another and share its stages (and their sums)
+        key = dataclasses.replace(candidate, schedule="1f1b", virtual_stages=1)
+        if key != shared:
+            shared = key
+            try:
+                costs = pricer.distinct_stages(candidate)
+            except Illegal as err:
+                pruned.append(Pruned(str(candidate), str(err)))
+                costs = None
+        if costs is None:
             continue
-        zeros = [z for z in zero_stages if z == 0 or candidate.dp * candidate.sp > 1]  # zero > 0: ranks to shard over
+        # zero > 0: ranks to shard over; zero 1 with ep > 1 is refused by data_parallel
+        zeros = [z for z in zero_stages
+                 if (z == 0 or candidate.dp * candidate.sp > 1) and not (z == 1 and candidate.ep > 1)]
         out += price_candidate(pricer, candidate, costs, checkpointing, zeros, memory_bytes)
     out.sort(key=lambda c: (not c.fits, c.step_seconds if c.fits else c.peak_bytes_per_rank, c.peak_bytes_per_rank))
     return Plan(out[:top] if top else out, hw, pruned, problem, len(out), device_memory_gib, pricer)
@@ -216,8 +254,7 @@ class Priced:
                 "model_flops_per_step": self.model_flops, "model_tflops_per_device": self.model_tflops_per_device}
 
     def describe(self) -> str:
-        sched = f", {self.schedule}" + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else "")
-        return (f"{self.candidate.describe()}{sched}: step {self.step_seconds:.4g} s, "
+        return (f"{self.candidate.describe()}: step {self.step_seconds:.4g} s, "
                 f"{self.tokens_per_second_per_device:,.0f} tokens/s and {self.model_tflops_per_device:.1f} model "
                 f"TFLOP/s per device, peak {self.candidate.peak_bytes_per_rank / GIB:.2f} GiB "
                 f"({'fits' if self.candidate.fits else 'does not fit'})")
@@ -266,7 +303,7 @@ def price(model, world: int, global_batch: int, seq: int, layout, *, micro_batch
     memory_gib = device_memory_gib if device_memory_gib is not None else hw.memory_bytes / GIB
     v = virtual_stages
     schedule = schedule_name(schedule, v)
-    _check_inputs(world, memory_gib, global_batch, seq, shape, sp_mode, "1f1b" if v > 1 else schedule, dtype)
+    _check_inputs(world, memory_gib, global_batch, seq, shape, sp_mode, dtype)
     if zero not in ZERO_STAGES:
         raise ValueError(f"zero={zero!r} is not a ZeRO stage {ZERO_STAGES}")
     if v > 1 and type(hw.host) is not DedicatedDevices:
@@ -287,14 +324,17 @@ def price(model, world: int, global_batch: int, seq: int, layout, *, micro_batch
     if m not in counts:
         raise ValueError(f"micro_batches={m!r} does not split {text}'s replica batch of "
                          f"{global_batch // found[0].dp} sequences; choose one of {counts}")
-    candidate = dataclasses.replace(next(x for x in found if x.micro_batches == m), virtual_stages=v)
+    candidate = dataclasses.replace(next(x for x in found if x.micro_batches == m), virtual_stages=v,
+                                    schedule=schedule)
     if zero and candidate.dp * candidate.sp == 1:
         raise ValueError(f"zero={zero} shards over dp x sp, which is 1 in {text}; use zero=0")
-    if v > 1 and (candidate.pp < 2 or m % candidate.pp or shape.layers % (candidate.pp * v)):
-        raise ValueError(f"schedule={schedule!r} needs pp >= 2, micro_batches a multiple of pp and the "
-                         f"{shape.layers} blocks split evenly into pp * v = {candidate.pp * v} chunks; got "
-                         f"pp={candidate.pp}, micro_batches={m}, virtual_stages={v}")
-    pricer = Pricer(problem, hw, schedule)
+    if zero == 1 and candidate.ep > 1:
+        raise ValueError(f"zero=1 with ep={candidate.ep}: data_parallel refuses it (ZeroRedundancyOptimizer over dp x sp "
+                         f"would broadcast one rank's experts over ranks holding others); use zero=0, 2 or 3")
+    reason = chunk_rule(schedule, v, candidate.pp, m, shape.layers)
+    if reason:
+        raise ValueError(reason)
+    pricer = Pricer(problem, hw)
     costs = pricer.distinct_stages(candidate)
     [cand] = price_candidate(pricer, candidate, costs, (bool(checkpointing),), [zero], int(memory_gib * GIB))
     return Priced(cand, schedule, v, model_flops(shape, global_batch, seq, bool(checkpointing), e, ep), world)

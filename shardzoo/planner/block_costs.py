@@ -74,6 +74,10 @@ class Piece:
     # module calls the piece stands for: a fixed host cost each (Python, dispatch, autograd),
     # which the planner's host model prices where it is not hidden behind the kernels
     modules: int = 0
+    # of ``params`` / ``tensors``: experts split over ep, whose gradients are averaged (and
+    # ZeRO-sharded) over the expert data parallel group edp rather than dp x sp
+    edp_params: int = 0
+    edp_tensors: int = 0
 
     @property
     def elems(self) -> int:
@@ -89,7 +93,8 @@ class Piece:
         return Piece(self.calls + other.calls, self.params + other.params, self.saved + other.saved,
                      max(self.workspace, other.workspace), self.flops + other.flops,
                      self.attn_flops + other.attn_flops, self.elementwise + other.elementwise,
-                     self.tensors + other.tensors, self.saves or other.saves, self.modules + other.modules)
+                     self.tensors + other.tensors, self.saves or other.saves, self.modules + other.modules,
+                     self.edp_params + other.edp_params, self.edp_tensors + other.edp_tensors)
 
 
 # elementwise passes per element (forward + backward), as torch's CPU kernels run them (measured

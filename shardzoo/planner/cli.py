@@ -35,10 +35,11 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--explain", metavar="LAYOUT", help="why a layout is legal or not and what it costs, e.g. "
                    "dp=2,pp=1,sp=1,tp=4,tp_mode=2d")
     p.add_argument("--sp-mode", default="ring", choices=["ring", "ulysses"], help="attention over sp (default ring)")
-    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "interleaved", "interleaved_1f1b",
-                                                         "zero_bubble", "zbv", "dualpipev"],
-                   help="pipeline schedule (default 1f1b; those with several chunks per rank, interleaved, "
-                   "zero_bubble, zbv and dualpipev: with --price and --virtual-stages only)")
+    p.add_argument("--schedule", default=None, choices=["1f1b", "gpipe", "interleaved", "interleaved_1f1b",
+                                                       "zero_bubble", "zbv", "dualpipev"],
+                   help="pipeline schedule of pp > 1 candidates (default: every schedule on accelerator presets, "
+                   "those of several chunks per rank at 2 chunks; 1f1b on cpu / calibrate); with --price: the one "
+                   "priced (default 1f1b), with --virtual-stages")
     p.add_argument("--dtype", choices=["bf16", "fp32"], help="bf16 autocast (default on accelerators) or fp32 "
                    "(default on cpu / calibrate)")
     p.add_argument("--recalibrate", action="store_true", help="with --hardware calibrate: measure again")
@@ -62,10 +63,8 @@ def run_plan(args: argparse.Namespace) -> int:
 
     if args.price:
         return run_price(args)
-    if args.device_memory_gib is None or args.schedule not in ("1f1b", "gpipe"):
-        what = "--device-memory-gib is required" if args.device_memory_gib is None else \
-            f"--schedule {args.schedule} prices one layout: add --price LAYOUT"
-        print(f"shardzoo plan: error: {what}", file=sys.stderr)
+    if args.device_memory_gib is None:
+        print("shardzoo plan: error: --device-memory-gib is required", file=sys.stderr)
         return 2
     if args.top is not None and args.top < 1:
         print(f"shardzoo plan: error: --top {args.top} must be at least 1", file=sys.stderr)
@@ -111,7 +110,7 @@ def run_price(args: argparse.Namespace) -> int:
         priced = price(args.model, args.world, args.global_batch, args.seq, args.price,
                        micro_batches=args.micro_batches, checkpointing=args.checkpointing, zero=args.zero,
                        hardware=args.hardware, nodes=args.nodes, devices_per_node=args.devices_per_node,
-                       device_memory_gib=args.device_memory_gib, sp_mode=args.sp_mode, schedule=args.schedule,
+                       device_memory_gib=args.device_memory_gib, sp_mode=args.sp_mode, schedule=args.schedule or "1f1b",
                        virtual_stages=args.virtual_stages, dtype=args.dtype, attention=args.attention)
     except ValueError as err:
         print(f"shardzoo plan: error: {err}", file=sys.stderr)

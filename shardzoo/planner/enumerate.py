@@ -1,6 +1,6 @@
 """Every legal candidate of a world: dp x pp x sp x tp, each tp_mode (2.5D at every depth >= 2),
-micro-batch counts, activation checkpointing on / off and ZeRO stages, with the reason each
-pruned choice fails (``--explain``).
+micro-batch counts, ep (a MoE model), the pipeline schedule, activation checkpointing on / off
+and ZeRO stages, with the reason each pruned choice fails (``--explain``).
 
 Choices are made outermost first (tp and its mode, then sp, pp, dp, micro-batches), and a rule
 is checked as soon as the choice it depends on is made, so one failed rule prunes everything
@@ -19,6 +19,7 @@ from shardzoo.comm.tp_grids import TP_GRIDS, TP_MODES
 from shardzoo.planner.block_costs import Illegal, costs_of
 from shardzoo.planner.evaluate import Candidate
 from shardzoo.planner.model import Batch
+from shardzoo.planner.schedules import chunk_rule
 from shardzoo.planner.walked import ModelShape
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -99,9 +100,18 @@ def micro_batch_counts(rows: int, pp: int, parts: int) -> list[int]:
     return [m for m in divisors(rows) if m >= pp and (rows // m) % parts == 0]
 
 
-def candidates(problem: Problem, modes=TP_MODES, pruned: list[Pruned] | None = None) -> Iterator[Candidate]:
-    """Every legal (dp, pp, sp, tp, tp_mode, tp_depth, micro_batches); dropped choices go to
-    ``pruned`` with their reason when a list is given."""
+def expert_splits(shape, dp: int, sp: int) -> list[int]:
+    """The ep of a MoE model on dp x sp ranks: the divisors of dp x sp that divide its expert
+    count (ParallelMesh's and the experts style's rules); [1] for a model without experts."""
+    n = shape.n_experts
+    return [e for e in divisors(dp * sp) if n % e == 0] if n else [1]
+
+
+def candidates(problem: Problem, modes=TP_MODES, pruned: list[Pruned] | None = None,
+               schedules=(("1f1b", 1),)) -> Iterator[Candidate]:
+    """Every legal (dp, pp, sp, tp, tp_mode, tp_depth, micro_batches, ep, schedule); dropped
+    choices go to ``pruned`` with their reason when a list is given. ``schedules``: the
+    (schedule, virtual_stages) pairs tried where pp > 1 (schedules.ENUMERATED: all of them)."""
     shape, world = problem.shape, problem.world
 
     def drop(what, reason):
@@ -137,11 +147,20 @@ def candidates(problem: Problem, modes=TP_MODES, pruned: list[Pruned] | None = N
                     drop(what, f"the replica batch {rows} does not split into micro-batches divisible by the "
                                f"layout's {parts} batch parts{need}")
                     continue
+                splits = expert_splits(shape, dp, sp)
+                if pp > 1 and len(splits) > 1:
+                    drop(what + f",ep={splits[1]}", "ep > 1 with pp > 1: pipelines with expert parallelism are not "
+                                                    "built; the experts of a pipelined model stay whole (ep=1)")
+                    splits = [1]
                 for m in counts:
-                    yield Candidate(dp, pp, sp, tp, mode, depth, m)
+                    for ep in splits:
+                        for schedule, v in (schedules if pp > 1 else (("1f1b", 1),)):
+                            if chunk_rule(schedule, v, pp, m, shape.layers):  # tried where it applies
+                                continue
+                            yield Candidate(dp, pp, sp, tp, mode, depth, m, v, ep, schedule)
 
 
-_CANDIDATE_KEYS = ("dp", "pp", "sp", "tp", "tp_mode", "tp_depth", "micro_batches")
+_CANDIDATE_KEYS = ("dp", "pp", "sp", "tp", "tp_mode", "tp_depth", "micro_batches", "ep")
 
 
 def parse_candidate(text: str) -> dict:

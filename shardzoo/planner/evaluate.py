@@ -20,9 +20,10 @@ from fractions import Fraction
 from shardzoo.comm.mesh import tp_grid_text
 from shardzoo.planner.block_costs import Call, Illegal, Piece, costs_of
 from shardzoo.planner import time as timing
-from shardzoo.planner.comm import DDP_AXES, Traffic, dp_reduction, pipeline_p2p, sp_grad_average, tied_sync
+from shardzoo.planner.comm import (DDP_AXES, Traffic, dp_reduction, edp_reduction, pipeline_p2p, sp_grad_average,
+                                   tied_sync)
 from shardzoo.planner.hardware import Hardware
-from shardzoo.planner.memory import MemoryBreakdown, stage_memory
+from shardzoo.planner.memory import MemoryBreakdown, sharded, stage_memory
 from shardzoo.planner.model import (COUNT_BYTES, LOSS_PAIR_BYTES, Batch, StageCost, assemble, loss_reduction,
                                     target_axes)
 
@@ -38,17 +39,27 @@ class Candidate:
     tp_mode: str
     tp_depth: int
     micro_batches: int = 1
-    virtual_stages: int = 1  # model chunks per pipeline rank (the interleaved 1F1B schedule); 1: one stage each
+    virtual_stages: int = 1  # model chunks per pipeline rank (schedules.SCHEDULES); 1: one stage each
+    ep: int = 1  # ranks of dp x sp the experts of a MoE layer are split over (1: none)
+    schedule: str = "1f1b"  # the pipeline schedule (a key of schedules.SCHEDULES), when pp > 1
 
     def mesh_kwargs(self) -> dict:
-        return dict(dp=self.dp, pp=self.pp, sp=self.sp, tp=self.tp, tp_mode=self.tp_mode, tp_depth=self.tp_depth)
+        """ParallelMesh's kwargs; ``ep`` only where the experts are split (ep > 1)."""
+        out = dict(dp=self.dp, pp=self.pp, sp=self.sp, tp=self.tp, tp_mode=self.tp_mode, tp_depth=self.tp_depth)
+        return {**out, "ep": self.ep} if self.ep > 1 else out
+
+    @property
+    def edp(self) -> int:
+        """Ranks holding the same experts, over which their gradients are averaged: dp x sp / ep."""
+        return self.dp * self.sp // self.ep
 
     @property
     def world(self) -> int:
         return self.dp * self.pp * self.sp * self.tp
 
     def __str__(self) -> str:
-        return f"dp={self.dp},pp={self.pp},sp={self.sp},{tp_grid_text(self.tp, self.tp_mode, self.tp_depth)}"
+        ep = f",ep={self.ep}" if self.ep > 1 else ""
+        return f"dp={self.dp},pp={self.pp},sp={self.sp},{tp_grid_text(self.tp, self.tp_mode, self.tp_depth)}{ep}"
 
 
 @dataclass
@@ -85,20 +96,23 @@ def recompute_calls(block: list[Piece]) -> list[Call]:
 class Pricer:
     """Prices the candidates of one problem (``enumerate.Problem``) on ``hw``."""
 
-    def __init__(self, problem, hw: Hardware, schedule: str = "1f1b"):
-        self.problem, self.hw, self.schedule = problem, hw, schedule
+    def __init__(self, problem, hw: Hardware):
+        self.problem, self.hw = problem, hw
         walk = getattr(problem.shape, "walk", None)
         self._transformers = bool(getattr(walk, "transformers", False))  # run by transformers' code
         self._parts: dict[tuple, object] = {}
         self._sums: dict[tuple, tuple[object, Traffic]] = {}
         self._reductions: dict[tuple, tuple[Traffic, Traffic]] = {}
         self._totals: dict[int, tuple[Traffic, int]] = {}
+        self._computes: dict[tuple, tuple[StageCost, float]] = {}
+        self._bases: dict[tuple, tuple[StageCost, Traffic]] = {}
         self.denominator = 2 * problem.world  # every group is a divisor of the world, or the tied pair
 
     def batch(self, candidate: Candidate) -> Batch:
         p = self.problem
         return Batch(p.global_batch // candidate.dp // candidate.micro_batches, p.seq, candidate.sp, p.sp_mode, p.e,
-                     True, p.mask_bytes, p.attention, p.chunks(candidate.tp_mode, candidate.tp, candidate.pp))
+                     True, p.mask_bytes, p.attention, p.chunks(candidate.tp_mode, candidate.tp, candidate.pp),
+                     candidate.ep)
 
     def stages(self, candidate: Candidate) -> list[StageCost]:
         """Every pipeline stage's StageCost (raises Illegal for a candidate that cannot be built)."""
@@ -115,7 +129,7 @@ class Pricer:
 
     def _stage_parts(self, candidate: Candidate):
         b = self.batch(candidate)
-        key = (candidate.tp_mode, candidate.tp, candidate.tp_depth, candidate.sp, b.rows, b.chunks)
+        key = (candidate.tp_mode, candidate.tp, candidate.tp_depth, candidate.sp, b.rows, b.chunks, b.ep)
         parts = self._parts.get(key)
         if parts is None:
             costs = costs_of(candidate.tp_mode, candidate.tp, candidate.tp_depth, self.problem.param_bytes)
@@ -155,6 +169,16 @@ class Pricer:
         return entry[1]
 
     def _base(self, cost: StageCost, candidate: Candidate, stage: int) -> Traffic:
+        """The stage's own calls per micro-batch (its pieces, the loss, the pipeline sends), kept
+        per StageCost object and what else they depend on (the schedules of a layout share it);
+        callers merge it, never change it."""
+        key = (id(cost), stage, candidate.pp, candidate.virtual_stages, candidate.dp, candidate.sp)
+        entry = self._bases.get(key)
+        if entry is None or entry[0] is not cost:
+            entry = self._bases[key] = (cost, self._base_calls(cost, candidate, stage))
+        return entry[1]
+
+    def _base_calls(self, cost: StageCost, candidate: Candidate, stage: int) -> Traffic:
         one = Traffic()
         one.merge(self._summed("piece", cost.first, cost.first.calls))
         one.merge(self._summed("piece", cost.last, cost.last.calls))
@@ -182,20 +206,24 @@ class Pricer:
         """(per micro-batch, per step) calls of the gradient reduction and the tied sync."""
         n, tied = candidate.dp * candidate.sp, cost.tied_table and candidate.pp > 1
         key = (cost.params, cost.tensors, cost.first.params + cost.last.params, cost.blocks, n, zero, tied, cost.is_last,
-               candidate.pp, candidate.dp, candidate.sp, candidate.tp_mode, candidate.tp, candidate.tp_depth)
+               candidate.pp, candidate.dp, candidate.sp, candidate.tp_mode, candidate.tp, candidate.tp_depth,
+               candidate.ep, cost.edp_params)
         if key not in self._reductions:
             self._reductions[key] = self._reduction_calls(cost, candidate, zero)
         return self._reductions[key]
 
     def _reduction_calls(self, cost: StageCost, candidate: Candidate, zero: int) -> tuple[Traffic, Traffic]:
         ep, one, step = self.problem.param_bytes, Traffic(), Traffic()
-        p = cost.params * ep
-        units = [b * ep for b in cost.block_params] + [(cost.first.params + cost.last.params) * ep]
+        # the experts split over ep are averaged over edp (their own layer, or FSDP2 there), the rest over dp x sp
+        p, tensors = (cost.params - cost.edp_params) * ep, cost.tensors - cost.edp_tensors
+        units = [(b - cost.block_edp_params) * ep for b in cost.block_params]
+        units.append((cost.first.params + cost.last.params) * ep)
         hooked = self.sp_in_backward(candidate, zero)
         if hooked:  # every backward (micro-batch) averages each parameter's gradient over sp
-            one.add(sp_grad_average(p, candidate.sp, cost.tensors))
+            one.add(sp_grad_average(p, candidate.sp, tensors))
         axes = DDP_AXES[1] if hooked else DDP_AXES[0]
-        for c in dp_reduction(p, p, self.dp_ranks(candidate, zero), zero, units, cost.tensors, axes):
+        experts = edp_reduction([cost.block_edp_params * ep] * cost.blocks, candidate.edp, zero, cost.edp_tensors)
+        for c in dp_reduction(p, p, self.dp_ranks(candidate, zero), zero, units, tensors, axes) + experts:
             (step if c.phase == "step" else one).add([c])
         if cost.tied_table and candidate.pp > 1:
             step.add(tied_sync(cost.tied_table * ep))
@@ -230,13 +258,14 @@ class Pricer:
         base_bytes, base_s = self._total(base), links.seconds(base)
         rc = self._summed("recompute", cost.block, recompute_calls(cost.block))
         rc_bytes, rc_s = self._total(rc) * cost.blocks, links.seconds(rc) * cost.blocks
-        held = cost.params * ep
+        experts, edp = cost.edp_params * ep, candidate.edp
+        dense = cost.params * ep - experts
         out = {}
         for zero in zeros:
             n = self.dp_ranks(candidate, zero)
             z_one, step = self._reduction(cost, candidate, zero)
             z_bytes, z_s = self._total(z_one), links.seconds(z_one)
-            optimizer = timing.optimizer_seconds(cost.params / (n if zero else 1), hw)
+            optimizer = timing.optimizer_seconds(sharded(dense, experts, n, edp, zero > 0) / ep, hw)
             step_s = step_links.seconds(step) + optimizer / share
             ddp_s, ddp_calls = self._ddp_seconds(step, step_links) if zero <= 1 else (0.0, 0)
             step_bytes = self._total(step)
@@ -244,20 +273,29 @@ class Pricer:
             weights = cost.work[0] / (hw.flops * hw.flops_efficiency) / share
             for ckpt in checkpointing:
                 memory = stage_memory(cost, stage=stage, pp=candidate.pp, micro_batches=m, checkpointing=ckpt,
-                                      zero=zero, dp_ranks=n, param_bytes=ep, schedule=self.schedule,
+                                      zero=zero, dp_ranks=n, param_bytes=ep, schedule=candidate.schedule,
                                       runtime=hw.runtime_for(self._transformers),
-                                      virtual_stages=candidate.virtual_stages)
-                compute = timing.compute_seconds(cost, ckpt, hw, problem.e) / share
+                                      virtual_stages=candidate.virtual_stages, edp_ranks=edp)
+                compute = self._compute_seconds(cost, ckpt) / share
                 # backward (with the recompute in it) is (2 + r) / (3 + r) of a micro-batch's compute
                 r = 1 if ckpt and cost.blocks else 0
                 hidden = ddp_s - hw.host.exposed_reduction(ddp_s, ddp_calls, compute * (2 + r) / (3 + r))
                 comm_s = base_s + z_s + (rc_s if ckpt and cost.blocks else 0.0)
                 per_mb = base_bytes + z_bytes + (rc_bytes if ckpt and cost.blocks else 0)
                 micro = compute + comm_s
-                out[(ckpt, zero)] = StageReport(stage, memory, held // n if zero == 3 else held, micro,
+                out[(ckpt, zero)] = StageReport(stage, memory, sharded(dense, experts, n, edp, zero == 3), micro,
                                                 step_s - hidden, compute, per_mb * m + step_bytes, self.denominator,
                                                 share, forward_seconds=micro / (3 + r), weight_seconds=weights)
         return out
+
+    def _compute_seconds(self, cost: StageCost, checkpointing: bool) -> float:
+        """timing.compute_seconds of ``cost``, kept per StageCost object (the schedules and ZeRO
+        stages of one layout share it)."""
+        key = (id(cost), checkpointing)
+        entry = self._computes.get(key)
+        if entry is None or entry[0] is not cost:
+            entry = self._computes[key] = (cost, timing.compute_seconds(cost, checkpointing, self.hw, self.problem.e))
+        return entry[1]
 
     @staticmethod
     def _ddp_seconds(step: Traffic, links: timing.Links) -> tuple[float, int]:

@@ -11,7 +11,9 @@ the last activations freed). DDP's buckets (stages 0 and 1) hold another copy of
 gradients. AdamW keeps two moments per parameter; ZeRO stage z shards the optimizer (z >= 1),
 the gradients (z >= 2) and the parameters (z = 3) over the dp x sp group, as in the ZeRO paper
 (Rajbhandari et al. 2020); for a ``parallelize``'d model, whose backward averages over sp
-itself, stages 0 and 1 (DDP, ZeroRedundancyOptimizer) run over dp only.
+itself, stages 0 and 1 (DDP, ZeroRedundancyOptimizer) run over dp only. Experts split over ep
+are sharded over the expert data parallel group edp instead (dp x sp / ep ranks), each MoE
+layer's experts an FSDP2 unit of their own, and stay out of DDP's buckets.
 """
 
 from __future__ import annotations
@@ -50,24 +52,35 @@ def activation_bytes(cost: StageCost, checkpointing: bool, first: bool, last: bo
     return cost.first.saved + blocks + cost.last.saved + kept, cost.first.saved
 
 
+def sharded(dense: int, experts: int, n: int, edp: int, on: bool) -> int:
+    """Bytes held of ``dense`` bytes sharded over ``n`` ranks and ``experts`` bytes over ``edp``
+    ranks where ``on``, else of both whole."""
+    return dense // n + experts // edp if on else dense + experts
+
+
 def stage_memory(cost: StageCost, *, stage: int, pp: int, micro_batches: int, checkpointing: bool, zero: int,
                  dp_ranks: int, param_bytes: int, schedule: str, runtime: int,
-                 virtual_stages: int = 1) -> MemoryBreakdown:
+                 virtual_stages: int = 1, edp_ranks: int = 1) -> MemoryBreakdown:
     """Peak bytes of one rank of pipeline stage ``stage`` (``dp_ranks``: the group ZeRO shards over and
-    DDP reduces over: dp x sp, or dp for stages 0 / 1 of a ``parallelize``'d model)."""
+    DDP reduces over: dp x sp, or dp for stages 0 / 1 of a ``parallelize``'d model; ``edp_ranks``:
+    the group the experts split over ep are averaged and sharded over, dp x sp / ep)."""
     first, last = cost.is_first, cost.is_last
     n = dp_ranks
     p = cost.params * param_bytes
+    experts = cost.edp_params * param_bytes  # of p: kept out of DDP, sharded over edp (their own FSDP2 units)
+    dense = p - experts
     g_last = cost.last.params * param_bytes
-    params = p // n if zero == 3 else p
+    params = sharded(dense, experts, n, edp_ranks, zero == 3)
     # a pipeline adds its micro-batches' gradients to whole ones and reduce-scatters once, at the end
-    grads = p // n if zero >= 2 and pp == 1 else p
-    optimizer = ADAM_MOMENTS * p // (n if zero >= 1 else 1)
+    grads = sharded(dense, experts, n, edp_ranks, zero >= 2 and pp == 1)
+    optimizer = sharded(ADAM_MOMENTS * dense, ADAM_MOMENTS * experts, n, edp_ranks, zero >= 1)
     if zero <= 1:
-        buffers = p if n > 1 else 0  # DDP (stages 0 and 1) copies gradients into its buckets
+        buffers = dense if n > 1 else 0  # DDP (stages 0 and 1) copies gradients into its buckets
     elif zero == 3:
-        units = [b * param_bytes for b in cost.block_params] + [(cost.first.params + cost.last.params) * param_bytes]
-        buffers = 2 * max(units)  # the unit running and the one prefetched
+        block = cost.block_edp_params * param_bytes
+        units = [b * param_bytes - block for b in cost.block_params]
+        units.append((cost.first.params + cost.last.params) * param_bytes)
+        buffers = 2 * max(units + ([block] if block else []))  # the unit running and the one prefetched
     else:
         buffers = 0
     per_mb, embed = activation_bytes(cost, checkpointing, first, last)

@@ -54,6 +54,20 @@ class StageCost:
         return self.first.params + self.blocks * sum(p.params for p in self.block) + self.last.params
 
     @cached_property
+    def block_edp_params(self) -> int:
+        """Parameter elements of one block averaged over edp (its experts split over ep)."""
+        return sum(p.edp_params for p in self.block)
+
+    @cached_property
+    def edp_params(self) -> int:
+        """Of ``params``: the experts split over ep (every block's; the ends hold none)."""
+        return self.blocks * self.block_edp_params
+
+    @cached_property
+    def edp_tensors(self) -> int:
+        return self.blocks * sum(p.edp_tensors for p in self.block)
+
+    @cached_property
     def tensors(self) -> int:
         """Parameter tensors of the stage (ZeroRedundancyOptimizer broadcasts them one by one)."""
         return self.first.tensors + self.blocks * sum(p.tensors for p in self.block) + self.last.tensors
@@ -108,6 +122,7 @@ class Batch:
     mask_bytes: int = 1  # per element of a dropout mask: bool on CUDA, the activation dtype on CPU
     attention: str = "flash"  # the attention kernel (comm.ATTENTION_KERNELS)
     chunks: int = 1  # Megatron sequence parallelism: the sequence chunks between the blocks' tp layers (1: off)
+    ep: int = 1  # ranks the experts of a MoE layer are split over (ParallelMesh's ep)
 
 
 DROPOUT_PASSES, GELU_PASSES, RELU_PASSES, ADD_PASSES = 5, 4, 2, 2  # elementwise passes, fwd + bwd

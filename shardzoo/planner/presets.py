@@ -32,6 +32,21 @@ HF_MODELS: dict[str, tuple[str, dict, str]] = {
                                  sliding_window=131072, use_sliding_window=False, max_window_layers=28,
                                  tie_word_embeddings=False, hidden_act="silu"),
                    "Qwen/Qwen2.5-7B config.json (q, k, v projections with biases, as Qwen2 builds them)"),
+    # mixtures of experts: their experts split over ep (docs/planner.md, "Expert parallelism")
+    "mixtral-8x7b": ("mixtral", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                     num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
+                                     num_experts_per_tok=2, vocab_size=32000, max_position_embeddings=32768,
+                                     rope_theta=1000000.0, rms_norm_eps=1e-5, sliding_window=None,
+                                     tie_word_embeddings=False, hidden_act="silu"),
+                     "mistralai/Mixtral-8x7B-v0.1 config.json"),
+    "qwen3-30b-a3b": ("qwen3_moe", dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                                        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                                        head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                                        decoder_sparse_step=1, mlp_only_layers=[], vocab_size=151936,
+                                        max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                                        use_sliding_window=False, sliding_window=None, tie_word_embeddings=False,
+                                        hidden_act="silu"),
+                      "Qwen/Qwen3-30B-A3B config.json"),
 }
 
 # the one achievable fraction of the dense bf16 peak a transformer's matmuls reach, the same on

@@ -69,3 +69,26 @@ def in_flight(schedule: str, stage: int, pp: int, micro_batches: int, virtual_st
               "zbv": min(2 * pp, m + 1 + stage), "dualpipev": 2 * pp + 1}[schedule]
     held = Fraction(pp - stage) if chunks is None else Fraction(chunks, v)
     return min(held, Fraction(m))
+
+
+# what ``plan`` enumerates for pp > 1 on hosts that price every schedule: each schedule once,
+# at 2 chunks per rank where it takes several. GPipe is left out: its bubble is 1F1B's and it
+# holds all m micro-batches in flight, so it never beats 1F1B (ties go to the smaller peak)
+ENUMERATED = (("1f1b", 1), ("interleaved", 2), ("zero_bubble", 2), ("zbv", 2), ("dualpipev", 2))
+
+
+def chunk_rule(schedule: str, virtual_stages: int, pp: int, micro_batches: int, layers: int) -> str | None:
+    """Why ``schedule`` with ``virtual_stages`` chunks per rank cannot be priced for this pp,
+    micro-batch count and block count (None: it can): several chunks need pp >= 2, m a
+    multiple of pp and the blocks split evenly into pp * v chunks (the planner prices even
+    chunks); torch's DualPipeV needs a micro-batch per stage, m >= pp * v."""
+    v = virtual_stages
+    if v == 1:
+        return None
+    if pp < 2 or micro_batches % pp or layers % (pp * v):
+        return (f"schedule={schedule!r} needs pp >= 2, micro_batches a multiple of pp and the {layers} blocks split "
+                f"evenly into pp * v = {pp * v} chunks; got pp={pp}, micro_batches={micro_batches}, virtual_stages={v}")
+    if schedule == "dualpipev" and micro_batches < pp * v:
+        return (f"schedule='dualpipev' needs at least one micro-batch per stage (torch's DualPipeV): micro_batches >= "
+                f"pp * v = {pp * v}; got micro_batches={micro_batches}")
+    return None

@@ -22,14 +22,17 @@ otherwise it is costed at the inter-node bandwidth and latency.
 from __future__ import annotations
 
 from shardzoo.comm.tp_grids import tp_grid
+from shardzoo.planner.experts import expert_axis_strides
 from shardzoo.planner.hardware import Hardware
 from shardzoo.planner.host import DEDICATED
 
 ADAM_PASSES = 12  # elementwise passes of torch's single-tensor AdamW per parameter
 
 
-def axis_strides(dp: int, pp: int, sp: int, tp: int, tp_mode: str, tp_depth: int) -> dict[str, tuple[int, int]]:
-    """axis -> (stride in the global rank order, size)."""
+def axis_strides(dp: int, pp: int, sp: int, tp: int, tp_mode: str, tp_depth: int,
+                 ep: int = 1) -> dict[str, tuple[int, int]]:
+    """axis -> (stride in the global rank order, size); the expert axes "ep" and "edp" as the
+    slowest axis they span (experts.expert_axis_strides)."""
     grid = tp_grid(tp_mode)
     names = ("dp", "pp", "sp") + grid.sub_axes
     sizes = (dp, pp, sp) + grid.shape(tp, tp_depth)
@@ -37,7 +40,7 @@ def axis_strides(dp: int, pp: int, sp: int, tp: int, tp_mode: str, tp_depth: int
     for name, size in reversed(list(zip(names, sizes))):
         out[name] = (stride, size)
         stride *= size
-    return out
+    return {**out, **expert_axis_strides(dp, pp, sp, tp, ep)}
 
 
 def link(axes: tuple[str, ...], strides: dict[str, tuple[int, int]], hw: Hardware) -> tuple[float, float]:
@@ -85,6 +88,7 @@ def step_seconds(candidate, reports, host=DEDICATED, schedule: str = "1f1b") -> 
     when the stages are alike; ``schedule``, one of ``schedules.SCHEDULES``, where v > 1), then
     the per-step work."""
     m, pp, v = candidate.micro_batches, candidate.pp, getattr(candidate, "virtual_stages", 1)
+    schedule = getattr(candidate, "schedule", schedule)
     if pp == 1:
         pipe = m * max(r.micro_seconds for r in reports)
     else:  # a host model without interleaving (v = 1) is asked as before

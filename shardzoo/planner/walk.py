@@ -15,6 +15,7 @@ walked the same way, from their plain modules and plan (``walked.family_shape``)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from types import SimpleNamespace
 
 import torch
@@ -46,6 +47,7 @@ class Step:
     lead: int | None
     shares_input: bool = False
     dims: int = 0  # of the input: 2 for one vector per row ([b, H]), 3 for tokens ([b, s, H])
+    top_k: int | None = None  # an experts module's: the experts each token is routed to (top_k_index [T, K])
 
 
 @dataclass
@@ -67,6 +69,28 @@ class Walk:
     given_plan: bool = False  # a plan passed in, rather than the model's default
     rope: bool = False
     idle: dict[str, list[Step]] = field(default_factory=dict)  # planned modules the forward did not run, by part
+
+    @cached_property
+    def off_chunks(self) -> list[str]:
+        """Planned modules inside a block, holding weights, whose style cannot run on a Megatron
+        sequence chunk (the same for every layout: read once)."""
+        return [n for n, (m, st, _) in self.planned.items() if any(inside(n, b) for b in self.blocks)
+                and not STYLES[st].on_sequence_chunks and next(m.parameters(), None) is not None]
+
+    @cached_property
+    def beside_experts(self) -> list[str]:
+        """Planned modules of a MoE block (the parent of an experts module) other than its
+        router and experts, such as a shared expert's column / row pair: the block reads its
+        tokens flattened, so under Megatron sequence parallelism they cannot gather a chunk and
+        parallelize refuses them (parallel/megatron_sp.py)."""
+        parents = {n.rpartition(".")[0] for n, _ in self.experts}
+        return [n for n, (_, st, _) in self.planned.items()
+                if any(n.startswith(f"{p}.") for p in parents) and getattr(STYLES[st], "put_on_chunks", None) is None]
+
+    @cached_property
+    def experts(self) -> list[tuple[str, nn.Module]]:
+        """(name, module) of every module planned 'experts'."""
+        return [(n, m) for n, (m, st, _) in self.planned.items() if st == "experts"]
 
 
 class _OnePart:
@@ -145,13 +169,14 @@ def _trace(model: nn.Module, planned: dict, blocks: list[str], hf: bool,
 
         def hook(mod, args, kwargs, name=name):
             x = args[0] if args else next(iter(kwargs.values()), None)
-            events.append((name, mod, x))
+            index = args[1] if len(args) > 1 else kwargs.get("top_k_index")
+            events.append((name, mod, x, index))
 
         handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     ids = torch.zeros(TRACE_BATCH, TRACE_SEQ, dtype=torch.long, device=device)
     x = ids if example is None else example.to(device)
-    skipped = _skip_later_blocks(model, blocks, handles)
+    skipped = _skip_later_blocks(model, blocks, handles) + _skip_experts(planned)
     try:
         with torch.no_grad():
             model(input_ids=ids) if hf else model(x)
@@ -164,7 +189,7 @@ def _trace(model: nn.Module, planned: dict, blocks: list[str], hf: bool,
             h.remove()
         for block in skipped:
             del block.forward
-    in_block = [i for i, (n, _, _) in enumerate(events) if any(inside(n, b) for b in blocks)]
+    in_block = [i for i, (n, *_) in enumerate(events) if any(inside(n, b) for b in blocks)]
     if not in_block:
         raise ValueError(f"{type(model).__name__}: none of its blocks ({blocks[0]}, ...) ran in the traced forward")
     first, last = in_block[0], in_block[-1]
@@ -192,10 +217,23 @@ def _skip_later_blocks(model: nn.Module, blocks: list[str], handles: list) -> li
     return skipped
 
 
+def _skip_experts(planned: dict) -> list[nn.Module]:
+    """Let the planned experts modules return their input without running: their pricer reads
+    their weights and the routing's shape (top_k_index [T, K]), and their own forward (a grouped
+    matmul, or a loop over the experts picking tokens by value) cannot run on the meta device.
+    Returns the modules whose ``forward`` was replaced on the instance."""
+    skipped = []
+    for module, style, _ in planned.values():
+        if style == "experts" and "forward" not in module.__dict__:
+            module.forward = lambda hidden, *args, **kwargs: hidden
+            skipped.append(module)
+    return skipped
+
+
 def _steps(events, planned: dict) -> list[Step]:
     last_input: dict[str, object] = {}  # parent name -> the input its previous column layer read
     out = []
-    for name, module, x in events:
+    for name, module, x, index in events:
         tensor = torch.is_tensor(x)
         parent = name.rpartition(".")[0]
         style = planned[name][1] if name in planned else None
@@ -203,8 +241,9 @@ def _steps(events, planned: dict) -> list[Step]:
         if style in ("column", "packed_column"):
             shares = tensor and last_input.get(parent) is x
             last_input[parent] = x
+        top_k = index.shape[-1] if style == "experts" and torch.is_tensor(index) and index.dim() else None
         out.append(Step(name, module, style, x.shape[-1] if tensor and x.dim() else None,
-                        x.shape[0] if tensor and x.dim() else None, bool(shares), x.dim() if tensor else 0))
+                        x.shape[0] if tensor and x.dim() else None, bool(shares), x.dim() if tensor else 0, top_k))
     return out
 
 

@@ -9,6 +9,7 @@ order, priced by the layout's cost object as parallelize builds it.
   weight with each kv head repeated (parallel/linears.py), so it is priced as a column layer of
   parts x head_dim outputs, plus the all-reduce that sums the copies' gradients over the head
   axis (layers/replica_grads.py: one slot per distinct kv head);
+* 'experts' / 'router' (a mixture-of-experts layer split over ep): planner/experts.py;
 * the attention core before the attention's first 'row' projection (comm.attention_core, with
   this rank's kv heads), RoPE on q and k (its cos / sin tables), the MLP's activation (and the
   product of a gated MLP), a residual add after each 'row' projection: no communication; their
@@ -29,6 +30,7 @@ from shardzoo.planner.block_costs import (ID_BYTES, NORM_PASSES, Illegal, Piece,
 from shardzoo.parallel.heads import head_parts_fit, head_parts_that_work
 from shardzoo.parallel.styles import STYLES
 from shardzoo.planner.comm import attention_core
+from shardzoo.planner.experts import check_experts, experts_piece, router_piece
 from shardzoo.planner.model import ADD_PASSES, GELU_PASSES, RELU_PASSES, Batch, StageParts, dropout
 from shardzoo.planner.walk import TRACE_BATCH, Step, inside
 
@@ -70,16 +72,20 @@ def check_walk(shape, costs, b: Batch) -> None:
                           f"parts that work: {head_parts_that_work(a.heads, a.kv_heads)}")
         if b.sp_mode == "ulysses":
             need("Ulysses", "the heads per tp rank", a.heads // parts, b.sp, f"sp={b.sp}")
+    for name, module in walk.experts:
+        check_experts(name, module, b.ep, mode)
     if mode != "1d" and walk.held:
         name = next(n for held in walk.held.values() for n, _ in held)
         raise Illegal(f"{name} holds weights the plan does not cover, and the {mode} layout splits the activations "
                       f"it reads (parallelize refuses it); plan it")
     if b.chunks > 1:
-        misfits = walk.held.get("block") or [(n, m) for n, (m, st, _) in walk.planned.items()
-                                             if any(inside(n, block) for block in walk.blocks)
-                                             and not STYLES[st].on_sequence_chunks and next(m.parameters(), None) is not None]
+        if walk.beside_experts:
+            raise Illegal(f"{walk.beside_experts[0]} sits beside the experts of a MoE block, which reads its tokens "
+                          f"flattened; under Megatron sequence parallelism (1d, tp={tp}) parallelize refuses it; "
+                          f"price with sequence_parallel=False, or tp=1")
+        misfits = [n for n, _ in walk.held.get("block", [])] or walk.off_chunks
         if misfits:
-            raise Illegal(f"{misfits[0][0]} holds weights inside a block that cannot run on a sequence chunk, which "
+            raise Illegal(f"{misfits[0]} holds weights inside a block that cannot run on a sequence chunk, which "
                           f"parallelize refuses under Megatron sequence parallelism (1d, tp={tp}); plan it "
                           f"'column' / 'row' / 'norm', or price with sequence_parallel=False")
     if tp > 1 and walk.dropouts:
@@ -353,9 +359,8 @@ PRICERS = {
     "column_norm": _norm,  # priced as a norm over the whole width (its split over tp not yet)
     "embedding": _embedding, "position_embedding": _embedding, "lm_head": _lm_head, "dropout": _dropout,
     "replicate": _replicate, "replicate_sum": _replicate_sum,
-    # the planner prices no ep yet: experts are priced whole on every rank, as at ep = 1
-    "experts": _replicate,
-    "router": _replicate_sum,  # on Megatron sequence chunks (1d's default) its gradient is summed over tp
+    "experts": lambda ctx, step, **_: experts_piece(ctx, step),  # split over ep (planner/experts.py)
+    "router": lambda ctx, step, **_: router_piece(ctx, step),
 }
 
 

@@ -69,6 +69,16 @@ class ModelShape:
         return next(s.width for s in self.walk.block if s.width)
 
     @property
+    def n_experts(self) -> int:
+        """The experts of each MoE layer of the blocks (the fewest, where layers differ; 0: no
+        MoE layer): ep must divide it."""
+        from math import gcd
+
+        from shardzoo.planner.experts import experts_shape
+
+        return gcd(*(experts_shape(s.module)[0] for s in self.walk.block if s.style == "experts"))
+
+    @property
     def layers(self) -> int:
         return len(self.walk.blocks)
 

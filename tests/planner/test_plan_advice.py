@@ -72,14 +72,18 @@ def test_why_line_adds_up_and_run_lines_run_the_pick(case, capsys):
     nodes = re.search(r"--nnodes (\d+)", command)
     per_node = int(re.search(r"--nproc-per-node (\d+)", command)[1])
     assert per_node * (int(nodes[1]) if nodes else 1) == world, command
-    schedule = [line for line in lines if "build_schedule(" in line]
-    if lay["pp"] > 1:
-        assert call_kwargs(schedule[0].strip())["n_microbatches"] == best.micro_batches
-        assert "stage=(mesh.pp_rank, mesh.pp_size)" in lines[1]
+    schedule = [line for line in lines if "build_schedule(" in line or "shardzoo.pipeline(" in line]
+    if lay["pp"] > 1:  # the pick's own schedule: several stages per rank built as a list, run by shardzoo.pipeline
+        called = call_kwargs(schedule[0].strip())
+        assert called["n_microbatches"] == best.micro_batches
+        assert called["schedule"] == {"interleaved": "interleaved_1f1b"}.get(best.schedule, best.schedule)
+        chunked = best.virtual_stages > 1
+        assert ("stages = " in lines[1]) == chunked and ("stage=(mesh.pp_rank, mesh.pp_size)" in lines[1]) != chunked
     else:
         assert not schedule
     if lay["dp"] * lay["sp"] > 1:
-        assert call_kwargs(lines[2].strip()) == {"zero": best.zero}
+        wrap = next(line.strip() for line in lines if "shardzoo.data_parallel(" in line)
+        assert f"zero={best.zero})" in wrap
 
 
 def test_json_pick_holds_the_terms_and_the_run_lines(capsys):
@@ -101,6 +105,7 @@ def test_explain_names_the_rule_the_request_breaks(capsys):
     assert "world size" not in out
     code, out, _ = run(capsys, ["plan", *argv, "--explain", "dp=8"])
     assert code == 0 and "not legal" not in out and "num_heads" not in out and "8 candidates" in out
+    assert "  run it (on every rank" in out and "mesh = shardzoo.ParallelMesh(dp=8, pp=1" in out  # its run lines
     code, out, _ = run(capsys, ["plan", *argv, "--explain", "dp=3"])
     assert "dp = 3 does not divide the world size 8" in out
     code, out, _ = run(capsys, ["plan", *argv, "--explain", "dp=2,pp=1,sp=1,tp=2"])
@@ -144,3 +149,89 @@ def test_run_lines_build_and_step_the_pick(tmp_path):
     assert all(sizes == {k: cand.layout[k] for k in sizes} for sizes, _ in results)
     losses = [loss for _, loss in results if loss is not None]
     assert len(losses) == 2 and losses[0] == losses[1] and 0 < losses[0] < 10  # the step's global mean, ln 64 ~ 4.2
+
+
+def exec_walked_lines(lines: list[str], config: dict):
+    """On a pool rank: the run lines of a walked transformers model (but the launch command and
+    the autocast hint) executed, which build the layout and run one pipeline step; the loss."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from shardzoo.testing import cached_mesh
+
+    proxy = type("Shardzoo", (), {"__getattr__": lambda self, n: getattr(shardzoo, n),
+                                  "ParallelMesh": staticmethod(lambda **kw: cached_mesh(**kw))})()
+    torch.manual_seed(0)
+    ns = dict(torch=torch, shardzoo=proxy, AutoModelForCausalLM=AutoModelForCausalLM, config=LlamaConfig(**config))
+    ids = torch.randint(0, config["vocab_size"], (8, 16), generator=torch.Generator().manual_seed(0))
+    for line in lines[:-1]:
+        if line.startswith("loss = "):
+            ns["ids"] = ids.chunk(ns["mesh"].dp_size)[ns["mesh"].dp_rank]
+        if not line.startswith("with autocast"):
+            exec(line, ns)
+    ns["optimizer"].step()
+    return float(ns["loss"])
+
+
+def test_run_lines_of_every_schedule_name_it_and_a_zbv_pick_runs():
+    """A walked model's pipelined candidates under each schedule the enumeration tries: the
+    parallelize line cuts 2 * pp stages (the V placement for zbv and dualpipev), the pipeline
+    line names the schedule as shardzoo.pipeline does; the lines of the zbv one run a step."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
+                  num_hidden_layers=4, vocab_size=64, max_position_embeddings=64, tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**config))
+    planned = shardzoo.plan(model, 4, 80, 8, 16, hardware="a100", tp_modes=("1d",), checkpointing=(False,))
+    picks = {}
+    for cand in planned:
+        if cand.layout == dict(dp=2, pp=2, sp=1, tp=1, tp_mode="1d", tp_depth=1) and cand.zero == 0:
+            picks.setdefault(cand.schedule, cand)
+    assert set(picks) == {"1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev"}
+    for name, cand in picks.items():
+        lines = run_lines(planned, cand)
+        cut = call_kwargs(next(line for line in lines if "shardzoo.parallelize(" in line))
+        v = cand.virtual_stages
+        assert cut["stages"] == [4 // (2 * v)] * (2 * v) and cut.get("virtual_stages", 1) == v
+        assert cut.get("placement", "loop") == ("v" if name in ("zbv", "dualpipev") else "loop")
+        run = call_kwargs(next(line for line in lines if "shardzoo.pipeline(" in line))
+        assert run == {"n_microbatches": cand.micro_batches,
+                       "schedule": {"interleaved": "interleaved_1f1b"}.get(name, name)}
+    losses = run_on_ranks(exec_walked_lines, 4, run_lines(planned, picks["zbv"]), config)
+    assert len(set(losses[:2])) == 1 and 0 < losses[0] < 10  # every rank of a replica: its step's global mean
+
+
+def exec_family_lines(lines: list[str], hf_dir: str):
+    """On a pool rank: a family's run lines (but the launch command and the autocast hint)
+    executed, then one pipeline step and the optimizer step; the step's loss."""
+    from shardzoo.models import GPT2, GPT2Config
+    from shardzoo.testing import cached_mesh
+
+    proxy = type("Shardzoo", (), {"__getattr__": lambda self, n: getattr(shardzoo, n),
+                                  "ParallelMesh": staticmethod(lambda **kw: cached_mesh(**kw))})()
+    ns = dict(torch=torch, shardzoo=proxy, GPT2=GPT2, config=GPT2Config.from_json(hf_dir))
+    ids = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0))
+    for line in lines[:-1]:
+        if line.startswith("loss = "):
+            ns["ids"] = ids.chunk(ns["mesh"].dp_size)[ns["mesh"].dp_rank]
+        if not line.startswith("with autocast"):
+            exec(line, ns)
+    ns["optimizer"].step()
+    return float(ns["loss"])
+
+
+def test_family_run_lines_of_a_v_schedule_run(tmp_path):
+    """A family's pick under DualPipeV: this rank's two stages of the V built as a list, each
+    through data_parallel, run by shardzoo.pipeline."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=64, n_positions=64)).save_pretrained(tmp_path)
+    planned = shardzoo.plan(str(tmp_path), 4, 80, 8, 16, hardware="a100", tp_modes=("1d",), checkpointing=(False,))
+    assert all(c.micro_batches >= 4 for c in planned if c.schedule == "dualpipev")  # torch's: one per stage
+    cand = next(c for c in planned if c.layout["pp"] == 2 and c.layout["dp"] == 2 and c.schedule == "dualpipev"
+                and c.zero == 0)
+    lines = run_lines(planned, cand)
+    assert lines[1] == "stages = [(mesh.pp_rank, 2 * mesh.pp_size), (2 * mesh.pp_size - 1 - mesh.pp_rank, 2 * mesh.pp_size)]"
+    losses = run_on_ranks(exec_family_lines, 4, lines, str(tmp_path))
+    assert losses[0] == losses[1] and 0 < losses[0] < 10  # the replica's step's global mean on each of its ranks

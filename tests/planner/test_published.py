@@ -54,14 +54,17 @@ def test_model_flops_of_a_gpt_is_the_papers_eq_3():
 
 
 def test_pricing_a_layout_is_its_candidate_in_the_enumeration():
+    """Under every schedule the enumeration tries (gpt2's 12 blocks split into pp * 2 chunks)."""
     planned = shardzoo.plan("gpt2", 8, 80, 16, 128, hardware="a100")
     want = dict(dp=2, pp=2, sp=1, tp=2, tp_mode="1d", tp_depth=1)
-    [cand] = [c for c in planned if c.layout == want and c.micro_batches == 4 and c.activation_checkpointing
-              and c.zero == 1]
-    got = price("gpt2", 8, 16, 128, "dp=2,pp=2,tp=2", micro_batches=4, checkpointing=True, zero=1,
-                hardware="a100", device_memory_gib=80)
-    assert got.candidate.to_json() == cand.to_json()
-    assert got.tokens_per_second_per_device == pytest.approx(16 * 128 / cand.step_seconds / 8)
+    found = {c.schedule: c for c in planned if c.layout == want and c.micro_batches == 4 and c.activation_checkpointing
+             and c.zero == 1}
+    assert set(found) == {"1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev"}
+    for schedule, cand in found.items():
+        got = price("gpt2", 8, 16, 128, "dp=2,pp=2,tp=2", micro_batches=4, checkpointing=True, zero=1,
+                    hardware="a100", device_memory_gib=80, schedule=schedule, virtual_stages=cand.virtual_stages)
+        assert got.candidate.to_json() == cand.to_json()
+        assert got.tokens_per_second_per_device == pytest.approx(16 * 128 / cand.step_seconds / 8)
 
 
 def test_interleaving_shrinks_the_bubble_and_sends_more():

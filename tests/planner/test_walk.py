@@ -36,7 +36,9 @@ def run(capsys, argv):
 # serial parameters of each preset: the published counts of the checkpoints (their safetensors'
 # parameter totals), which the presets' config values must rebuild
 PUBLISHED = {"llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496, "llama3-405b": 405_853_388_800,
-             "qwen2.5-7b": 7_615_616_512}
+             "qwen2.5-7b": 7_615_616_512,
+             # mixtures of experts, all experts counted: Mixtral-8x7B 46.7B, Qwen3-30B-A3B 30.5B
+             "mixtral-8x7b": 46_702_792_704, "qwen3-30b-a3b": 30_532_122_624}
 
 
 @pytest.mark.parametrize("name", sorted(HF_MODELS))
