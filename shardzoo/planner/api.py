@@ -215,9 +215,7 @@ def plan(model, world: int, device_memory_gib: float, global_batch: int, seq: in
                 costs = None
         if costs is None:
             continue
-        # zero > 0: ranks to shard over; zero 1 with ep > 1 is refused by data_parallel
-        zeros = [z for z in zero_stages
-                 if (z == 0 or candidate.dp * candidate.sp > 1) and not (z == 1 and candidate.ep > 1)]
+        zeros = [z for z in zero_stages if z == 0 or candidate.dp * candidate.sp > 1]  # zero > 0: ranks to shard over
         out += price_candidate(pricer, candidate, costs, checkpointing, zeros, memory_bytes)
     out.sort(key=lambda c: (not c.fits, c.step_seconds if c.fits else c.peak_bytes_per_rank, c.peak_bytes_per_rank))
     return Plan(out[:top] if top else out, hw, pruned, problem, len(out), device_memory_gib, pricer)
@@ -328,9 +326,6 @@ def price(model, world: int, global_batch: int, seq: int, layout, *, micro_batch
                                     schedule=schedule)
     if zero and candidate.dp * candidate.sp == 1:
         raise ValueError(f"zero={zero} shards over dp x sp, which is 1 in {text}; use zero=0")
-    if zero == 1 and candidate.ep > 1:
-        raise ValueError(f"zero=1 with ep={candidate.ep}: data_parallel refuses it (ZeroRedundancyOptimizer over dp x sp "
-                         f"would broadcast one rank's experts over ranks holding others); use zero=0, 2 or 3")
     reason = chunk_rule(schedule, v, candidate.pp, m, shape.layers)
     if reason:
         raise ValueError(reason)

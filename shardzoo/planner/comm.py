@@ -265,17 +265,21 @@ def dp_reduction(param_bytes: int, grad_bytes: int, n: int, zero: int, block_byt
     return out
 
 
-def edp_reduction(layer_bytes: list[int], edp: int, zero: int, tensors: int) -> list[Call]:
+def edp_reduction(layer_bytes: list[int], edp: int, zero: int, tensors: int, pipelined: bool = False) -> list[Call]:
     """The gradient reduction of the experts split over ep (``layer_bytes``: this rank's expert
     bytes of each MoE layer, ``tensors`` tensors in all) over the expert data parallel group
-    edp of ``edp`` ranks (layers/experts.py, parallel/data_parallel.py). 0: each tensor's
-    gradient all-reduced by a hook of its layer in every backward (shardzoo.comm: counted).
+    edp of ``edp`` ranks (layers/experts.py, parallel/data_parallel.py). 0 and 1: each tensor's
+    gradient all-reduced by a hook of its layer in every backward (shardzoo.comm: counted); in
+    a pipeline (``pipelined``) one all-reduce of them all once per step, after the schedule
+    (parallel/pipeline_grads.py).
     2: FSDP2 over edp reduce-scatters the gradients and all-gathers the parameters once per
     step. 3: each layer's experts are a unit of their own, all-gathered before its forward and
     again before its backward."""
     total = sum(layer_bytes)
     if edp == 1 or total == 0:
         return []
+    if zero <= 1 and pipelined:
+        return calls("step", ("edp",), "all_reduce", total, edp, counted=False)
     if zero <= 1:
         return _split_calls("all_reduce", total, edp, max(1, tensors), ("edp",), "bwd", True)
     out = calls("step", ("edp",), "reduce_scatter", total, edp, counted=False)

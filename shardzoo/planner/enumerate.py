@@ -148,10 +148,6 @@ def candidates(problem: Problem, modes=TP_MODES, pruned: list[Pruned] | None = N
                                f"layout's {parts} batch parts{need}")
                     continue
                 splits = expert_splits(shape, dp, sp)
-                if pp > 1 and len(splits) > 1:
-                    drop(what + f",ep={splits[1]}", "ep > 1 with pp > 1: pipelines with expert parallelism are not "
-                                                    "built; the experts of a pipelined model stay whole (ep=1)")
-                    splits = [1]
                 for m in counts:
                     for ep in splits:
                         for schedule, v in (schedules if pp > 1 else (("1f1b", 1),)):

@@ -222,7 +222,8 @@ class Pricer:
         if hooked:  # every backward (micro-batch) averages each parameter's gradient over sp
             one.add(sp_grad_average(p, candidate.sp, tensors))
         axes = DDP_AXES[1] if hooked else DDP_AXES[0]
-        experts = edp_reduction([cost.block_edp_params * ep] * cost.blocks, candidate.edp, zero, cost.edp_tensors)
+        experts = edp_reduction([cost.block_edp_params * ep] * cost.blocks, candidate.edp, zero, cost.edp_tensors,
+                                 candidate.pp > 1)
         for c in dp_reduction(p, p, self.dp_ranks(candidate, zero), zero, units, tensors, axes) + experts:
             (step if c.phase == "step" else one).add([c])
         if cost.tied_table and candidate.pp > 1:

@@ -167,9 +167,10 @@ class StageParts:
     last_tied: Piece  # the head sharing the embedding's table (first and last stage in one)
     boundary: int
     table: int  # parameter elements of the vocabulary table (0: no tied table)
-    enters: Piece = field(default_factory=Piece)  # what every stage runs before its blocks (rotary tables, entering the chunks)
-    leaves: Piece = field(default_factory=Piece)  # ... and after them (leaving the chunks)
-    block_input: int | None = None  # bytes of a block's input (the boundary's chunk); None: the boundary
+    enters: Piece = field(default_factory=Piece)  # what every stage runs before its blocks (rotary tables)
+    leaves: Piece = field(default_factory=Piece)  # what the last stage runs after them (leaving the chunks)
+    block_input: int | None = None  # bytes of a block's input (a sequence chunk); None: the boundary
+    enter: Piece = field(default_factory=Piece)  # what the first stage runs before them (entering the chunks)
 
 
 def assemble(shape, parts: StageParts, stage: int = 0, stages: int = 1) -> StageCost:
@@ -179,8 +180,8 @@ def assemble(shape, parts: StageParts, stage: int = 0, stages: int = 1) -> Stage
                                                  None)
     except ValueError as err:
         raise Illegal(str(err)) from None
-    first = (parts.first if is_first else NOTHING) + parts.enters
-    last = ((parts.last_tied if is_first else parts.last) if is_last else NOTHING) + parts.leaves
+    first = (parts.first + parts.enter if is_first else NOTHING) + parts.enters
+    last = ((parts.last_tied if is_first else parts.last) + parts.leaves if is_last else NOTHING)
     table = parts.table if stages > 1 and (is_first or is_last) else 0
     return StageCost(first, parts.block, len(blocks), last, parts.boundary, table, is_first, is_last,
                      [sum(p.params for p in parts.block)] * len(blocks), parts.block_input)

@@ -160,19 +160,20 @@ def walk_parts(shape, costs, b: Batch) -> StageParts:
     inside = dataclasses.replace(ctx, chunks=b.chunks)  # the blocks, under Megatron sequence parallelism
     enter, leave = costs.sequence_chunks(shape.hidden, ctx.rows, b.e, b.chunks) if b.chunks > 1 else (Piece(),) * 2
     first = sum(_pieces(ctx, walk.pre) + _held(ctx, "pre") + _idle(ctx, "pre"), Piece())
-    # every stage computes the rotary tables and enters / leaves the sequence-chunked blocks
-    enters = sum(rope_tables(ctx) + [enter], Piece())
+    # every stage computes the rotary tables; the first enters the sequence-chunked blocks and
+    # the last leaves them (the stages between send and receive the chunks)
+    enters = sum(rope_tables(ctx), Piece())
     block = one_call_per_block(_pieces(inside, walk.block) + _held(ctx, "block"))
     rest = _held(ctx, "post") + _idle(ctx, "post")
     last_tied = sum(_pieces(ctx, walk.post) + rest, Piece())
     table = tied_table(ctx)
     last = sum(_pieces(ctx, walk.post, untie=True) + rest, Piece()) if table else last_tied
     hidden = shape.hidden // costs.hidden_parts(costs.canonical)
-    # what a pipeline stage sends (its blocks left the chunks), and a block's input, which
-    # activation checkpointing keeps
-    boundary, block_input = ctx.rows * hidden * b.e, inside.chunk_rows * hidden * b.e
+    # what a pipeline stage sends (this tp rank's chunk under Megatron sequence parallelism),
+    # and a block's input, which activation checkpointing keeps: the same
+    boundary = block_input = inside.chunk_rows * hidden * b.e
     return StageParts(first, block, last, last_tied, boundary, table.params if table else 0, enters, leave,
-                      block_input)
+                      block_input, enter)
 
 
 def tied_embedding(walk) -> nn.Module | None:

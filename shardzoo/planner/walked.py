@@ -46,9 +46,9 @@ class ModelShape:
 
     @property
     def sequence_parallel_stages(self) -> bool:
-        """Megatron sequence parallelism inside every pipeline stage (``parallelize``'s cut; each
-        stage enters and leaves the layout at its first and last block); a family's pipeline
-        stage keeps its activations replicated over tp."""
+        """Megatron sequence parallelism across the pipeline stages (``parallelize``'s cut: the
+        first stage enters the layout, the last leaves it, the stages send this tp rank's chunk);
+        a family's pipeline stage keeps its activations replicated over tp."""
         return self.builder is None
 
     @property

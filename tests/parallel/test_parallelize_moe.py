@@ -189,11 +189,12 @@ def test_refusals_name_the_value_the_rule_and_the_fix():
 def grid_refused(_):
     import shardzoo
 
-    mesh = cached_mesh(dp=2, tp=4, tp_mode="2d", ep=2)
-    model = tiny_moe("mixtral")
-    with pytest.raises(ValueError) as err:
-        shardzoo.parallelize(model, mesh, plan=GRID_PLAN)
-    return str(err.value)
+    messages = []
+    for ep in (2, 1):  # whole experts (ep=1) read whole hidden vectors too
+        with pytest.raises(ValueError) as err:
+            shardzoo.parallelize(tiny_moe("mixtral"), cached_mesh(dp=2, tp=4, tp_mode="2d", ep=ep), plan=GRID_PLAN)
+        messages.append(str(err.value))
+    return messages
 
 
 GRID_PLAN = {"embed_tokens": "vocab_embedding", "lm_head": "lm_head", "norm": "norm", "layers.*.input_layernorm": "norm",
@@ -203,5 +204,5 @@ GRID_PLAN = {"embed_tokens": "vocab_embedding", "lm_head": "lm_head", "norm": "n
 
 
 def test_grid_layouts_with_ep_are_refused_by_name():
-    message = run_on_ranks(grid_refused, 8, 0)[0]
-    assert "ep=2 with tp_mode='2d'" in message and "tp_mode='1d'" in message
+    for ep, message in zip((2, 1), run_on_ranks(grid_refused, 8, 0)[0]):
+        assert f"ep={ep} with tp_mode='2d'" in message and "tp_mode='1d'" in message and "experts" in message

@@ -197,7 +197,7 @@ def check_hf_exact(spec: dict, directory) -> None:
     _hf_spec(4, "2d", 4, ckpt=True, config=TINY_GPT2, model_type="gpt2"),
     # backward averages over sp (a counted all-reduce per parameter), DDP and the broadcasts over dp only
     _hf_spec(4, "1d", 1, sp=2, zero=1),
-    # cut into stages by parallelize: Megatron sequence parallelism enters and leaves in each stage
+    # cut into stages by parallelize: the first stage enters the sequence chunks, the last leaves them, the chunk is sent
     _hf_spec(4, "1d", 2, pp=2, micro=2, ckpt=True),
     _hf_spec(4, "1d", 1, pp=2, micro=2, zero=1, config=TINY_GPT2, model_type="gpt2"),  # tied table over the stages
 ], ids=["1d-tp4-gqa-ckpt", "1d-ulysses-zero1", "1d-ring-ckpt-bias", "2d-mqa-bias", "gpt2-2d-ckpt", "dp2-sp2-zero1",

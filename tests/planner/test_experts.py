@@ -1,6 +1,6 @@
 """The planner prices expert parallelism exactly: for a tiny random transformers Mixtral split by
 ``shardzoo.parallelize`` at ep 2 (world 4, with dp, 1d tp under Megatron sequence parallelism,
-ZeRO 0 and 3), one measured training step holds the parameter, gradient and optimizer bytes the
+ZeRO 0, 1 and 3), one measured training step holds the parameter, gradient and optimizer bytes the
 planner gives per rank, and sends what it gives, channel by channel (``shardzoo.comm.count``:
 the dispatch's all-to-alls, the edp gradient average, the tp sums; DDP's buckets through a
 comm hook). The planner prices the dispatch under uniform routing (each token's top_k copies
@@ -8,7 +8,7 @@ spread evenly over the experts), so the step routes uniformly: a forward hook on
 sends token t to experts t mod E and t + E/2 mod E.
 
 Also: the dispatch bytes against the docs' formula, the candidates' ep values, and the refusals
-(zero=1 with ep, experts in a grid layout). The presets' parameter counts: test_walk.py."""
+(experts in a grid layout). The presets' parameter counts: test_walk.py."""
 
 import functools
 from fractions import Fraction
@@ -87,7 +87,8 @@ def measured_step(layout: dict, zero: int) -> dict:
     (dict(dp=4, ep=2), 0),  # experts averaged over edp (2 ranks) by their layer, the rest by DDP over dp
     (dict(dp=2, tp=2, tp_mode="1d", ep=2), 0),  # Megatron sequence chunks: router and experts summed over tp
     (dict(dp=4, ep=2), 3),  # FSDP2: the experts sharded over edp, the rest over dp
-], ids=["dp4-ep2", "dp2-tp2-ep2", "dp4-ep2-zero3"])
+    (dict(dp=4, ep=2), 1),  # two ZeroRedundancyOptimizers: the experts' state over edp, the rest's over dp
+], ids=["dp4-ep2", "dp2-tp2-ep2", "dp4-ep2-zero3", "dp4-ep2-zero1"])
 def test_experts_priced_exactly(layout, zero):
     measured = run_on_ranks(functools.partial(measured_step, zero=zero), WORLD, layout)
     candidate = Candidate(**{**dict(dp=1, pp=1, sp=1, tp=1, tp_mode="1d", tp_depth=1), **layout})
@@ -96,7 +97,8 @@ def test_experts_priced_exactly(layout, zero):
     cand = next(c for c in planned if c.layout == candidate.mesh_kwargs())
     memory = cand.reports[0].memory
     stage = planned.pricer.stages(candidate)[0]
-    # what every rank holds: exact per rank at zero 0; FSDP2's shards (dim 0, uneven) add up to the ranks' share
+    # what every rank holds: exact per rank at zero 0; FSDP2's shards (dim 0, uneven) and ZeRO 1's partitions
+    # (whole parameters, uneven) add up to the ranks' share
     for key, want in (("params", memory.params), ("grads", memory.grads), ("optimizer", memory.optimizer)):
         got = [m[key] for m in measured]
         assert (got == [want] * WORLD) if zero == 0 else sum(got) == want * WORLD, (key, got, want)
@@ -131,16 +133,17 @@ def cost_calls(cost) -> dict:
     return traffic.bytes_by(lambda key: key[1])
 
 
-def test_moe_candidates_list_ep_and_refuse_what_data_parallel_refuses():
+def test_moe_candidates_list_ep_and_refuse_what_parallelize_refuses():
     planned = plan(tiny_mixtral(meta=True), WORLD, 1e6, ROWS, SEQ, hardware="h100")
     eps = {c.layout.get("ep", 1) for c in planned}
     assert eps == {1, 2, 4}
-    assert not any(c.zero == 1 and c.layout.get("ep", 1) > 1 for c in planned)
+    assert {c.zero for c in planned if c.layout.get("ep", 1) > 1} == {0, 1, 2, 3}
     assert all(c.layout["tp_mode"] == "1d" for c in planned)
-    assert all(c.layout.get("ep", 1) == 1 for c in planned if c.layout["pp"] > 1)
+    assert any(c.layout.get("ep", 1) == 2 for c in planned if c.layout["pp"] > 1)  # pipelines with ep
     assert all(c.layout.get("ep", 1) <= c.layout["dp"] * c.layout["sp"] for c in planned)
-    with pytest.raises(ValueError, match="zero=1 with ep=2"):
-        price(tiny_mixtral(meta=True), WORLD, ROWS, SEQ, "dp=4,ep=2", zero=1)
+    one = price(tiny_mixtral(meta=True), WORLD, ROWS, SEQ, "dp=4,ep=2", zero=1)
+    zero = price(tiny_mixtral(meta=True), WORLD, ROWS, SEQ, "dp=4,ep=2", zero=0)
+    assert one.candidate.reports[0].memory.optimizer < zero.candidate.reports[0].memory.optimizer
     with pytest.raises(ValueError, match="tp_mode='1d'"):
         price(tiny_mixtral(meta=True), WORLD, ROWS, SEQ, "dp=1,tp=4,tp_mode=2d")
 

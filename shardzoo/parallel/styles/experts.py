@@ -43,12 +43,12 @@ class Experts(Style):
 
     def check_mesh(self, name: str, module: nn.Module, mesh, mode: str) -> None:
         """Raise unless ``module`` (planned as ``name``) splits over ``mesh``'s ep in ``mode``."""
+        if mode != "1d":  # at ep=1 too: the experts, whole or split, read whole hidden vectors
+            raise ValueError(f"{name}: ep={mesh.ep_size} with tp_mode={mode!r} is not built: the {mode} layout "
+                             f"splits the hidden vectors an expert reads over its grid; experts work with "
+                             f"tp_mode='1d' (any tp, with ep, dp, sp and ZeRO); use tp_mode='1d'")
         if mesh.ep_size == 1:
             return
-        if mode != "1d":
-            raise ValueError(f"ep={mesh.ep_size} with tp_mode={mode!r} is not built: the {mode} layout splits "
-                             f"the tokens an expert reads over its grid; expert parallelism works with tp_mode='1d' "
-                             f"and tp=1 (with dp, sp and ZeRO); use those, or ep=1")
         n_experts = module.gate_up_proj.shape[0]
         if n_experts % mesh.ep_size != 0:
             raise ValueError(f"{name}: ep={mesh.ep_size} does not divide the {n_experts} experts: each ep rank holds "
