@@ -50,7 +50,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 import warnings
 from fractions import Fraction
 from pathlib import Path
@@ -59,6 +58,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _paired import build_all, first_line, interleaved_steps  # noqa: E402
 from _results import markdown_table, write_results  # noqa: E402
 
 import shardzoo  # noqa: E402
@@ -96,10 +96,6 @@ def write_model(root: str, cfg: dict) -> str:
     path = os.path.join(root, "mixtral")
     model.save_pretrained(path)
     return path
-
-
-def _first_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}".strip().splitlines()[0][:200]
 
 
 class Impl:
@@ -181,17 +177,11 @@ def tracked_peak(impl: Impl, ids, mask) -> dict:
     return {"total": int(peak["Total"]), "state": state, "rest": int(peak["Total"]) - state}
 
 
-def _agree(failed: bool) -> bool:
-    """True on every rank if any rank failed."""
-    flag = torch.tensor([1 if failed else 0])
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
-
-
-def _mean_over_ranks(x: float) -> float:
-    t = torch.tensor([x], dtype=torch.float64)
+def _mean_over_ranks(values: list[float]) -> list[float]:
+    """Each of ``values`` (one per step, as many on every rank) averaged over the ranks."""
+    t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t)
-    return float(t) / dist.get_world_size()
+    return (t / dist.get_world_size()).tolist()
 
 
 def run(cfg: dict, path: str, ep: int) -> list[dict]:
@@ -204,53 +194,24 @@ def run(cfg: dict, path: str, ep: int) -> list[dict]:
 
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = shardzoo.ParallelMesh(dp=world, ep=ep)
-    impls, errors = {}, {}
-    for name in NAMES:
-        err = None
-        try:
-            impls[name] = _build(name, path, mesh, cfg)
-        except Exception as e:  # noqa: BLE001  (recorded and shown in the table)
-            err = _first_line(e)
-        if _agree(err is not None):
-            errors[name] = err or "failed on another rank"
-            impls.pop(name, None)
+    impls, errors = build_all(NAMES, lambda name: _build(name, path, mesh, cfg))
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=gen).chunk(world)[rank]
     mask = torch.ones_like(ids)
-    times = {n: [] for n in NAMES}
-    losses = {n: [] for n in NAMES}
     counted = {}
-    for i in range(cfg["warmup"] + cfg["steps"]):
-        order = [n for n in NAMES if n in impls]
-        k = i % max(len(order), 1)
-        for name in order[k:] + order[:k]:  # rotating first, so drifts and order effects hit all alike
-            err = None
-            dist.barrier()
-            t0 = time.perf_counter()
-            try:
-                with comm.count() as counter:
-                    loss = impls[name].step(ids, mask)
-            except Exception as e:  # noqa: BLE001
-                err = _first_line(e)
-            if _agree(err is not None):
-                errors[name] = f"step {i}: {err or 'failed on another rank'}"
-                del impls[name]
-                continue
-            dist.barrier()
-            seconds = time.perf_counter() - t0
-            if i >= cfg["warmup"]:
-                times[name].append(seconds)
-            losses[name].append(_mean_over_ranks(loss))
-            counted[name] = counter.bytes
-            if rank == 0:
-                print(f"world {world} ep {ep} step {i} {name}: {seconds:.2f} s loss {losses[name][-1]:.6f}", flush=True)
+
+    def step(name: str) -> float:
+        with comm.count() as counter:
+            loss = impls[name].step(ids, mask)
+        counted[name] = counter.bytes
+        return loss
+
+    times, losses = interleaved_steps(impls, NAMES, errors, cfg["warmup"], cfg["steps"], step, f"world {world} ep {ep}")
+    losses = {name: _mean_over_ranks(values) for name, values in losses.items()}  # rank 0 printed its own
     rows = []
     for name in NAMES:
-        row = {"world": world, "ep": ep, "impl": name, "losses": losses[name], "error": errors.get(name)}
-        steps = torch.tensor(times[name], dtype=torch.float64)
-        if len(steps):
-            dist.all_reduce(steps, op=dist.ReduceOp.MAX)
-        row["steps_s"] = steps.tolist()
+        row = {"world": world, "ep": ep, "impl": name, "losses": losses[name], "error": errors.get(name),
+               "steps_s": times[name]}
         if name in impls:
             impl = impls[name]
             if impl.counts:  # shardzoo: the last step's dispatch bytes, counted and by the formula
@@ -261,7 +222,7 @@ def run(cfg: dict, path: str, ep: int) -> list[dict]:
             try:
                 peak = tracked_peak(impl, ids, mask)
             except Exception as e:  # noqa: BLE001  (the step then shows no memory)
-                peak = {"error": _first_line(e)}
+                peak = {"error": first_line(e)}
             row["peak"] = _gather_objects(peak)
         rows.append(row)
     return rows

@@ -48,13 +48,13 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _paired import build_all, interleaved_steps  # noqa: E402
 from _results import markdown_table, write_results  # noqa: E402
 
 import shardzoo  # noqa: E402
@@ -90,11 +90,6 @@ def gpt2_config(cfg: dict) -> dict:
     return dict(n_embd=cfg["hidden"], n_layer=cfg["layers"], n_head=cfg["heads"], n_inner=cfg["intermediate"],
                 vocab_size=cfg["vocab"], n_positions=cfg["seq"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                 bos_token_id=None, eos_token_id=None, attn_implementation="sdpa")
-
-
-def _first_line(e: BaseException) -> str:
-    text = f"{type(e).__name__}: {e}".strip()
-    return text.splitlines()[0][:200]
 
 
 class Impl:
@@ -144,60 +139,17 @@ def _build(name: str, dirs: dict, mesh, lr: float) -> Impl:
     raise ValueError(name)
 
 
-def _agree(failed: bool) -> bool:
-    """True on every rank if any rank failed."""
-    flag = torch.tensor([1 if failed else 0])
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
-
-
 def run_group(group: str, names: list[str], dirs: dict, mesh, cfg: dict) -> list[dict]:
     """Build ``names`` (a failing build is recorded), then time them interleaved."""
     p = dist.get_world_size()
-    impls, errors = {}, {}
-    for name in names:
-        err = None
-        try:
-            impls[name] = _build(name, dirs, mesh, cfg["lr"])
-        except Exception as e:  # noqa: BLE001  (recorded and shown in the table)
-            err = _first_line(e)
-        if _agree(err is not None):
-            errors[name] = err or "failed on another rank"
-            impls.pop(name, None)
+    impls, errors = build_all(names, lambda name: _build(name, dirs, mesh, cfg["lr"]))
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=gen)
     batch = (ids, torch.ones_like(ids)) if group == "llama" else (ids, None)
-    times = {n: [] for n in names}
-    losses = {n: [] for n in names}
-    for i in range(cfg["warmup"] + cfg["steps"]):
-        order = [n for n in names if n in impls]
-        k = i % max(len(order), 1)
-        for name in order[k:] + order[:k]:  # rotating first, so drifts and order effects hit all alike
-            err = None
-            dist.barrier()
-            t0 = time.perf_counter()
-            try:
-                loss = impls[name].step(batch)
-            except Exception as e:  # noqa: BLE001
-                err = _first_line(e)
-            if _agree(err is not None):
-                errors[name] = f"step {i}: {err or 'failed on another rank'}"
-                del impls[name]
-                continue
-            dist.barrier()
-            if i >= cfg["warmup"]:
-                times[name].append(time.perf_counter() - t0)
-            losses[name].append(loss)
-            if dist.get_rank() == 0:
-                print(f"{group} tp={p} step {i} {name}: {time.perf_counter() - t0:.2f} s loss {loss:.6f}", flush=True)
-    rows = []
-    for name in names:
-        steps = torch.tensor(times[name], dtype=torch.float64)
-        if len(steps):
-            dist.all_reduce(steps, op=dist.ReduceOp.MAX)
-        rows.append({"model": group, "world": p, "impl": name, "steps_s": steps.tolist(), "losses": losses[name],
-                     "error": errors.get(name)})
-    return rows
+    times, losses = interleaved_steps(impls, names, errors, cfg["warmup"], cfg["steps"],
+                                      lambda name: impls[name].step(batch), f"{group} tp={p}")
+    return [{"model": group, "world": p, "impl": name, "steps_s": times[name], "losses": losses[name],
+             "error": errors.get(name)} for name in names]
 
 
 def run(cfg: dict, dirs: dict) -> list[dict]:

@@ -7,7 +7,8 @@ same size run by its stage builder and ``build_schedule``, in one pool of ranks.
    whose ratio is this host's noise.
 2. The bubble of each schedule at pp 2 and 4: ``1 - T1 / (pp * Tpp)``, T1 the step of the same
    model and batch on one rank (no pipeline) and Tpp the pipelined step, every rank with one
-   intra-op thread (so one rank computes as fast as one stage's rank), next to the ideal of the
+   intra-op thread (so one rank computes as fast as one stage's rank), each Tpp run right after a
+   T1 run and the bubble the median of the pairs' (this host's speed drifts), next to the ideal of the
    planner's schedule model (``ideal_bubble``: 1F1B's ``(pp - 1) / (m + pp - 1)``, interleaved
    ``(pp - 1) / (v m + pp - 1)``, the zero-bubble schedules' with F = B = W). With more ranks
    than cores the ranks share cores, so an idle rank's bubble partly lends its core to another:
@@ -97,17 +98,22 @@ def main(argv=None) -> None:
     print(versus)
 
     bubbles, data = [], {"args": vars(args), "versus": runs, "bubble": {}}
-    with WorkerPool(1, timeout=args.timeout) as pool:
-        one = statistics.median(slowest(pool, spec(args, "transformers", 1)) for _ in range(args.reps))
     for pp in (2, 4):
-        with WorkerPool(pp, timeout=args.timeout) as pool:
+        with WorkerPool(1, timeout=args.timeout) as single, WorkerPool(pp, timeout=args.timeout) as pool:
             for schedule, (v, _) in SCHEDULES.items():
-                t = statistics.median(slowest(pool, spec(args, "transformers", pp, schedule)) for _ in range(args.reps))
-                measured, ideal = 1 - one / (pp * t), ideal_bubble(pp, args.micro, schedule)
-                data["bubble"][f"{pp}/{schedule}"] = dict(step_s=t, one_rank_s=one, measured=measured, ideal=ideal)
-                bubbles.append([pp, schedule, v, f"{t:.3f}", f"{measured:.3f}", f"{ideal:.3f}"])
+                # T1 measured right beside each Tpp, so a drift of this host's speed hits both alike
+                pairs = [(slowest(single, spec(args, "transformers", 1)),
+                          slowest(pool, spec(args, "transformers", pp, schedule))) for _ in range(args.reps)]
+                t = statistics.median(tpp for _, tpp in pairs)
+                one = statistics.median(t1 for t1, _ in pairs)
+                measured = statistics.median(1 - t1 / (pp * tpp) for t1, tpp in pairs)
+                ideal = ideal_bubble(pp, args.micro, schedule)
+                data["bubble"][f"{pp}/{schedule}"] = dict(step_s=t, one_rank_s=one, measured=measured, ideal=ideal,
+                                                          pairs=pairs)
+                bubbles.append([pp, schedule, v, f"{one:.3f}", f"{t:.3f}", f"{measured:.3f}", f"{ideal:.3f}"])
                 print(bubbles[-1], flush=True)
-    bubble = markdown_table(["pp", "schedule", "v", "step s", "bubble 1 - T1 / (pp Tpp)", "ideal"], bubbles)
+    bubble = markdown_table(["pp", "schedule", "v", "T1 s", "Tpp s", "bubble 1 - T1 / (pp Tpp), paired median",
+                             "ideal"], bubbles)
     print(bubble)
 
     loads, data["from_pretrained"] = [], []
@@ -131,7 +137,8 @@ def main(argv=None) -> None:
     note = (f"GPT-2 ({args.layers} blocks, hidden {args.hidden}, {args.heads} heads, vocabulary {args.vocab}), fp32, "
             f"batch {args.batch} x {args.seq} tokens in {args.micro} micro-batches, AdamW, dropout 0, one intra-op thread "
             f"per rank; slowest rank, "
-            f"median of {args.reps} runs of {args.steps - 1} timed steps after a warm-up. from_pretrained: GPT-2 of "
+            f"median of {args.reps} runs of {args.steps - 1} timed steps after a warm-up; a bubble is the median over the "
+            f"{args.reps} (T1, Tpp) pairs, each Tpp run right after its T1. from_pretrained: GPT-2 of "
             f"8 blocks, hidden {' and '.join(map(str, LOAD_HIDDEN))}, vocabulary 16384, cut in 2 stages: the RSS a rank "
             f"adds above its stage's bytes is about the same at both sizes (the stage's modules and the loader's "
             f"buffers), so the ratio falls as the stage grows.")

@@ -79,13 +79,14 @@ class Walk:
 
     @cached_property
     def beside_experts(self) -> list[str]:
-        """Planned modules of a MoE block (the parent of an experts module) other than its
-        router and experts, such as a shared expert's column / row pair: the block reads its
-        tokens flattened, so under Megatron sequence parallelism they cannot gather a chunk and
-        parallelize refuses them (parallel/megatron_sp.py)."""
+        """Planned layers directly in a MoE block (the parent of an experts module) other than
+        its router and experts: the block reads its tokens flattened, so under Megatron
+        sequence parallelism such a layer would read the flat chunk and parallelize refuses it
+        (parallel/megatron_sp.py). A module of its own there (a shared expert's column / row
+        pair) gets the chunk as [b, s/tp, H] and is priced as any MLP."""
         parents = {n.rpartition(".")[0] for n, _ in self.experts}
         return [n for n, (_, st, _) in self.planned.items()
-                if any(n.startswith(f"{p}.") for p in parents) and getattr(STYLES[st], "put_on_chunks", None) is None]
+                if n.rpartition(".")[0] in parents and getattr(STYLES[st], "put_on_chunks", None) is None]
 
     @cached_property
     def experts(self) -> list[tuple[str, nn.Module]]:

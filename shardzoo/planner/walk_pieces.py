@@ -80,7 +80,7 @@ def check_walk(shape, costs, b: Batch) -> None:
                       f"it reads (parallelize refuses it); plan it")
     if b.chunks > 1:
         if walk.beside_experts:
-            raise Illegal(f"{walk.beside_experts[0]} sits beside the experts of a MoE block, which reads its tokens "
+            raise Illegal(f"{walk.beside_experts[0]} sits directly in a MoE block, which reads its tokens "
                           f"flattened; under Megatron sequence parallelism (1d, tp={tp}) parallelize refuses it; "
                           f"price with sequence_parallel=False, or tp=1")
         misfits = [n for n, _ in walk.held.get("block", [])] or walk.off_chunks
