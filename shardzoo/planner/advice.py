@@ -100,13 +100,8 @@ def parallelize_lines(plan, cand, mesh: str) -> list[str]:
         extra = f", stages={counts}" + (f", virtual_stages={v}{placed}" if v > 1 else "") + extra
     lines = [mesh, build, f"model = shardzoo.parallelize(model, mesh{given}{extra}, "
                           f"checkpointing={cand.activation_checkpointing})"]
-    trained = "model"
-    if lay["dp"] * lay["sp"] > 1:
-        trained = "wrapped"
-        lines.append(f"wrapped = shardzoo.data_parallel(model, mesh, zero={cand.zero})")
-        lines.append("optimizer = shardzoo.zero_optimizer(wrapped, torch.optim.AdamW, lr=1e-4)")
-    else:
-        lines.append("optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)")
+    trained = _optimizer_lines(lines, cand, "model", f"shardzoo.data_parallel(model, mesh, zero={cand.zero})",
+                               "model.parameters()")
     call = f"{trained}(input_ids=ids, labels=ids).loss" if shape.walk.transformers else \
         f"shardzoo.lm_loss(model, {trained}(ids), ids)"
     if lay["pp"] > 1:
@@ -115,10 +110,26 @@ def parallelize_lines(plan, cand, mesh: str) -> list[str]:
                      f"schedule=\"{schedule}\")")
         call = "pipe.step(input_ids=ids, labels=ids)"
     lines.append(f"loss = {call}  # ids: this dp replica's [rows, seq] tokens, whole on every tp / sp rank")
-    if plan.problem.e == 2:
-        lines.append("with autocast(): ...  # bf16 autocast, fp32 weights (shardzoo.models.training.autocast)")
-    lines.append(torchrun_command(plan, lay["dp"] * lay["pp"] * lay["sp"] * lay["tp"]))
-    return lines
+    return lines + _launch_lines(plan, lay)
+
+
+def _optimizer_lines(lines: list[str], cand, models: str, wrap: str, params: str) -> str:
+    """Append the data_parallel line (dp x sp > 1: ``wrapped = <wrap>``) and the optimizer's;
+    return the name the step trains: ``wrapped``, or ``models`` (whose parameters: ``params``)."""
+    lay = cand.layout
+    if lay["dp"] * lay["sp"] == 1:
+        lines.append(f"optimizer = torch.optim.AdamW({params}, lr=1e-4)")
+        return models
+    lines.append(f"wrapped = {wrap}")
+    lines.append("optimizer = shardzoo.zero_optimizer(wrapped, torch.optim.AdamW, lr=1e-4)")
+    return "wrapped"
+
+
+def _launch_lines(plan, lay: dict) -> list[str]:
+    """The autocast hint (bf16) and the torchrun command of the layout."""
+    out = ["with autocast(): ...  # bf16 autocast, fp32 weights (shardzoo.models.training.autocast)"] \
+        if plan.problem.e == 2 else []
+    return out + [torchrun_command(plan, lay["dp"] * lay["pp"] * lay["sp"] * lay["tp"])]
 
 
 V_PLACED = ("zbv", "dualpipev")  # two stages per rank in a V: pp_rank and 2 pp - 1 - pp_rank
@@ -135,19 +146,13 @@ def family_chunk_lines(plan, cand, mesh: str) -> list[str]:
     lines = [mesh, f"stages = {stages}",
              f"models = [{builder.__name__}(config, mesh=mesh, stage=stage{extra}, "
              f"checkpointing={cand.activation_checkpointing}) for stage in stages]"]
-    trained = "models"
-    if lay["dp"] * lay["sp"] > 1:
-        trained = "wrapped"
-        lines.append(f"wrapped = [shardzoo.data_parallel(m, mesh, zero={cand.zero}) for m in models]")
-        lines.append("optimizer = shardzoo.zero_optimizer(wrapped, torch.optim.AdamW, lr=1e-4)")
-    else:
-        lines.append("optimizer = torch.optim.AdamW([p for m in models for p in m.parameters()], lr=1e-4)")
+    trained = _optimizer_lines(lines, cand, "models",
+                               f"[shardzoo.data_parallel(m, mesh, zero={cand.zero}) for m in models]",
+                               "[p for m in models for p in m.parameters()]")
     lines.append(f"pipe = shardzoo.pipeline({trained}, mesh, n_microbatches={cand.micro_batches}, "
                  f"schedule=\"{SCHEDULES[cand.schedule][0]}\")")
     lines.append("loss = pipe.step(input_ids=ids, labels=ids)  # ids: this dp replica's [rows, seq] tokens")
-    if plan.problem.e == 2:
-        lines.append("with autocast(): ...  # bf16 autocast, fp32 weights (shardzoo.models.training.autocast)")
-    lines.append(torchrun_command(plan, lay["dp"] * lay["pp"] * lay["sp"] * lay["tp"]))
+    lines += _launch_lines(plan, lay)
     return lines
 
 

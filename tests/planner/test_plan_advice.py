@@ -112,16 +112,22 @@ def test_explain_names_the_rule_the_request_breaks(capsys):
     assert "dp*pp*sp*tp = 4 is not the world size 8" in out
 
 
+def pool_shardzoo():
+    """shardzoo as run lines see it on a pool rank: its ParallelMesh is the pool's cached one."""
+    from shardzoo.testing import cached_mesh
+
+    return type("Shardzoo", (), {"__getattr__": lambda self, n: getattr(shardzoo, n),
+                                 "ParallelMesh": staticmethod(lambda **kw: cached_mesh(**kw))})()
+
+
 def exec_run_lines(lines: list[str], hf_dir: str):
     """On a pool rank: the run lines (but the torchrun command and the autocast hint) executed
     with ``config`` read from ``hf_dir``, then one pipeline step and the optimizer step."""
     from shardzoo.models import GPT2, GPT2Config
     from shardzoo.models.pipeline import build_schedule
-    from shardzoo.testing import cached_mesh
 
-    proxy = type("Shardzoo", (), {"__getattr__": lambda self, n: getattr(shardzoo, n),
-                                  "ParallelMesh": staticmethod(lambda **kw: cached_mesh(**kw))})()
-    ns = dict(torch=torch, shardzoo=proxy, GPT2=GPT2, build_schedule=build_schedule, config=GPT2Config.from_json(hf_dir))
+    ns = dict(torch=torch, shardzoo=pool_shardzoo(), GPT2=GPT2, build_schedule=build_schedule,
+              config=GPT2Config.from_json(hf_dir))
     for line in lines[:-1]:
         if not line.startswith("with autocast"):
             exec(line, ns)
@@ -156,13 +162,17 @@ def exec_walked_lines(lines: list[str], config: dict):
     the autocast hint) executed, which build the layout and run one pipeline step; the loss."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from shardzoo.testing import cached_mesh
-
-    proxy = type("Shardzoo", (), {"__getattr__": lambda self, n: getattr(shardzoo, n),
-                                  "ParallelMesh": staticmethod(lambda **kw: cached_mesh(**kw))})()
     torch.manual_seed(0)
-    ns = dict(torch=torch, shardzoo=proxy, AutoModelForCausalLM=AutoModelForCausalLM, config=LlamaConfig(**config))
-    ids = torch.randint(0, config["vocab_size"], (8, 16), generator=torch.Generator().manual_seed(0))
+    return exec_lines(lines, dict(AutoModelForCausalLM=AutoModelForCausalLM, config=LlamaConfig(**config)),
+                      config["vocab_size"])
+
+
+def exec_lines(lines: list[str], names: dict, vocab: int) -> float:
+    """Execute run lines (but the launch command and the autocast hint) with ``names`` and a
+    shardzoo whose ParallelMesh is the pool's cached one, ``ids`` this dp replica's rows of a
+    fixed [8, 16] batch; then the optimizer step. The step's loss."""
+    ns = dict(names, torch=torch, shardzoo=pool_shardzoo())
+    ids = torch.randint(0, vocab, (8, 16), generator=torch.Generator().manual_seed(0))
     for line in lines[:-1]:
         if line.startswith("loss = "):
             ns["ids"] = ids.chunk(ns["mesh"].dp_size)[ns["mesh"].dp_rank]
@@ -205,19 +215,8 @@ def exec_family_lines(lines: list[str], hf_dir: str):
     """On a pool rank: a family's run lines (but the launch command and the autocast hint)
     executed, then one pipeline step and the optimizer step; the step's loss."""
     from shardzoo.models import GPT2, GPT2Config
-    from shardzoo.testing import cached_mesh
 
-    proxy = type("Shardzoo", (), {"__getattr__": lambda self, n: getattr(shardzoo, n),
-                                  "ParallelMesh": staticmethod(lambda **kw: cached_mesh(**kw))})()
-    ns = dict(torch=torch, shardzoo=proxy, GPT2=GPT2, config=GPT2Config.from_json(hf_dir))
-    ids = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0))
-    for line in lines[:-1]:
-        if line.startswith("loss = "):
-            ns["ids"] = ids.chunk(ns["mesh"].dp_size)[ns["mesh"].dp_rank]
-        if not line.startswith("with autocast"):
-            exec(line, ns)
-    ns["optimizer"].step()
-    return float(ns["loss"])
+    return exec_lines(lines, dict(GPT2=GPT2, config=GPT2Config.from_json(hf_dir)), 64)
 
 
 def test_family_run_lines_of_a_v_schedule_run(tmp_path):
