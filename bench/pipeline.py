@@ -4,7 +4,8 @@ same size run by its stage builder and ``build_schedule``, in one pool of ranks.
 
 1. Step time, transformers GPT-2 / family GPT-2 at the same pp, schedule, micro-batches and
    batch: paired ratios of alternating runs, with an A/A control (the transformers model again)
-   whose ratio is this host's noise.
+   whose ratio is this host's noise; beside each, the same two models on one rank without a
+   pipeline, whose ratio is the part that is the models' own code rather than the pipeline.
 2. The bubble of each schedule at pp 2 and 4: ``1 - T1 / (pp * Tpp)``, T1 the step of the same
    model and batch on one rank (no pipeline) and Tpp the pipelined step, every rank with one
    intra-op thread (so one rank computes as fast as one stage's rank), each Tpp run right after a
@@ -80,24 +81,31 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     from _measure import pretrained_peak, run_layout
 
+    data = {"args": vars(args), "versus": None, "bubble": {}}
+
     from shardzoo.comm.workers import WorkerPool
 
     def slowest(pool, s) -> float:
         return max(r["step_s"] for r in pool.run(run_layout, s))
 
-    runs = {v: [] for v in VARIANTS}
-    with WorkerPool(2, timeout=args.timeout) as pool:
+    # the same two models on one rank, no pipeline: the part of the ratio that is the models' own code
+    runs, alone = {v: [] for v in VARIANTS}, {v: [] for v in VARIANTS}
+    with WorkerPool(1, timeout=args.timeout) as single, WorkerPool(2, timeout=args.timeout) as pool:
         for rep in range(args.reps):
             for v in VARIANTS if rep % 2 == 0 else VARIANTS[::-1]:
                 runs[v].append(slowest(pool, spec(args, v, 2)))
-                print(f"rep {rep} {v}: step {runs[v][-1]:.3f} s", flush=True)
-    family = runs[VARIANTS[0]]
-    rows = [[v, f"{statistics.median(t):.3f}", f"{statistics.median(a / b for a, b in zip(t, family)):.3f}"]
+                alone[v].append(slowest(single, spec(args, v, 1)))
+                print(f"rep {rep} {v}: step {runs[v][-1]:.3f} s, one rank {alone[v][-1]:.3f} s", flush=True)
+    family, family_alone = runs[VARIANTS[0]], alone[VARIANTS[0]]
+    rows = [[v, f"{statistics.median(t):.3f}", f"{statistics.median(a / b for a, b in zip(t, family)):.3f}",
+             f"{statistics.median(alone[v]):.3f}", f"{statistics.median(a / b for a, b in zip(alone[v], family_alone)):.3f}"]
             for v, t in runs.items()]
-    versus = markdown_table(["pp=2, 1f1b", "step s (median)", "/ family (paired)"], rows)
+    versus = markdown_table(["model", "pp=2 1f1b step s (median)", "/ family (paired)", "one rank step s (median)",
+                             "/ family (paired)"], rows)
     print(versus)
+    data.update(versus=runs, alone=alone)
 
-    bubbles, data = [], {"args": vars(args), "versus": runs, "bubble": {}}
+    bubbles = []
     for pp in (2, 4):
         with WorkerPool(1, timeout=args.timeout) as single, WorkerPool(pp, timeout=args.timeout) as pool:
             for schedule, (v, _) in SCHEDULES.items():

@@ -44,6 +44,8 @@ def pytest_configure(config):
 
     if config.getoption("--margins") and not os.environ.get(margins.ENV):
         os.environ[margins.ENV] = tempfile.mkdtemp(prefix="shardzoo-margins-")
+    elif os.environ.get(margins.ENV):  # SHARDZOO_MARGINS=DIR names a folder that may not exist yet
+        os.makedirs(os.environ[margins.ENV], exist_ok=True)
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -39,7 +39,7 @@ def _check(actual: torch.Tensor, expected: torch.Tensor, allowed: torch.Tensor, 
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str = "tensor", scale: float = 1.0,
-                 terms: int = 1, parts: int = 1, floor: float = 0.0, condition: float = 1.0) -> None:
+                 terms: int = 1, parts: int = 1, floor: float | torch.Tensor = 0.0, condition: float = 1.0) -> None:
     """|actual - expected| <= 2 x ``reorder_bound(expected, terms, parts)`` x ``scale``, element-wise.
 
     ``actual`` and ``expected`` are two evaluations of the same math in ``expected.dtype`` (say
@@ -49,7 +49,8 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str = "tens
     partial sums the parallel path adds (tp or the ranks it sums over). Without an fp64 twin the
     bound rests on ``terms`` alone; :func:`assert_close_conditioned` measures it instead.
     ``floor``: the summands' size where the tensor itself may cancel to nothing (``rms_of`` the
-    model's gradients for a gradient); ``condition``: how much the math amplifies a rounding
+    model's gradients for a gradient), a float or a tensor of its shape (each element's own);
+    ``condition``: how much the math amplifies a rounding
     (1 + max |logit| through a softmax; see ``reorder_bound``)."""
     if actual.dtype != expected.dtype:
         raise AssertionError(f"{what} differs: dtype {actual.dtype} != expected {expected.dtype}")
@@ -61,7 +62,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str = "tens
 
 def assert_close_conditioned(actual: torch.Tensor, expected: torch.Tensor, exact: torch.Tensor, what: str = "tensor",
                              scale: float = 1.0, slack: float = 1.0, terms: int = 1, parts: int = 1,
-                             gauge: torch.Tensor | None = None, floor: float = 0.0,
+                             gauge: torch.Tensor | None = None, floor: float | torch.Tensor = 0.0,
                              condition: float = 1.0, computed_in: torch.dtype | None = None) -> None:
     """|actual - exact| <= ``reorder_bound`` with the noise the serial run measures, element-wise.
 

@@ -56,7 +56,7 @@ def tail_factor(elements: int) -> float:
 
 
 def reorder_bound(reference: torch.Tensor, dtype: torch.dtype, terms: int = 1, parts: int = 1,
-                  noise: float | torch.Tensor = 0.0, floor: float = 0.0, condition: float = 1.0) -> torch.Tensor:
+                  noise: float | torch.Tensor = 0.0, floor: float | torch.Tensor = 0.0, condition: float = 1.0) -> torch.Tensor:
     """Per-element bound [same shape as ``reference``, float64] on |x - exact| for a result x
     computed in ``dtype`` by an evaluation order other than the serial one.
 
@@ -113,12 +113,16 @@ def reorder_bound(reference: torch.Tensor, dtype: torch.dtype, terms: int = 1, p
     return tail_factor(reference.numel()) * REORDER_FACTOR * sigma * scale
 
 
-def magnitude(reference: torch.Tensor, dtype: torch.dtype, floor: float = 0.0) -> torch.Tensor:
+def magnitude(reference: torch.Tensor, dtype: torch.dtype, floor: float | torch.Tensor = 0.0) -> torch.Tensor:
     """scale_i = |reference_i| + max(rms(reference), floor) [float64]: the size of the summands
-    behind each element (see reorder_bound)."""
+    behind each element (see reorder_bound). ``floor`` may be a tensor of ``reference``'s shape:
+    each element's own summands' size, where one element cancels more than the others."""
     ref = reference.detach().double()
     rms = float(ref.pow(2).mean().sqrt()) if ref.numel() else 0.0
-    return ref.abs() + max(rms, float(floor), torch.finfo(dtype).tiny)
+    least = max(rms, torch.finfo(dtype).tiny)
+    if torch.is_tensor(floor):
+        return ref.abs() + torch.clamp(floor.detach().double().expand_as(ref), min=least)
+    return ref.abs() + max(least, float(floor))
 
 
 def rms_of(tensors) -> float:
@@ -128,7 +132,7 @@ def rms_of(tensors) -> float:
     return float(torch.cat(parts).pow(2).mean().sqrt()) if parts else 0.0
 
 
-def measured_noise(serial: torch.Tensor, exact: torch.Tensor, floor: float = 0.0) -> float:
+def measured_noise(serial: torch.Tensor, exact: torch.Tensor, floor: float | torch.Tensor = 0.0) -> float:
     """rms((serial - exact) / scale) over the tensor: the serial run's own rounding noise per
     unit of the scale ``reorder_bound`` uses (``scale_i = |exact_i| + max(rms(exact), floor)``)."""
     if exact.numel() == 0:

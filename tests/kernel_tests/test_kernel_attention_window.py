@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from shardzoo.kernels import flash_attention
-from shardzoo.testing import assert_close
+from shardzoo.testing import assert_close, rms_of
 from support.sequence_attention import full_inputs, make_mask, reference_grads
 
 
@@ -19,9 +19,13 @@ def test_kernel_window_equals_sdpa(backend, window):
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
     out = flash_attention(*leaves, causal=True, key_padding_mask=mask, window=window, backend=backend)
     out.backward(dout)
+    # at window=1 a query sees one key: its dq (and that key's dk) cancels to exactly 0 in SDPA and
+    # to rounding noise of the size of the gradients' terms here, so all three gradients' rms is the floor
+    grad_floor = rms_of(expected[1:])
     for name, a, e in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in leaves)), expected):
         # the kernel against SDPA in float64: softmax sums over the 12 keys, the output over them
-        assert_close(a, e, f"{backend} window={window} {name}", terms=2 * 12 + 8)
+        assert_close(a, e, f"{backend} window={window} {name}", terms=2 * 12 + 8,
+                     floor=0.0 if name == "out" else grad_floor)
 
 
 def test_kernel_window_refuses_bad_window_and_triton():

@@ -16,7 +16,7 @@ from shardzoo.layers.tensor_layout import layout_of
 from shardzoo.layers.full_state import full_state_dict
 from shardzoo.testing import assert_close, assert_close_conditioned, run_on_ranks
 from shardzoo.testing.grid import BATCH_PARTS, DTYPES, MLPBlock, mesh_of, parallel_mlp, world_of
-from shardzoo.testing.serial_twin import check_grads_match, data_seed, perturbed, randn
+from shardzoo.testing.serial_twin import check_grads_match, data_seed, norm_floors, perturbed, randn
 
 
 # -- placements are fixed at construction: what is checked, and where -------------------------
@@ -80,8 +80,19 @@ def check_mlp_training(case):
         xe = x.detach().double().clone().requires_grad_(True)
         y_s = serial(xs)
         (y_s * g).sum().backward()
+        ln_out = []
+
+        def keep_grad(module, args, out):  # the norm output's gradient, kept for norm_floor
+            out.retain_grad()
+            ln_out.append(out)
+
+        hook = exact.ln.register_forward_hook(keep_grad)
         y_e = exact(xe)
+        hook.remove()
         (y_e * g.double()).sum().backward()
+        # the norm's input gradient cancels over a short row (hidden 2): its rounding is of the
+        # size of its terms, not of the result
+        norm_floor = norm_floors(exact.ln, xe, ln_out[0].grad)[1]
         y_p = placements.gather_activation(par(placements.shard_activation(xp, mesh)), mesh)
         (y_p * g).sum().backward()
         y_g = xg = None
@@ -95,7 +106,7 @@ def check_mlp_training(case):
         tol = dict(terms=terms, parts=mesh.tp_size)
         assert_close_conditioned(y_p.detach(), y_s.detach(), y_e.detach(), f"step {step} output", gauge=y_g, **tol)
         assert_close_conditioned(xp.grad, xs.grad, xe.grad, f"step {step} input grad",
-                                 gauge=None if xg is None else xg.grad, **tol)
+                                 gauge=None if xg is None else xg.grad, floor=norm_floor, **tol)
         check_grads_match(par, serial, mesh, f"step {step}", exact=exact, terms=terms, gauge=gauge)
         for opt in opts:
             opt.step()
