@@ -125,14 +125,14 @@ def norm_floors(norm: nn.LayerNorm, x: torch.Tensor, dy: torch.Tensor) -> tuple[
     Either may cancel to a small fraction of its terms (over a row of two, xhat is +-1 whatever the
     values and the input gradient is eps / var of its terms), so its rounding is of their size."""
     x, dy = x.detach().double(), dy.detach().double()
-    rstd = torch.rsqrt(x.var(-1, unbiased=False, keepdim=True) + norm.eps)
-    xhat = (x - x.mean(-1, keepdim=True)) * rstd
-    weight = norm.weight.detach().double() if norm.weight is not None else torch.ones((), dtype=torch.float64)
-    bias = norm.bias.detach().double().abs() if norm.bias is not None else 0.0
-    dxhat = (weight * dy).abs()
-    grad = rstd * (dxhat + dxhat.mean(-1, keepdim=True) + xhat.abs() * (dxhat * xhat.abs()).mean(-1, keepdim=True))
     mean = x.mean(-1, keepdim=True)
-    return weight.abs() * (x.abs() + mean.abs()) * rstd + bias, grad
+    rstd = torch.rsqrt(x.var(-1, unbiased=False, keepdim=True) + norm.eps)
+    xhat = ((x - mean) * rstd).abs()
+    weight = norm.weight.detach().double().abs() if norm.weight is not None else 1.0
+    bias = norm.bias.detach().double().abs() if norm.bias is not None else 0.0
+    dxhat = weight * dy.abs()
+    grad = rstd * (dxhat + dxhat.mean(-1, keepdim=True) + xhat * (dxhat * xhat).mean(-1, keepdim=True))
+    return weight * (x.abs() + mean.abs()) * rstd + bias, grad
 
 
 def _twin_run(serial: nn.Module, x_full: torch.Tensor, g: torch.Tensor, dtype: torch.dtype):
